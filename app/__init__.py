@@ -1,0 +1,1 @@
+"""The ragcache application: command line (`ragcache ...`) built on the SDK."""

@@ -1,0 +1,68 @@
+"""`ragcache` command line: subcommands named after what users do.
+
+Each command group lives in its own module under app/ and exposes ``register(subparsers)``;
+this file only assembles them. Errors that users can fix print one line saying what to do and
+exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: modules under app/ that add subcommands, in --help order
+COMMAND_MODULES = ["app.setup_cmd", "app.ingest_cmd", "app.ask_cmd", "app.cache_cmd", "app.bench_cmd"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ragcache",
+        description="RAG with a tiered chunk KV cache and CacheBlend on embedded vLLM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--settings", default=None, help="settings TOML file (default: ./settings.toml)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue  # command group not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ragcache.config import ConfigError
+    from ragcache.models import ModelNotFoundError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ModelNotFoundError) as exc:
+        print(f"ragcache: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ragcache: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

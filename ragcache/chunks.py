@@ -1,0 +1,78 @@
+"""Chunks and their content-addressed keys.
+
+Owns: :class:`Chunk` (a piece of a document with its exact LLM token ids) and :class:`ChunkKey`
+(the key its KV cache is stored under). Imports nothing from the rest of ragcache.
+
+Two identities, on purpose:
+
+- ``chunk_id`` names the *text*: sha256 of the chunk's text, so the same passage always gets the
+  same id whichever file or ingest run it comes from (used by the index and for stable ordering).
+- ``ChunkKey`` names the *KV cache*: sha256 over (model fingerprint, KV layout version, token ids
+  [, namespace]). The KV of the same text differs per model and per layout (canonical lead-in,
+  canonical start position, pre-RoPE K), so each of those is part of the key; an entry written for
+  another model or layout is simply never looked up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+#: Bump when the way chunk KV is computed or laid out changes (lead-in, start position, RoPE).
+KV_LAYOUT_VERSION = 1
+
+
+def chunk_id_for(text: str) -> str:
+    """Content id of a chunk's text: first 16 hex chars of sha256(utf-8 text)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A document chunk with fixed LLM token ids.
+
+    Attributes:
+        chunk_id: content id of ``text`` (see :func:`chunk_id_for`).
+        doc_id: id of the source document (its path, or a passage hash for QA sets).
+        title: document title, may be empty.
+        position: 0-based index of the chunk in its document.
+        text: the chunk's text.
+        token_ids: the chunk's LLM token ids, fixed once at ingest (no BOS).
+    """
+
+    chunk_id: str
+    doc_id: str
+    title: str
+    position: int
+    text: str
+    token_ids: tuple[int, ...] = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Key of one chunk's KV cache entry in the tiered store.
+
+    Attributes:
+        digest: 32 hex chars of sha256(model fingerprint, layout version, token ids, namespace).
+    """
+
+    digest: str
+
+    @classmethod
+    def of(
+        cls, token_ids: Sequence[int], model_fingerprint: str, namespace: str = "",
+        layout_version: int = KV_LAYOUT_VERSION,
+    ) -> "ChunkKey":
+        """Key for ``token_ids`` computed by the model with ``model_fingerprint``."""
+        h = hashlib.sha256()
+        h.update(f"ragcache-kv|{model_fingerprint}|v{layout_version}|{namespace}|".encode())
+        h.update(b",".join(str(t).encode() for t in token_ids))
+        return cls(h.hexdigest()[:32])
+
+    def __str__(self) -> str:
+        return self.digest
