@@ -1,0 +1,42 @@
+"""ragcache.kvstore: the tiered store of chunk KV caches (device -> cpu -> disk -> remote).
+
+Owns: storing, finding, promoting, evicting and checking per-chunk KV entries (pre-RoPE K and V,
+``[num_layers, num_tokens, num_kv_heads, head_dim]``) under their content-addressed keys
+(``str(ragcache.chunks.ChunkKey)``). Engine-agnostic: torch tensors in, torch tensors out. Must not
+import vLLM, nor anything above it in ragcache (engine, pipeline, app).
+
+    from ragcache.kvstore import KVSpec, TieredStore
+    spec = KVSpec(model_fingerprint=fp, layout_version=KV_LAYOUT_VERSION, num_layers=30,
+                  num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    store = TieredStore.from_settings(settings.store, spec=spec, device=torch.device("cpu"))
+    store.put(key, k, v, start_position=lead_in_len)
+    hit = store.get(key)                      # (KVEntry, tier name) or None
+    with store.open(key) as handle:           # per-layer loading (None on a miss)
+        k0, v0 = handle.layer(0)
+
+Modules: ``entry`` (KVSpec, KVMeta, KVEntry, errors), ``format`` (safetensors layout, checksums),
+``tier`` (the Tier protocol), ``memory``/``cpu``/``device``/``disk``/``remote`` (one per medium),
+``policy`` (LRU/LFU bookkeeping), ``store`` (TieredStore: the policy and statistics).
+"""
+
+from ragcache.kvstore.cpu import CpuTier
+from ragcache.kvstore.device import DeviceTier
+from ragcache.kvstore.disk import DiskTier
+from ragcache.kvstore.entry import (
+    CorruptEntryError,
+    ForeignEntryError,
+    KVEntry,
+    KVMeta,
+    KVSpec,
+    TierError,
+    TierUnavailableError,
+)
+from ragcache.kvstore.remote import RedisTier
+from ragcache.kvstore.store import GB, KVHandle, TieredStore
+from ragcache.kvstore.tier import Tier, TierUsage
+
+__all__ = [
+    "KVSpec", "KVEntry", "KVMeta", "TieredStore", "KVHandle", "CorruptEntryError", "ForeignEntryError",
+    "TierError", "TierUnavailableError", "Tier", "TierUsage", "CpuTier", "DeviceTier", "DiskTier",
+    "RedisTier", "GB",
+]

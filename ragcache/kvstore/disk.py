@@ -1,0 +1,212 @@
+"""The ``disk`` tier: one safetensors file per entry in a folder on local SSD.
+
+Owns: :class:`DiskTier` (file naming, atomic writes, scanning the folder at start). Capacity
+(``ssd_cache_max_gb``), eviction order and promotion are the store's. Must not import vLLM.
+
+Several processes may share the folder:
+
+- writes go to a unique temporary name in the same folder and are renamed into place with
+  ``os.replace`` (atomic): a reader sees the old file, the new one, or none; never a partial one;
+- a reader keeps the inode it opened, so a concurrent replace or delete cannot tear its read;
+  a file that vanished before it was opened is a miss;
+- a hit sets the file's mtime, so the recency order survives restarts and is shared between
+  processes (the store rebuilds its LRU order from mtimes at start).
+
+Files are not fsynced: after a power loss a file may be truncated, which the header/size and
+checksum checks catch (the entry is then deleted and recomputed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import quote, unquote
+
+from ragcache.kvstore.entry import KVMeta, StoredKV
+from ragcache.kvstore.format import FileEntryReader, byte_view, encode_header
+from ragcache.kvstore.tier import TierUsage
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+_TMP_SUFFIX = ".tmp"
+_STALE_TMP_SEC = 3600.0  # temporary files older than this are leftovers of a crashed writer
+
+
+@dataclass(frozen=True)
+class DiskFile:
+    """One entry file found by :meth:`DiskTier.scan`.
+
+    Attributes:
+        key: entry key.
+        size: file size in bytes.
+        mtime: last access/modification time (seconds since the epoch).
+    """
+
+    key: str
+    size: int
+    mtime: float
+
+
+class DiskTier:
+    """Entries as ``<quoted key>.safetensors`` files in ``root``.
+
+    Args:
+        root: the folder (created when missing).
+
+    Raises:
+        OSError: ``root`` cannot be created.
+    """
+
+    name = "disk"
+    memory = False
+
+    def __init__(self, root: os.PathLike | str) -> None:
+        self.root = Path(root).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_tmp()
+
+    def path(self, key: str) -> Path:
+        """File of ``key`` (``/`` and ``:`` are percent-encoded)."""
+        return self.root / (quote(key, safe="._-@+=") + SUFFIX)
+
+    @staticmethod
+    def _key_of(filename: str) -> str | None:
+        if filename.startswith(".") or not filename.endswith(SUFFIX):
+            return None
+        return unquote(filename[: -len(SUFFIX)])
+
+    def _remove_stale_tmp(self) -> None:
+        now = time.time()
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return
+        for e in entries:
+            if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX):
+                try:
+                    if now - e.stat().st_mtime > _STALE_TMP_SEC:
+                        os.unlink(e.path)
+                except OSError:
+                    pass
+
+    def scan(self) -> list[DiskFile]:
+        """Every entry file with its size and mtime, oldest first (the LRU order at start)."""
+        found = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for e in entries:
+            key = self._key_of(e.name)
+            if key is None:
+                continue
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue  # deleted by another process meanwhile
+            found.append(DiskFile(key, st.st_size, st.st_mtime))
+        found.sort(key=lambda f: f.mtime)
+        return found
+
+    def contains(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def head(self, key: str) -> KVMeta | None:
+        reader = self.open(key)
+        if reader is None:
+            return None
+        reader.close()
+        return reader.meta
+
+    def open(self, key: str) -> FileEntryReader | None:
+        """Reader over the file (header validated); None when the file does not exist.
+
+        Raises:
+            CorruptEntryError: bad header or wrong size (truncated).
+            ForeignEntryError: a safetensors file that is not a ragcache KV entry.
+            OSError: the file exists but cannot be read.
+        """
+        try:
+            return FileEntryReader(self.path(key), key)
+        except FileNotFoundError:
+            return None
+
+    def get(self, key: str) -> StoredKV | None:
+        reader = self.open(key)
+        if reader is None:
+            return None
+        try:
+            return StoredKV(key, reader.meta, reader.read_all())
+        finally:
+            reader.close()
+
+    def put(self, item: StoredKV) -> int:
+        """Write ``item`` to a temporary file and rename it into place; return the file size.
+
+        Raises:
+            OSError: the write failed (e.g. errno ENOSPC); no partial file is left behind.
+        """
+        final = self.path(item.key)
+        tmp = self.root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
+        kv = item.kv.detach().cpu().contiguous()
+        header = encode_header(item.key, item.meta)
+        try:
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # folder removed under us (e.g. `cache clear` by hand)
+                self.root.mkdir(parents=True, exist_ok=True)
+                f = open(tmp, "wb")
+            with f:
+                f.write(header)
+                f.write(memoryview(byte_view(kv)))
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return len(header) + item.nbytes
+
+    def delete(self, key: str) -> bool:
+        try:
+            os.unlink(self.path(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def keys(self) -> Iterator[str]:
+        return iter([f.key for f in self.scan()])
+
+    def clear(self) -> None:
+        """Delete every entry file and stale temporary file (other files and writes in flight are left)."""
+        self._remove_stale_tmp()
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            if self._key_of(e.name) is not None:
+                try:
+                    os.unlink(e.path)
+                except FileNotFoundError:
+                    pass
+
+    def usage(self) -> TierUsage:
+        files = self.scan()
+        return TierUsage(len(files), sum(f.size for f in files))
+
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self.path(key))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,148 @@
+"""The ``remote`` tier: KV entries shared through Redis (redis-py), e.g. by several hosts.
+
+Owns: :class:`RedisTier`. Each entry is one Redis string holding the same safetensors bytes as
+the disk tier's file, under ``<prefix><key>``. ``SET`` is atomic, so concurrent writers of one
+key leave one complete value. There is no capacity setting for this tier: size Redis itself
+(``maxmemory`` with ``maxmemory-policy allkeys-lru``). Must not import vLLM.
+
+Failures: connection errors and timeouts raise
+:class:`~ragcache.kvstore.entry.TierUnavailableError` (the store then marks the tier down and
+retries after a back-off); other Redis errors (e.g. OOM on write) raise
+:class:`~ragcache.kvstore.entry.TierError`. redis-py's own retries are turned off so that a dead
+server costs one quick failure, not seconds of retrying.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ragcache.kvstore.entry import KVMeta, StoredKV, TierError, TierUnavailableError
+from ragcache.kvstore.format import BytesEntryReader, encode, header_length, parse_header
+from ragcache.kvstore.tier import TierUsage
+
+T = TypeVar("T")
+DEFAULT_PREFIX = "ragcache:kv:"
+_HEAD_GUESS = 16 * 1024  # bytes fetched to read a header (30-layer headers are ~5 KB)
+
+
+class RedisTier:
+    """Entries as Redis strings.
+
+    Args:
+        url: ``redis://host:port/db``, ``rediss://...`` or ``unix:///path``.
+        prefix: prepended to every key; ``clear`` only removes keys with this prefix.
+        connect_timeout: seconds to wait for a connection.
+        timeout: seconds to wait for a reply (per socket operation).
+
+    Construction does not connect; the first command does.
+    """
+
+    name = "remote"
+    memory = False
+
+    def __init__(
+        self, url: str, prefix: str = DEFAULT_PREFIX, connect_timeout: float = 1.0, timeout: float = 10.0
+    ) -> None:
+        self.url = url
+        self.prefix = prefix
+        self._r = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=timeout,
+            socket_read_size=1 << 20,  # large values: fewer, bigger reads (pure-Python parser)
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            raise TierUnavailableError(f"Redis at {self.url} unreachable: {exc}") from exc
+        except redis.RedisError as exc:
+            raise TierError(f"Redis at {self.url}: {exc}") from exc
+
+    def ping(self) -> bool:
+        """True when the server answers.
+
+        Raises:
+            TierUnavailableError: it does not.
+        """
+        return bool(self._call(self._r.ping))
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call(lambda: self._r.exists(self._k(key))))
+
+    def head(self, key: str) -> KVMeta | None:
+        """Metadata via ``GETRANGE`` of the header only (one round trip for usual headers)."""
+        k = self._k(key)
+        raw = self._call(lambda: self._r.getrange(k, 0, _HEAD_GUESS - 1))
+        if not raw:
+            return None
+        end = header_length(raw, key)
+        if end > len(raw):
+            raw += self._call(lambda: self._r.getrange(k, len(raw), end - 1))
+        meta, _ = parse_header(raw, key, None)
+        return meta
+
+    def open(self, key: str) -> BytesEntryReader | None:
+        """Fetches the whole value in one ``GET`` (consistent even if another writer replaces it)."""
+        data = self._call(lambda: self._r.get(self._k(key)))
+        if data is None:
+            return None
+        return BytesEntryReader(data, key)
+
+    def get(self, key: str) -> StoredKV | None:
+        reader = self.open(key)
+        if reader is None:
+            return None
+        return StoredKV(key, reader.meta, reader.read_all())
+
+    def put(self, item: StoredKV) -> int:
+        data = encode(item.key, item.meta, item.kv.detach().cpu().contiguous())
+        self._call(lambda: self._r.set(self._k(item.key), data))
+        return len(data)
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(lambda: self._r.delete(self._k(key))))
+
+    def _scan(self) -> list[bytes]:
+        return self._call(lambda: list(self._r.scan_iter(match=self.prefix + "*", count=1000)))
+
+    def keys(self) -> Iterator[str]:
+        n = len(self.prefix)
+        return iter([k.decode()[n:] for k in self._scan()])
+
+    def clear(self) -> None:
+        names = self._scan()
+        for i in range(0, len(names), 500):
+            batch = names[i:i + 500]
+            self._call(lambda: self._r.unlink(*batch))
+
+    def usage(self) -> TierUsage:
+        names = self._scan()
+
+        def sizes() -> list[int]:
+            pipe = self._r.pipeline(transaction=False)
+            for name in names:
+                pipe.strlen(name)
+            return pipe.execute()
+
+        return TierUsage(len(names), sum(self._call(sizes)) if names else 0)
+
+    def touch(self, key: str) -> None:
+        pass
+
+    def close(self) -> None:
+        try:
+            self._r.close()
+        except Exception:
+            pass

@@ -1,0 +1,75 @@
+"""`ragcache cache stats|clear|verify` on a store in a temporary folder (no ~/.cache, no Redis)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from app.cli import main
+from ragcache.kvstore import DiskTier, KVSpec, TieredStore
+from ragcache.models import folder_fingerprint
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A fake HF model folder (config.json only), a settings file pointing at it, two models' entries."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32}))
+    kv_dir = tmp_path / "kv"
+    settings = tmp_path / "settings.toml"
+    settings.write_text(
+        f'[models]\nmodel = "{model}"\ncache_dir = "{tmp_path / "models"}"\n'
+        f'[store]\nssd_cache_dir = "{kv_dir}"\nremote_url = ""\nssd_cache_max_gb = 1.0\n'
+    )
+    spec = KVSpec.from_hf_config(model, folder_fingerprint(model))
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 8)
+    other = KVSpec("someothermodel00", 1, 2, 2, 8)
+    for s, keys in ((spec, ("a", "b", "c")), (other, ("x",))):
+        store = TieredStore(s, [(DiskTier(kv_dir), 10**9)])
+        for key in keys:
+            store.put(key, torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8), 0)
+    return settings, DiskTier(kv_dir)
+
+
+def test_cache_stats_json_reports_disk_occupancy_and_capacity(setup, capsys):
+    settings, disk = setup
+    assert main(["--settings", str(settings), "cache", "stats", "--index", "docs", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["index"] == "docs" and list(out["tiers"]) == ["cpu", "disk"]
+    assert out["tiers"]["disk"]["entries"] == 4 and out["tiers"]["disk"]["capacity_bytes"] == 10**9
+    assert out["tiers"]["disk"]["occupancy_bytes"] == sum(f.size for f in disk.scan())
+
+
+def test_cache_stats_table(setup, capsys):
+    settings, _ = setup
+    assert main(["--settings", str(settings), "cache", "stats"]) == 0
+    out = capsys.readouterr().out
+    assert "disk" in out and "1.0 GB" in out
+
+
+def test_cache_verify_removes_corrupt_entries_and_keeps_other_models(setup, capsys):
+    settings, disk = setup
+    with open(disk.path("b"), "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x00\x00\x00\x01")
+    assert main(["--settings", str(settings), "cache", "verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["tiers"]["disk"]
+    assert (report["checked"], report["ok"], report["foreign"], report["corrupt"]) == (4, 2, 1, 1)
+    assert report["removed"] == ["b"] and sorted(disk.keys()) == ["a", "c", "x"]
+
+
+def test_cache_clear_empties_the_disk_folder(setup, capsys):
+    settings, disk = setup
+    assert main(["--settings", str(settings), "cache", "clear"]) == 0
+    assert "disk: removed 4 entries" in capsys.readouterr().out
+    assert list(disk.keys()) == []
+
+
+def test_cache_without_action_prints_help(capsys):
+    assert main(["cache"]) == 2
+    assert "stats" in capsys.readouterr().out

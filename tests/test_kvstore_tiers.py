@@ -1,0 +1,271 @@
+"""ragcache.kvstore tiers and entry format: round trips, per-layer reads, damaged and foreign entries."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+
+from ragcache.kvstore import (
+    CorruptEntryError,
+    CpuTier,
+    DeviceTier,
+    DiskTier,
+    KVSpec,
+    TieredStore,
+)
+from ragcache.kvstore.format import FileEntryReader
+
+SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
+              head_dim=8, dtype=torch.float32)
+
+
+def make_kv(tokens: int = 6, seed: int = 0, spec: KVSpec = SPEC) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (spec.num_layers, tokens, spec.num_kv_heads, spec.head_dim)
+    return torch.randn(shape, generator=g).to(spec.dtype), torch.randn(shape, generator=g).to(spec.dtype)
+
+
+def disk_store(path, spec: KVSpec = SPEC, **kw) -> TieredStore:
+    return TieredStore(spec, [(DiskTier(path), 10**9)], **kw)
+
+
+@pytest.mark.parametrize("tier_factory", [
+    lambda tmp: CpuTier(),
+    lambda tmp: DeviceTier("cpu"),
+    lambda tmp: DiskTier(tmp / "kv"),
+], ids=["cpu", "device", "disk"])
+def test_round_trip_returns_exactly_the_stored_tensors(tmp_path, tier_factory):
+    tier = tier_factory(tmp_path)
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    k, v = make_kv(tokens=7)
+    store.put("chunk-a", k, v, start_position=11)
+    entry, served_by = store.get("chunk-a")
+    assert served_by == tier.name
+    assert torch.equal(entry.k, k) and torch.equal(entry.v, v)
+    assert entry.k.dtype == torch.float32 and entry.k.device.type == "cpu"
+    assert entry.meta.start_position == 11 and entry.meta.num_tokens == 7
+    assert entry.meta.model_fingerprint == SPEC.model_fingerprint and entry.meta.dtype == "float32"
+    assert len(entry.meta.checksums) == 2 * SPEC.num_layers
+    assert store.contains("chunk-a") == tier.name
+    assert store.get("chunk-b") is None
+
+
+def test_returned_tensors_are_copies_so_in_place_rope_cannot_damage_the_cache(tmp_path):
+    store = TieredStore(SPEC, [(CpuTier(), 10**9)])
+    k, v = make_kv()
+    store.put("a", k, v, 0)
+    entry, _ = store.get("a")
+    entry.k.zero_()
+    with store.open("a") as h:
+        k0, _ = h.layer(0)
+        k0.zero_()
+    again, _ = store.get("a")
+    assert torch.equal(again.k, k)
+
+
+def test_open_reads_single_layers_in_any_order(tmp_path):
+    store = disk_store(tmp_path / "kv")
+    k, v = make_kv(tokens=5)
+    store.put("a", k, v, 3)
+    handle = store.open("a")
+    assert handle.tier == "disk" and handle.meta.num_tokens == 5
+    for i in (2, 0, 3, 1):
+        ki, vi = handle.layer(i)
+        assert ki.shape == (5, SPEC.num_kv_heads, SPEC.head_dim)
+        assert torch.equal(ki, k[i]) and torch.equal(vi, v[i])
+    handle.close()
+    handle.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        handle.layer(0)
+    assert store.open("missing") is None
+
+
+def test_disk_file_is_plain_safetensors_with_one_tensor_per_layer(tmp_path):
+    from safetensors import safe_open
+
+    tier = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    k, v = make_kv()
+    store.put("ns/a:b", k, v, 9)
+    with safe_open(str(tier.path("ns/a:b")), framework="pt") as f:
+        assert sorted(f.keys()) == sorted([f"{n}.{i}" for i in range(4) for n in "kv"])
+        assert torch.equal(f.get_tensor("k.2"), k[2]) and torch.equal(f.get_tensor("v.3"), v[3])
+        md = f.metadata()
+    assert md["model_fingerprint"] == SPEC.model_fingerprint and md["start_position"] == "9"
+    assert list(tier.keys()) == ["ns/a:b"]
+
+
+def test_disk_write_leaves_no_temporary_files(tmp_path):
+    store = disk_store(tmp_path / "kv")
+    for i in range(3):
+        store.put(f"k{i}", *make_kv(seed=i), 0)
+    assert sorted(os.listdir(tmp_path / "kv")) == [f"k{i}.safetensors" for i in range(3)]
+
+
+@pytest.mark.parametrize("kv_dtype, dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_16_bit_storage_round_trips_to_the_models_dtype(tmp_path, kv_dtype, dtype):
+    k, v = make_kv()
+    for tier in (CpuTier(), DiskTier(tmp_path / kv_dtype)):
+        store = TieredStore(SPEC, [(tier, 10**9)], kv_dtype=kv_dtype)
+        store.put("a", k, v, 0)
+        entry, _ = store.get("a")
+        assert entry.meta.dtype == kv_dtype and entry.k.dtype == torch.float32
+        assert torch.equal(entry.k, k.to(dtype).to(torch.float32))
+        assert torch.equal(entry.v, v.to(dtype).to(torch.float32))
+        with store.open("a") as h:
+            assert torch.equal(h.layer(1)[1], v[1].to(dtype).float())
+    # half the bytes of float32 on disk
+    assert store.stats()["disk"]["bytes_written"] < k.numel() * 2 * 2 + 8192
+
+
+def test_half_precision_model_dtype_is_stored_as_is(tmp_path):
+    spec = KVSpec("fp16model", 1, 2, 1, 4, dtype=torch.float16)
+    store = disk_store(tmp_path / "kv", spec=spec)
+    k, v = make_kv(spec=spec)
+    store.put("a", k, v, 0)
+    entry, _ = store.get("a")
+    assert entry.meta.dtype == "float16" and torch.equal(entry.k, k) and entry.k.dtype == torch.float16
+
+
+def _data_start(path) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def test_flipped_bytes_in_the_data_area_are_detected_deleted_and_counted_as_a_miss(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    store.put("a", *make_kv(), 0)
+    path = tier.path("a")
+    offset = _data_start(path) + 100
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert store.get("a") is None
+    stats = store.stats()["disk"]
+    assert stats["corrupt"] == 1 and stats["misses"] == 1 and stats["hits"] == 0
+    assert not path.exists()
+
+
+def test_corruption_in_a_late_layer_fails_that_layer_of_a_handle(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    k, v = make_kv()
+    store.put("a", k, v, 0)
+    path = tier.path("a")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 3)
+        f.write(b"\x00\x01\x02")
+    handle = store.open("a")
+    assert torch.equal(handle.layer(0)[0], k[0])
+    with pytest.raises(CorruptEntryError):
+        handle.layer(SPEC.num_layers - 1)
+    assert not path.exists() and store.stats()["disk"]["corrupt"] == 1
+    handle.close()
+
+
+@pytest.mark.parametrize("cut", ["data", "header", "empty"])
+def test_truncated_file_is_detected_deleted_and_counted_as_a_miss(tmp_path, cut):
+    tier = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    store.put("a", *make_kv(), 0)
+    path = tier.path("a")
+    size = {"data": os.path.getsize(path) - 10, "header": 40, "empty": 0}[cut]
+    os.truncate(path, size)
+    assert store.contains("a") is None
+    assert store.get("a") is None
+    assert store.stats()["disk"]["corrupt"] >= 1
+    assert not path.exists()
+
+
+def test_garbage_file_under_a_key_is_a_counted_miss(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    tier.path("a").write_bytes(struct.pack("<Q", 10) + b"not json!!" + b"x" * 50)
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    assert store.open("a") is None
+    assert store.stats()["disk"]["corrupt"] == 1 and not tier.path("a").exists()
+
+
+def test_file_renamed_to_another_key_is_not_returned(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    store.put("a", *make_kv(), 0)
+    os.replace(tier.path("a"), tier.path("b"))
+    assert store.get("b") is None and store.stats()["disk"]["corrupt"] == 1
+
+
+@pytest.mark.parametrize("other", [
+    dict(model_fingerprint="0000000000000000"),
+    dict(layout_version=2),
+    dict(num_kv_heads=4),
+])
+def test_entry_of_another_model_or_layout_is_not_returned_and_left_alone(tmp_path, other):
+    folder = tmp_path / "kv"
+    fields = dict(model_fingerprint=SPEC.model_fingerprint, layout_version=1, num_layers=4,
+                  num_kv_heads=2, head_dim=8, dtype=torch.float32) | other
+    foreign_spec = KVSpec(**fields)
+    disk_store(folder, spec=foreign_spec).put("a", *make_kv(spec=foreign_spec), 0)
+    store = disk_store(folder)
+    assert store.get("a") is None
+    assert store.open("a") is None
+    assert store.contains("a") is None
+    stats = store.stats()["disk"]
+    assert stats["foreign"] == 2 and stats["corrupt"] == 0 and stats["misses"] == 2
+    assert DiskTier(folder).path("a").exists()
+    report = store.verify()["disk"]
+    assert report["foreign"] == 1 and report["corrupt"] == 0 and DiskTier(folder).path("a").exists()
+
+
+def test_safetensors_file_not_written_by_ragcache_is_foreign_and_left_alone(tmp_path):
+    from safetensors.torch import save_file
+
+    tier = DiskTier(tmp_path / "kv")
+    save_file({"w": torch.zeros(3)}, str(tier.path("a")))
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    assert store.get("a") is None
+    assert store.stats()["disk"]["foreign"] == 1 and tier.path("a").exists()
+
+
+def test_file_vanishing_is_a_plain_miss(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    store.put("a", *make_kv(), 0)
+    handle_reader = FileEntryReader(tier.path("a"), "a")
+    os.unlink(tier.path("a"))
+    assert store.get("a") is None and store.stats()["disk"]["corrupt"] == 0
+    assert handle_reader.read_all().shape == (4, 2, 6, 2, 8)  # an open reader keeps its inode
+    handle_reader.close()
+
+
+def test_put_rejects_wrong_shapes_and_bad_keys(tmp_path):
+    store = TieredStore(SPEC, [(CpuTier(), 10**9)])
+    k, v = make_kv()
+    with pytest.raises(ValueError):
+        store.put("a", k[:, :, :1], v[:, :, :1], 0)
+    with pytest.raises(ValueError):
+        store.put("a", k, v[:, :3], 0)
+    with pytest.raises(ValueError):
+        store.put("../etc/passwd", k, v, 0)
+    with pytest.raises(ValueError):
+        store.put("a", k, v, -1)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_iter_layers_yields_every_layer_in_order_and_then_promotes(tmp_path, prefetch):
+    store = TieredStore(SPEC, [(CpuTier(), 1), (DiskTier(tmp_path / "kv"), 10**9)])
+    k, v = make_kv()
+    store.put("a", k, v, 0)  # too big for the 1-byte cpu tier: disk only
+    with store.open("a") as h:
+        layers = list(h.iter_layers(prefetch=prefetch))
+    assert len(layers) == SPEC.num_layers
+    assert all(torch.equal(kl, k[i]) and torch.equal(vl, v[i]) for i, (kl, vl) in enumerate(layers))
+    big = TieredStore(SPEC, [(CpuTier(), 10**9), (DiskTier(tmp_path / "kv"), 10**9)])
+    with big.open("a") as h:
+        for _ in h.iter_layers(prefetch=prefetch):
+            pass
+    assert big.contains("a") == "cpu"
