@@ -64,6 +64,9 @@ class EngineSettings(_Section):
         "auto", description="model dtype; auto = float32 on CPU, bfloat16 on GPU"
     )
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (start-up minutes on CPU)")
+    in_process: bool = Field(
+        True, description="run vLLM's engine core in this process (start-up ~6 s vs ~30 s multi-process on CPU)"
+    )
     mode: Mode = Field("blend", description="default query mode: full, prefix, reuse or blend")
     max_tokens: int = Field(64, ge=1, description="tokens to decode per answer")
 

@@ -1,0 +1,148 @@
+"""Token-level prompt assembly: ``[head][chunk 1]...[chunk k][question + tail]`` with recorded spans.
+
+Owns: the prompt template (system prompt, chunk framing, question) and the KV keys of the cached
+segments. Imports only ragcache.chunks and ragcache.config (no vLLM), so the same prompt is built
+for every mode and the pieces can be tested with a plain tokenizer.
+
+The prompt is the model's chat template rendered around a placeholder and split there::
+
+    head = <system prompt> <user turn opening> "Documents:\\n"       (the canonical lead-in)
+    unit_i = chunk_i.token_ids + separator ids                       (one cached KV entry each)
+    tail = "Question: <q>" <end of user turn> <assistant turn opening>
+
+Token ids are concatenated, never re-tokenized, so a chunk's tokens are identical in every prompt
+and its KV can be reused. The head is itself a cached segment at position 0 (exact), and every
+chunk's KV is precomputed right after the head, i.e. at canonical start position ``len(head)``:
+the first chunk of any prompt therefore sits exactly where its KV was computed, and the KV of
+every chunk saw the same lead-in. The key of a unit hashes (model fingerprint, layout version,
+unit token ids, lead-in hash), so changing the system prompt or model changes every key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ragcache.chunks import Chunk, ChunkKey
+from ragcache.config import PromptSettings
+
+_CTX = "\u2063RAGCACHE_CONTEXT\u2063"
+_QUESTION = "\u2063RAGCACHE_QUESTION\u2063"
+
+
+class PromptTooLongError(ValueError):
+    """The assembled prompt does not fit the model's context (max_model_len)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One cached span of the context.
+
+    Attributes:
+        key: KV store key (ChunkKey digest) of this span's KV entry.
+        start: position of the first token in the prompt.
+        length: number of tokens.
+        chunk_id: the chunk's content id; None for the head (lead-in).
+    """
+
+    key: str
+    start: int
+    length: int
+    chunk_id: str | None
+
+
+@dataclass(frozen=True)
+class AssembledPrompt:
+    """A prompt as token ids with the cached context spans recorded.
+
+    Attributes:
+        token_ids: the whole prompt, head + units + tail.
+        segments: contiguous spans covering ``[0, ctx_len)``; segments[0] is the head.
+        ctx_len: tokens served from cached KV (reuse/blend); the rest (the tail) is prefilled.
+        lead_in_len: tokens of the head; chunk KV is computed after exactly these tokens.
+    """
+
+    token_ids: list[int]
+    segments: list[Segment]
+    ctx_len: int
+    lead_in_len: int
+
+    def transfer_params(self) -> dict[str, Any]:
+        """Plain-data description for the KV connector (kv_transfer_params)."""
+        return {
+            "ctx_len": self.ctx_len,
+            "lead_in_len": self.lead_in_len,
+            "segments": [[s.key, s.start, s.length] for s in self.segments],
+        }
+
+
+class PromptBuilder:
+    """Builds :class:`AssembledPrompt` objects for one tokenizer, template and model.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template (or none: a plain fallback is used).
+        settings: the ``[prompt]`` settings.
+        model_fingerprint: from :func:`ragcache.models.resolve_llm`; part of every key.
+    """
+
+    def __init__(self, tokenizer: Any, settings: PromptSettings, model_fingerprint: str):
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.model_fingerprint = model_fingerprint
+        head_text, self._tail_template = self._split_template()
+        self.head_ids: list[int] = self._encode(head_text)
+        self.separator_ids: list[int] = self._encode(settings.chunk_separator)
+        self.namespace = hashlib.sha256(
+            ("lead-in:" + ",".join(map(str, self.head_ids))).encode()
+        ).hexdigest()[:16]
+        self.head_key = ChunkKey.of(self.head_ids, model_fingerprint, namespace="head").digest
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _split_template(self) -> tuple[str, str]:
+        user = f"Documents:\n{_CTX}Question: {_QUESTION}"
+        messages = [{"role": "system", "content": self.settings.system_prompt},
+                    {"role": "user", "content": user}]
+        if getattr(self.tokenizer, "chat_template", None):
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            rendered = f"{self.settings.system_prompt}\n\n{user}\nAnswer:"
+        head, rest = rendered.split(_CTX)
+        return head, rest
+
+    def unit_ids(self, chunk: Chunk) -> list[int]:
+        """Token ids of a chunk's cached unit: its token ids followed by the separator."""
+        return list(chunk.token_ids) + self.separator_ids
+
+    def key(self, chunk: Chunk) -> str:
+        """KV store key of a chunk's unit under this model and lead-in."""
+        return ChunkKey.of(self.unit_ids(chunk), self.model_fingerprint, namespace=self.namespace).digest
+
+    def tail_ids(self, question: str) -> list[int]:
+        return self._encode(self._tail_template.replace(_QUESTION, question.strip()))
+
+    def build(self, question: str, chunks: Sequence[Chunk], max_len: int | None = None) -> AssembledPrompt:
+        """Assemble the prompt for ``question`` over ``chunks`` (already in stable order).
+
+        Raises:
+            ValueError: empty question.
+            PromptTooLongError: more than ``max_len`` tokens (retrieve fewer chunks or shorten the question).
+        """
+        if not question or not question.strip():
+            raise ValueError("the question is empty; ask something")
+        ids = list(self.head_ids)
+        segments = [Segment(self.head_key, 0, len(ids), None)]
+        for chunk in chunks:
+            unit = self.unit_ids(chunk)
+            segments.append(Segment(self.key(chunk), len(ids), len(unit), chunk.chunk_id))
+            ids.extend(unit)
+        ctx_len = len(ids)
+        ids.extend(self.tail_ids(question))
+        if max_len is not None and len(ids) + 1 > max_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but the model's context is {max_len} "
+                f"(engine.max_model_len): use a smaller top_k or chunk_size, or a shorter question"
+            )
+        return AssembledPrompt(ids, segments, ctx_len, len(self.head_ids))

@@ -1,0 +1,50 @@
+"""Shared fixtures: one real vLLM engine per test session (start-up costs 6-30 s).
+
+Integration tests use the real SmolLM2-135M-Instruct through vLLM; they are marked
+``integration`` so ``make test-unit`` can skip them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def shared_data(relative: str) -> Path:
+    """Path under ../shared/data, or skip the test with a clear message when it is absent."""
+    path = SHARED_DATA / relative
+    if not path.exists():
+        pytest.skip(f"{path} is absent (the evaluation data lives in ../shared/data beside the repo)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine_settings(tmp_path_factory):
+    """Settings for the shared engine: KV store in a temporary folder, no Redis."""
+    from ragcache.config import Settings
+
+    kv_dir = tmp_path_factory.mktemp("kv")
+    return Settings.load(
+        store={"ssd_cache_dir": str(kv_dir), "remote_url": "", "cpu_kv_pool_gb": 2.0},
+        # multi-process mode here (vLLM's default); the CLI tests run the in-process default
+        engine={"max_model_len": 8192, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 24, "in_process": False},
+    )
+
+
+@pytest.fixture(scope="session")
+def engine(engine_settings):
+    """The one BlendEngine of the test session."""
+    from ragcache.engine import BlendEngine
+
+    eng = BlendEngine(engine_settings)
+    yield eng
+    eng.close()

@@ -1,0 +1,108 @@
+"""Settings: precedence settings.toml < RAGCACHE_* env < explicit args, and clear errors."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from ragcache.config import ConfigError, Settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+    for name in list(__import__("os").environ):
+        if name.startswith("RAGCACHE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)  # no ./settings.toml unless a test writes one
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "s.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_match_documented_settings_toml():
+    documented = tomllib.loads((REPO / "settings.toml").read_text())
+    defaults = Settings.load().model_dump(mode="json")
+    for section, values in documented.items():
+        assert section in defaults, f"settings.toml section [{section}] is not a Settings field"
+        for key, value in values.items():
+            assert defaults[section][key] == value, f"{section}.{key}: toml {value!r} != default"
+    # every field is documented (commented-out lines count for paths under the cache home)
+    text = (REPO / "settings.toml").read_text()
+    for section, values in defaults.items():
+        for key in values:
+            assert f"{key} =" in text, f"{section}.{key} missing from settings.toml"
+
+
+def test_seed_names_exist():
+    s = Settings.load()
+    for name in ("gpu_kv_pool_gb", "cpu_kv_pool_gb", "ssd_cache_dir", "ssd_cache_max_gb", "remote_url",
+                 "eviction_policy", "enable_hit_rate_log", "log_interval_sec"):
+        assert hasattr(s.store, name)
+    assert s.blend.recompute_ratio == 0.15 and s.blend.pipeline_overlap is True
+    assert s.ingest.chunk_size == 512 and s.retrieval.top_k == 5
+    assert s.engine.max_model_len > 0 and s.engine.kv_cache_memory_bytes > 0
+
+
+def test_precedence_toml_then_env_then_args(tmp_path, monkeypatch):
+    path = write(tmp_path, "[store]\ncpu_kv_pool_gb = 1.5\nssd_cache_max_gb = 7\n[retrieval]\ntop_k = 3\n")
+    s = Settings.load(path)
+    assert (s.store.cpu_kv_pool_gb, s.store.ssd_cache_max_gb, s.retrieval.top_k) == (1.5, 7, 3)
+
+    monkeypatch.setenv("RAGCACHE_STORE__CPU_KV_POOL_GB", "2.5")
+    s = Settings.load(path)
+    assert s.store.cpu_kv_pool_gb == 2.5 and s.store.ssd_cache_max_gb == 7  # env wins, toml kept
+
+    s = Settings.load(path, store={"cpu_kv_pool_gb": 3.5})
+    assert s.store.cpu_kv_pool_gb == 3.5 and s.store.ssd_cache_max_gb == 7  # args win, merged per key
+    assert s.retrieval.top_k == 3
+
+
+def test_settings_file_from_env_and_cwd(tmp_path, monkeypatch):
+    path = write(tmp_path, "[blend]\nrecompute_ratio = 0.3\n")
+    monkeypatch.setenv("RAGCACHE_SETTINGS_FILE", str(path))
+    assert Settings.load().blend.recompute_ratio == 0.3
+    monkeypatch.delenv("RAGCACHE_SETTINGS_FILE")
+    (tmp_path / "settings.toml").write_text("[blend]\nrecompute_ratio = 0.05\n")
+    assert Settings.load().blend.recompute_ratio == 0.05
+
+
+@pytest.mark.parametrize(
+    "toml, words",
+    [
+        ("[store]\ncpu_kv_pool_gb = -1\n", ["store.cpu_kv_pool_gb", "-1", "greater than or equal to 0"]),
+        ("[store]\nssd_cache_max_gb = -0.5\n", ["store.ssd_cache_max_gb", "-0.5"]),
+        ("[blend]\nrecompute_ratio = 1.5\n", ["blend.recompute_ratio", "1.5", "less than or equal to 1"]),
+        ("[blend]\nrecompute_ratio = -0.1\n", ["blend.recompute_ratio", "-0.1"]),
+        ("[store]\neviction_policy = \"fifo\"\n", ["store.eviction_policy", "fifo", "'lru' or 'lfu'"]),
+        ("[store]\nremote_url = \"http://x\"\n", ["store.remote_url", "redis://"]),
+        ("[engine]\nmode = \"fast\"\n", ["engine.mode", "fast", "'blend'"]),
+        ("[ingest]\nchunk_size = 0\n", ["ingest.chunk_size", "0"]),
+        ("[store]\ncpu_kv_pool = 1\n", ["unknown setting", "store.cpu_kv_pool"]),
+    ],
+)
+def test_invalid_values_name_key_value_and_range(tmp_path, toml, words):
+    with pytest.raises(ConfigError) as err:
+        Settings.load(write(tmp_path, toml))
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_invalid_env_value_names_variable(monkeypatch):
+    monkeypatch.setenv("RAGCACHE_BLEND__RECOMPUTE_RATIO", "2")
+    with pytest.raises(ConfigError, match="RAGCACHE_BLEND__RECOMPUTE_RATIO"):
+        Settings.load()
+
+
+def test_unreadable_toml_names_file(tmp_path):
+    path = write(tmp_path, "[store\ncpu_kv_pool_gb = ")
+    with pytest.raises(ConfigError, match="cannot read settings file .*s.toml"):
+        Settings.load(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Settings.load(tmp_path / "missing.toml")

@@ -1,0 +1,124 @@
+"""BlendEngine on the real SmolLM2 through vLLM: modes, exactness limits, quality, misses, isolation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ragcache.chunks import Chunk, chunk_id_for
+from tests.conftest import shared_data
+
+pytestmark = pytest.mark.integration
+
+
+def make_chunks(engine, texts: list[str], title: str = "") -> list[Chunk]:
+    chunks = []
+    for i, text in enumerate(texts):
+        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        chunks.append(Chunk(chunk_id_for(text), f"doc-{chunk_id_for(text)}", title, i, text, tuple(ids)))
+    return chunks
+
+
+FACTS = [
+    "The Zorbian capital is Velmora, a city on the river Aster known for its glass bridges.",
+    "Velmora was founded in 1432 by the navigator Idris Kell after a storm wrecked his fleet.",
+    "The national dish of Zorbia is a stew of lentils, smoked fish and saffron called kelmet.",
+    "Zorbia's parliament meets in the Amber Hall, which has 212 seats and a copper roof.",
+]
+
+
+@pytest.fixture(scope="module")
+def fact_chunks(engine):
+    chunks = make_chunks(engine, FACTS)
+    engine.precompute(chunks)
+    return chunks
+
+
+def kl(p_full: dict[int, float], q_mode: dict[int, float]) -> float:
+    """KL(full || mode) over the full vocabulary from two {token: logprob} dicts."""
+    return sum(math.exp(lp) * (lp - q_mode.get(t, -1e9)) for t, lp in p_full.items())
+
+
+def test_ratio_one_reproduces_full_prefill(engine, fact_chunks):
+    questions = ["What is the capital of Zorbia?", "Who founded Velmora and when?",
+                 "What is kelmet made of?"]
+    orders = [fact_chunks, fact_chunks[::-1], fact_chunks[1:3]]
+    for q, chunks in zip(questions, orders):
+        prompt = engine.build_prompt(q, chunks)
+        full = engine.generate(prompt, "full", max_tokens=16)
+        blend = engine.generate(prompt, "blend", max_tokens=16, recompute_ratio=1.0)
+        assert blend.token_ids == full.token_ids, (q, full.text, blend.text)
+        assert blend.metrics.recomputed_tokens == prompt.ctx_len
+        assert full.metrics.reused_tokens == 0
+
+
+def test_single_chunk_at_canonical_position_reuse_is_exact(engine, fact_chunks):
+    for chunk in fact_chunks[:2]:
+        prompt = engine.build_prompt("Summarize the document in one sentence.", [chunk])
+        full = engine.generate(prompt, "full", max_tokens=20)
+        reuse = engine.generate(prompt, "reuse", max_tokens=20)
+        assert reuse.token_ids == full.token_ids, (full.text, reuse.text)
+        assert reuse.metrics.recomputed_tokens == 0 and reuse.metrics.reused_tokens == prompt.ctx_len
+
+
+def test_blend_reuses_and_reports_metrics(engine, fact_chunks):
+    prompt = engine.build_prompt("What is the capital of Zorbia?", fact_chunks)
+    g = engine.generate(prompt, "blend")
+    m = g.metrics
+    assert m.mode == "blend" and m.ttft_s > 0 and m.prompt_tokens == len(prompt.token_ids)
+    assert m.reused_tokens > 0 and 0 < m.recomputed_tokens < prompt.ctx_len
+    assert m.reused_tokens + m.recomputed_tokens == prompt.ctx_len
+    assert len(m.chunk_tiers) == len(fact_chunks) and "computed" not in m.chunk_tiers
+    assert m.num_cached_tokens >= prompt.ctx_len
+    assert g.text.strip()
+
+
+def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks):
+    new = make_chunks(engine, ["Zorbian children learn the seven-string harp from the age of five."])
+    engine.forget(new)
+    assert engine.stored_tiers(new) == [None]
+    prompt = engine.build_prompt("What instrument do Zorbian children learn?", fact_chunks[:1] + new)
+    first = engine.generate(prompt, "blend")
+    assert first.metrics.chunk_tiers[-1] == "computed" and first.text.strip()
+    assert engine.stored_tiers(new)[0] is not None
+    second = engine.generate(prompt, "blend")
+    assert "computed" not in second.metrics.chunk_tiers
+    assert second.token_ids == first.token_ids
+
+
+def test_blended_kv_is_not_a_prefix_hit_for_full(engine, fact_chunks):
+    prompt = engine.build_prompt("Where does the parliament meet?", fact_chunks)
+    engine.generate(prompt, "blend")
+    full = engine.generate(prompt, "full")
+    assert full.metrics.num_cached_tokens == 0
+    prefix1 = engine.generate(prompt, "prefix")
+    prefix2 = engine.generate(prompt, "prefix")
+    assert prefix2.metrics.num_cached_tokens > 0  # prefix mode does use vLLM's exact prefix cache
+    assert prefix2.token_ids == prefix1.token_ids == full.token_ids
+
+
+def test_blend_first_token_closer_to_full_than_reuse_on_musique(engine):
+    data = json.loads(shared_data("musique/musique_s.json").read_text())
+    kl_blend, kl_reuse = [], []
+    for ex in data[:3]:
+        texts = [c["text"] for c in ex["ctxs"][:6]]
+        chunks = make_chunks(engine, texts)
+        engine.precompute(chunks)
+        prompt = engine.build_prompt(ex["question"], chunks)
+        dists = {mode: engine.generate(prompt, mode, max_tokens=1, logprobs=-1).first_token_logprobs
+                 for mode in ("full", "reuse", "blend")}
+        kl_blend.append(kl(dists["full"], dists["blend"]))
+        kl_reuse.append(kl(dists["full"], dists["reuse"]))
+    assert sum(kl_blend) < sum(kl_reuse), (kl_blend, kl_reuse)
+
+
+def test_stream_yields_text_then_generation(engine, fact_chunks):
+    prompt = engine.build_prompt("What is the capital of Zorbia?", fact_chunks)
+    pieces = list(engine.stream(prompt, "blend", max_tokens=12))
+    final = pieces[-1]
+    assert not isinstance(final, str) and all(isinstance(p, str) for p in pieces[:-1])
+    assert "".join(pieces[:-1]) == final.text and final.metrics.reused_tokens > 0
+    batch = engine.generate(prompt, "blend", max_tokens=12)
+    assert batch.token_ids == final.token_ids
