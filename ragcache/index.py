@@ -1,0 +1,507 @@
+"""The persisted chunk index: its folder, FAISS store, manifest, loading and atomic replacement.
+
+Owns: what an index folder holds and how it is read and replaced; the conversion between
+llama-index nodes and :class:`ragcache.chunks.Chunk`; the shared loaders of the LLM tokenizer (which
+sizes chunks) and the embedding model. Used by :mod:`ragcache.ingest` (writes) and
+:mod:`ragcache.retrieval` (reads). Must not import vLLM, nor ``app/`` or ``ui/``, nor anything above
+it in ragcache (pipeline, engine).
+
+An index folder (``indexes/NAME`` by default) holds llama-index's persisted storage context::
+
+    docstore.json               the chunk nodes: text + metadata (doc_id, title, position,
+                                chunk_id, token_ids fixed at ingest)
+    index_store.json            the VectorStoreIndex structure (node ids)
+    default__vector_store.json  the FAISS index (faiss.IndexIDMap2 over IndexFlatIP; binary)
+    id_map.json                 FAISS id <-> node id (JSON)
+    manifest.json               ragcache's own: build settings, per-file fingerprints, per-doc nodes
+
+The folder is never modified in place: an ingest writes a complete new version into a temporary
+sibling (``.NAME.staging-*``) and swaps it in with two renames (:func:`swap_in`). Between those
+renames the previous version sits at ``.NAME.previous``; :func:`readable_path` falls back to it, so
+a crash at any point leaves a loadable, complete index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from ragcache.chunks import Chunk
+
+if TYPE_CHECKING:  # heavy imports stay lazy: `ragcache --help` must not load torch
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.base.embeddings.base import BaseEmbedding
+    from llama_index.core.schema import BaseNode, TextNode
+
+    from ragcache.config import Settings
+
+MANIFEST = "manifest.json"
+ID_MAP = "id_map.json"
+#: Bump when the folder layout or the manifest schema changes incompatibly.
+INDEX_FORMAT_VERSION = 1
+
+#: node metadata keys written by ragcache (see :func:`chunk_to_node`)
+META_DOC_ID, META_TITLE, META_POSITION = "doc_id", "title", "position"
+META_CHUNK_ID, META_TOKEN_IDS, META_SOURCE = "chunk_id", "token_ids", "source"
+_ALL_META = (META_DOC_ID, META_TITLE, META_POSITION, META_CHUNK_ID, META_TOKEN_IDS, META_SOURCE)
+
+
+class IndexNotFoundError(FileNotFoundError):
+    """No index at the given path (or the folder is empty): it has to be ingested first."""
+
+
+class IndexMismatchError(ValueError):
+    """The index was built with other settings (chunk size, LLM tokenizer, embedding model)."""
+
+
+# --------------------------------------------------------------------------------------- paths
+
+
+def resolve_index_path(name: str | os.PathLike[str], index_dir: str | os.PathLike[str]) -> Path:
+    """Folder of the index ``name``.
+
+    ``name`` is taken as a path when it contains a path separator or names an existing folder;
+    otherwise it is a name under ``index_dir`` (``ingest.index_dir``, default ``indexes``).
+    """
+    raw = os.fspath(name)
+    if os.sep in raw or (os.altsep and os.altsep in raw) or Path(raw).is_dir():
+        return Path(raw).expanduser()
+    return Path(index_dir).expanduser() / raw
+
+
+def previous_path(path: Path) -> Path:
+    """Where the previous version of ``path`` sits while :func:`swap_in` runs."""
+    return path.parent / f".{path.name}.previous"
+
+
+def staging_prefix(path: Path) -> str:
+    """Name prefix of the temporary siblings a new version of ``path`` is staged in."""
+    return f".{path.name}.staging-"
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def readable_path(path: Path) -> Path | None:
+    """The complete version of the index at ``path``: ``path`` itself, else the previous version
+    left by a swap interrupted between its two renames; None when there is no index."""
+    if _is_complete(path):
+        return path
+    prev = previous_path(path)
+    if not path.exists() and _is_complete(prev):
+        return prev
+    return None
+
+
+def recover(path: Path) -> None:
+    """Finish or undo an interrupted swap and remove stale staging folders.
+
+    Call only while holding the index's ingest lock (see :mod:`ragcache.ingest`).
+    """
+    prev = previous_path(path)
+    if not path.exists() and _is_complete(prev):
+        os.rename(prev, path)  # the swap stopped between its renames: put the old version back
+    elif prev.exists():
+        shutil.rmtree(prev, ignore_errors=True)  # the swap completed; only the cleanup was lost
+    if path.parent.is_dir():
+        for stale in path.parent.glob(staging_prefix(path) + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def swap_in(staging: Path, path: Path) -> None:
+    """Make the complete index in ``staging`` the index at ``path``, replacing any previous one.
+
+    Two renames within one folder (atomic each on POSIX); a crash between them leaves the previous
+    version at :func:`previous_path`, which :func:`readable_path` and :func:`recover` use.
+
+    Raises:
+        OSError: a rename failed (the previous index is then still in place or at previous_path).
+    """
+    _fsync_tree(staging)
+    prev = previous_path(path)
+    if prev.exists():
+        shutil.rmtree(prev)
+    if path.exists():
+        os.rename(path, prev)
+    os.rename(staging, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(prev, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------ manifest
+
+
+@dataclass
+class FileEntry:
+    """Fingerprint of one ingested input file and the documents it produced.
+
+    Attributes:
+        size: bytes. mtime: seconds since the epoch. sha256: hex digest of the file's bytes.
+        doc_ids: ids of the documents read from the file (one per file, or one per passage).
+    """
+
+    size: int
+    mtime: float
+    sha256: str
+    doc_ids: list[str]
+
+
+@dataclass
+class DocEntry:
+    """One indexed document.
+
+    Attributes:
+        title: the document title (may be empty).
+        content_sha256: hex digest of title + text; an unchanged digest means the chunks are reused.
+        node_ids: ids of its chunk nodes in the docstore / FAISS store, in position order.
+        tokens: LLM tokens over all its chunks.
+    """
+
+    title: str
+    content_sha256: str
+    node_ids: list[str]
+    tokens: int = 0
+
+
+@dataclass
+class BuildInfo:
+    """Settings an index was built with; chunks are only comparable within one build.
+
+    Attributes:
+        chunk_size, chunk_overlap: in LLM tokens.
+        llm: the ``models.model`` setting; llm_fingerprint: its weights' fingerprint (token ids
+        and KV depend on it). embedding_model: the ``models.embedding_model`` setting;
+        dim: embedding dimension; metric: FAISS metric (inner product of unit vectors = cosine).
+    """
+
+    chunk_size: int
+    chunk_overlap: int
+    llm: str
+    llm_fingerprint: str
+    embedding_model: str
+    dim: int
+    metric: str = "inner_product"
+
+
+@dataclass
+class Manifest:
+    """ragcache's record of an index: build settings, input files and documents (manifest.json)."""
+
+    build: BuildInfo
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    docs: dict[str, DocEntry] = field(default_factory=dict)
+    format: int = INDEX_FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, folder: Path) -> "Manifest":
+        """Raises: IndexNotFoundError when manifest.json is missing or unreadable."""
+        try:
+            raw = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise IndexNotFoundError(f"{folder / MANIFEST} cannot be read ({exc})") from None
+        if raw.get("format") != INDEX_FORMAT_VERSION:
+            raise IndexMismatchError(
+                f"index {folder} has format {raw.get('format')}, this ragcache reads "
+                f"{INDEX_FORMAT_VERSION}; re-ingest into a new --index"
+            )
+        return cls(
+            build=BuildInfo(**raw["build"]),
+            files={k: FileEntry(**v) for k, v in raw["files"].items()},
+            docs={k: DocEntry(**v) for k, v in raw["docs"].items()},
+        )
+
+    def write(self, folder: Path) -> None:
+        (folder / MANIFEST).write_text(self.to_json(), encoding="utf-8")
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(d.node_ids) for d in self.docs.values())
+
+
+# ------------------------------------------------------------------------ FAISS vector store
+
+
+@lru_cache(maxsize=1)
+def deletable_faiss_store_cls() -> type:
+    """The FAISS vector store class every index uses (defined on first use: imports faiss)."""
+    from llama_index.vector_stores.faiss import FaissMapVectorStore
+    from llama_index.vector_stores.faiss.base import FaissVectorStore
+
+    class DeletableFaissStore(FaissMapVectorStore):
+        """llama-index's FaissMapVectorStore (IndexIDMap2: deletable) with two fixes.
+
+        - ``add`` gives each vector a fresh FAISS id. Upstream uses ``ntotal`` as the next id,
+          which after a deletion collides with a live id and silently remaps the old node.
+        - the id map is stored as JSON (upstream writes ``str(dict)`` and reads it with ``eval``).
+        """
+
+        def add(self, nodes: list["BaseNode"], **add_kwargs: Any) -> list[str]:
+            if not nodes:
+                return []
+            start = max(self._faiss_id_to_node_id_map, default=-1) + 1
+            ids = np.arange(start, start + len(nodes), dtype=np.int64)
+            vectors = np.asarray([n.get_embedding() for n in nodes], dtype="float32")
+            self._faiss_index.add_with_ids(vectors, ids)
+            for fid, node in zip(ids.tolist(), nodes):
+                self._node_id_to_faiss_id_map[node.node_id] = fid
+                self._faiss_id_to_node_id_map[fid] = node.node_id
+            return [n.node_id for n in nodes]
+
+        def persist(self, persist_path: str, fs: Any = None) -> None:
+            FaissVectorStore.persist(self, persist_path=persist_path, fs=fs)
+            id_map = {str(fid): nid for fid, nid in self._faiss_id_to_node_id_map.items()}
+            Path(persist_path).with_name(ID_MAP).write_text(json.dumps(id_map), encoding="utf-8")
+
+        @classmethod
+        def from_persist_path(cls, persist_path: str, fs: Any = None) -> "DeletableFaissStore":
+            import faiss
+
+            store = cls(faiss_index=faiss.read_index(persist_path))
+            id_map = json.loads(Path(persist_path).with_name(ID_MAP).read_text(encoding="utf-8"))
+            store._faiss_id_to_node_id_map = {int(fid): nid for fid, nid in id_map.items()}
+            store._node_id_to_faiss_id_map = {nid: int(fid) for fid, nid in id_map.items()}
+            return store
+
+    return DeletableFaissStore
+
+
+def new_faiss_store(dim: int) -> Any:
+    """An empty deletable FAISS store for unit vectors of ``dim`` floats (inner product = cosine)."""
+    import faiss
+
+    return deletable_faiss_store_cls()(faiss_index=faiss.IndexIDMap2(faiss.IndexFlatIP(dim)))
+
+
+# ------------------------------------------------------------------------------ model loaders
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The LLM tokenizer that sizes chunks and fixes their token ids.
+
+    Attributes:
+        tokenizer: a transformers tokenizer. fingerprint: the LLM's fingerprint (models.resolve_llm).
+    """
+
+    tokenizer: Any
+    fingerprint: str
+
+    def encode(self, text: str) -> list[int]:
+        """LLM token ids of ``text`` without special tokens (no BOS/EOS)."""
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(path: str, fingerprint: str) -> TokenizerInfo:
+    from transformers import AutoTokenizer
+
+    return TokenizerInfo(AutoTokenizer.from_pretrained(path), fingerprint)
+
+
+def load_tokenizer(settings: "Settings") -> TokenizerInfo:
+    """The configured LLM's tokenizer (cached per process).
+
+    Raises:
+        ModelNotFoundError: the ``models.model`` setting names no available model.
+    """
+    from ragcache.models import resolve_llm
+
+    llm = resolve_llm(settings.models.model, settings.models.cache_dir)
+    return _load_tokenizer(str(llm.path), llm.fingerprint)
+
+
+@lru_cache(maxsize=4)
+def _load_embed_model(path: str) -> "BaseEmbedding":
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    # normalize=True: unit vectors, so FAISS inner product is cosine similarity
+    return HuggingFaceEmbedding(model_name=path, device="cpu", normalize=True)
+
+
+def load_embed_model(settings: "Settings") -> "BaseEmbedding":
+    """llama-index HuggingFaceEmbedding over the configured sentence-transformers folder, on CPU
+    (cached per process).
+
+    Raises:
+        ModelNotFoundError: the ``models.embedding_model`` setting names no available model.
+    """
+    from ragcache.models import resolve_embedding_model
+
+    return _load_embed_model(str(resolve_embedding_model(settings.models.embedding_model)))
+
+
+# ---------------------------------------------------------------------------- node <-> chunk
+
+
+def node_id_for(doc_id: str, position: int, chunk_id: str) -> str:
+    """Deterministic docstore/FAISS node id of a chunk occurrence (32 hex chars)."""
+    return hashlib.sha256(f"{doc_id}\x00{position}\x00{chunk_id}".encode()).hexdigest()[:32]
+
+
+def chunk_to_node(chunk: Chunk, source: str = "") -> "TextNode":
+    """A llama-index TextNode carrying ``chunk``; only the title enters the embedding text and
+    no metadata enters the LLM text (the LLM sees exactly ``chunk.token_ids``)."""
+    from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
+
+    metadata = {
+        META_DOC_ID: chunk.doc_id,
+        META_TITLE: chunk.title,
+        META_POSITION: chunk.position,
+        META_CHUNK_ID: chunk.chunk_id,
+        META_TOKEN_IDS: list(chunk.token_ids),
+        META_SOURCE: source,
+    }
+    embed_excluded = [k for k in _ALL_META if k != META_TITLE or not chunk.title]
+    return TextNode(
+        id_=node_id_for(chunk.doc_id, chunk.position, chunk.chunk_id),
+        text=chunk.text,
+        metadata=metadata,
+        excluded_embed_metadata_keys=embed_excluded,
+        excluded_llm_metadata_keys=list(_ALL_META),
+        relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=chunk.doc_id)},
+    )
+
+
+def node_to_chunk(node: "BaseNode") -> Chunk:
+    """The :class:`Chunk` stored in a node written by :func:`chunk_to_node`.
+
+    Raises:
+        KeyError: the node lacks ragcache's metadata (not written by ragcache ingest).
+    """
+    m = node.metadata
+    return Chunk(
+        chunk_id=m[META_CHUNK_ID],
+        doc_id=m[META_DOC_ID],
+        title=m.get(META_TITLE, ""),
+        position=int(m[META_POSITION]),
+        text=node.get_content(),
+        token_ids=tuple(m[META_TOKEN_IDS]),
+    )
+
+
+# -------------------------------------------------------------------------------------- Index
+
+
+class Index:
+    """A loaded chunk index: llama-index VectorStoreIndex over FAISS plus ragcache's manifest.
+
+    Build with :meth:`load` (from disk) or :meth:`create` (empty, in memory); write with
+    :meth:`persist`. Reading is safe while an ingest runs: ingests never touch a published folder.
+    """
+
+    def __init__(self, vector_index: "VectorStoreIndex", manifest: Manifest,
+                 embed_model: "BaseEmbedding", path: Path | None = None) -> None:
+        self.vector_index = vector_index
+        self.manifest = manifest
+        self.embed_model = embed_model
+        self.path = path
+
+    # ---- construction
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], settings: "Settings", *,
+             embed_model: "BaseEmbedding | None" = None) -> "Index":
+        """Load the index named or located by ``path`` (see :func:`resolve_index_path`).
+
+        Raises:
+            IndexNotFoundError: no complete index there (folder missing or empty).
+            IndexMismatchError: the index was embedded with another embedding model.
+            ModelNotFoundError: the embedding model is not available.
+        """
+        from llama_index.core import StorageContext, load_index_from_storage
+
+        folder = resolve_index_path(path, settings.ingest.index_dir)
+        readable = readable_path(folder)
+        if readable is None:
+            name = os.fspath(path)
+            raise IndexNotFoundError(
+                f"no index at {folder} (the folder does not exist or is empty); "
+                f"run `ragcache ingest PATH --index {name}` first"
+            )
+        manifest = Manifest.read(readable)
+        if manifest.build.embedding_model != settings.models.embedding_model:
+            raise IndexMismatchError(
+                f"index {folder} was embedded with {manifest.build.embedding_model!r}, settings say "
+                f"{settings.models.embedding_model!r}; set models.embedding_model back or re-ingest"
+            )
+        embed_model = embed_model or load_embed_model(settings)
+        store = deletable_faiss_store_cls().from_persist_dir(str(readable))
+        with contextlib.redirect_stdout(io.StringIO()):  # llama-index print()s each file it loads
+            storage = StorageContext.from_defaults(persist_dir=str(readable), vector_store=store)
+        vector_index = load_index_from_storage(storage, embed_model=embed_model)
+        return cls(vector_index, manifest, embed_model, folder)
+
+    @classmethod
+    def create(cls, build: BuildInfo, embed_model: "BaseEmbedding") -> "Index":
+        """An empty in-memory index for ``build.dim``-float embeddings."""
+        from llama_index.core import StorageContext, VectorStoreIndex
+
+        storage = StorageContext.from_defaults(vector_store=new_faiss_store(build.dim))
+        vector_index = VectorStoreIndex(nodes=[], storage_context=storage, embed_model=embed_model)
+        return cls(vector_index, Manifest(build=build), embed_model)
+
+    def persist(self, folder: Path) -> None:
+        """Write the whole index (storage context + manifest) into ``folder``."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self.vector_index.storage_context.persist(persist_dir=str(folder))
+        self.manifest.write(folder)
+
+    # ---- contents
+    def __len__(self) -> int:
+        """Number of chunk nodes."""
+        return len(self.vector_index.index_struct.nodes_dict)
+
+    @property
+    def docstore(self) -> Any:
+        return self.vector_index.docstore
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Every chunk in the index (docstore order)."""
+        for node in self.docstore.docs.values():
+            yield node_to_chunk(node)
+
+    def chunks_of(self, doc_id: str) -> list[Chunk]:
+        """The chunks of one document, by position; empty when the document is not indexed."""
+        entry = self.manifest.docs.get(doc_id)
+        if entry is None:
+            return []
+        return [node_to_chunk(n) for n in self.docstore.get_nodes(entry.node_ids)]
+
+    def add_nodes(self, nodes: list["TextNode"]) -> None:
+        """Insert nodes that already carry their embeddings (nothing is re-embedded)."""
+        if nodes:
+            self.vector_index.insert_nodes(nodes)
+
+    def delete_nodes(self, node_ids: list[str]) -> None:
+        """Remove nodes from the FAISS store, the docstore and the index structure."""
+        if node_ids:
+            self.vector_index.delete_nodes(node_ids, delete_from_docstore=True)

@@ -1,0 +1,661 @@
+"""Batch ingestion: files -> llama-index documents -> LLM-token chunks -> embeddings -> FAISS index.
+
+Owns: reading input files (llama-index ``SimpleDirectoryReader`` with one small reader per file
+type), sentence-aware splitting in LLM tokens (llama-index ``SentenceSplitter``), fixing each
+chunk's token ids, embedding (llama-index ``HuggingFaceEmbedding``), incremental updates driven by
+per-file fingerprints, the staged write + swap of the index folder (:mod:`ragcache.index`) and the
+KV-precompute hook. Must not import vLLM, nor ``app/`` or ``ui/``, nor the engine or pipeline: the
+KV precompute step comes in as a callable (:data:`KVHook`).
+
+Incremental rule: a file whose sha256 is unchanged is not read again. A changed or new file is
+read; each of its documents whose content (title + text) is already indexed keeps its chunks, the
+others are chunked and embedded, and documents no file refers to any more lose their chunks.
+Documents: one per text/markdown/HTML/PDF file (doc id = the file's absolute path), one per
+distinct passage of a JSON/JSONL QA file (records with ``ctxs: [{title, text}]``; doc id = hash of
+title + text, so a passage repeated across records or files is indexed once).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from llama_index.core.readers.base import BaseReader
+from llama_index.core.schema import Document
+
+from ragcache.chunks import Chunk, chunk_id_for
+from ragcache.config import ConfigError
+from ragcache.index import (
+    BuildInfo,
+    DocEntry,
+    FileEntry,
+    Index,
+    IndexMismatchError,
+    Manifest,
+    TokenizerInfo,
+    chunk_to_node,
+    load_embed_model,
+    load_tokenizer,
+    readable_path,
+    recover,
+    resolve_index_path,
+    staging_prefix,
+    swap_in,
+)
+
+if TYPE_CHECKING:
+    from llama_index.core.base.embeddings.base import BaseEmbedding
+    from llama_index.core.schema import TextNode
+
+    from ragcache.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class _NoReadersFileWarning(logging.Filter):
+    """Drop llama-index's warning that llama-index-readers-file is missing: every suffix we accept
+    has a reader in :data:`READERS`, and SimpleDirectoryReader.load_file repeats it per file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "llama-index-readers-file" not in str(record.msg)
+
+
+logging.getLogger("llama_index.core.readers.file.base").addFilter(_NoReadersFileWarning())
+
+#: Called with the chunks added by an ingest, after they are indexed and before the new index is
+#: published; raising aborts the ingest and keeps the previous index.
+KVHook = Callable[[list[Chunk]], None]
+
+MB = 1_000_000  # bytes; settings.toml: sizes in (M|G)B are powers of 10
+_SNIFF_BYTES = 8192
+_EMBED_BATCH = 64  # chunks per embedding call
+
+
+class IngestError(RuntimeError):
+    """An ingest could not complete; the previous index (if any) is unchanged."""
+
+
+class KVPrecomputeError(IngestError):
+    """The KV hook raised; nothing was published."""
+
+
+class SkipFile(Exception):
+    """Raised by a reader: this input cannot be ingested; ``str(exc)`` is the reason users see."""
+
+
+# ------------------------------------------------------------------------------------ readers
+
+
+def _read_text_bytes(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\x00" in data[:_SNIFF_BYTES]:
+        raise SkipFile("binary file (NUL bytes), not text")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise SkipFile(f"undecodable text: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+
+
+def _require_text(text: str) -> str:
+    if not text.strip():
+        raise SkipFile("empty file (no text)")
+    return text
+
+
+def _file_doc(path: Path, text: str, title: str, extra_info: dict | None) -> Document:
+    return Document(id_=str(path), text=text, metadata={**(extra_info or {}), "title": title})
+
+
+class TextReader(BaseReader):
+    """Plain text and Markdown: strict UTF-8, one document per file, title = file stem."""
+
+    def load_data(self, file: Path, extra_info: dict | None = None) -> list[Document]:
+        text = _require_text(_read_text_bytes(Path(file)))
+        return [_file_doc(Path(file), text, Path(file).stem, extra_info)]
+
+
+class HtmlReader(BaseReader):
+    """HTML with BeautifulSoup: visible text (no script/style), title = <title> or file stem."""
+
+    def load_data(self, file: Path, extra_info: dict | None = None) -> list[Document]:
+        from bs4 import BeautifulSoup
+
+        soup = BeautifulSoup(_read_text_bytes(Path(file)), "html.parser")
+        for tag in soup(["script", "style", "noscript", "template"]):
+            tag.decompose()
+        title = soup.title.get_text(strip=True) if soup.title else ""
+        if soup.title:
+            soup.title.decompose()
+        lines = (line.strip() for line in soup.get_text("\n").splitlines())
+        text = _require_text("\n".join(line for line in lines if line))
+        return [_file_doc(Path(file), text, title or Path(file).stem, extra_info)]
+
+
+class PdfReader(BaseReader):
+    """PDF with pypdf: the pages' text joined by blank lines, one document per file."""
+
+    def load_data(self, file: Path, extra_info: dict | None = None) -> list[Document]:
+        import pypdf
+
+        path = Path(file)
+        with path.open("rb") as f:
+            if not f.read(1024).lstrip().startswith(b"%PDF-"):
+                raise SkipFile("unreadable PDF: no %PDF- header (not a PDF file)")
+        try:
+            pdf = pypdf.PdfReader(path)
+            if pdf.is_encrypted and not pdf.decrypt(""):
+                raise SkipFile("unreadable PDF: encrypted")
+            pages = [page.extract_text() or "" for page in pdf.pages]
+            meta_title = (pdf.metadata.title if pdf.metadata else None) or ""
+        except SkipFile:
+            raise
+        except Exception as exc:  # pypdf raises many types for damaged files
+            raise SkipFile(f"unreadable PDF: {type(exc).__name__}: {exc}") from None
+        text = "\n\n".join(p.strip() for p in pages if p.strip())
+        if not text:
+            raise SkipFile(f"unreadable PDF: no extractable text in {len(pages)} page(s) (scanned?)")
+        return [_file_doc(path, text, str(meta_title).strip() or path.stem, extra_info)]
+
+
+def passage_doc_id(title: str, text: str) -> str:
+    """Document id of a QA passage: 16 hex chars of sha256(title, text)."""
+    return hashlib.sha256(f"{title}\x00{text}".encode("utf-8")).hexdigest()[:16]
+
+
+class JsonRecordsReader(BaseReader):
+    """JSON (a record or a list of records) and JSONL (one record per line).
+
+    Records with ``ctxs: [{title, text}]`` (the QA sets) give one document per distinct passage;
+    records with a ``text`` string give one document each; any other JSON is indexed as the file's
+    text. Passage documents get :func:`passage_doc_id` as id and keep their title.
+    """
+
+    def load_data(self, file: Path, extra_info: dict | None = None) -> list[Document]:
+        path = Path(file)
+        raw = _read_text_bytes(path)
+        try:
+            if path.suffix.lower() == ".jsonl":
+                records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            else:
+                loaded = json.loads(raw)
+                records = loaded if isinstance(loaded, list) else [loaded]
+        except json.JSONDecodeError as exc:
+            raise SkipFile(f"invalid JSON: {exc}") from None
+        docs: dict[str, Document] = {}
+        for rec in records:
+            if not isinstance(rec, dict):
+                continue
+            passages = rec.get("ctxs") if isinstance(rec.get("ctxs"), list) else [rec]
+            for p in passages:
+                if not isinstance(p, dict) or not isinstance(p.get("text"), str) or not p["text"].strip():
+                    continue
+                title = str(p.get("title") or "")
+                doc_id = passage_doc_id(title, p["text"])
+                if doc_id not in docs:
+                    docs[doc_id] = Document(id_=doc_id, text=p["text"], metadata={**(extra_info or {}), "title": title})
+        if docs:
+            return list(docs.values())
+        return [_file_doc(path, _require_text(raw), path.stem, extra_info)]
+
+
+#: file suffix -> llama-index reader (passed to SimpleDirectoryReader as file_extractor)
+READERS: dict[str, type[BaseReader]] = {
+    ".txt": TextReader, ".md": TextReader, ".markdown": TextReader,
+    ".html": HtmlReader, ".htm": HtmlReader,
+    ".pdf": PdfReader,
+    ".json": JsonRecordsReader, ".jsonl": JsonRecordsReader,
+}
+
+
+def read_file(path: Path) -> list[Document]:
+    """Documents of one input file through llama-index's SimpleDirectoryReader.
+
+    Raises:
+        SkipFile: the file cannot be ingested (unsupported type, binary, undecodable, empty,
+            unreadable PDF, invalid JSON); the message is the reason.
+    """
+    from llama_index.core import SimpleDirectoryReader
+
+    if path.suffix.lower() not in READERS:
+        raise SkipFile(f"unsupported file type {path.suffix or '(none)'!r} (supported: {', '.join(READERS)})")
+    extractor = {suffix: cls() for suffix, cls in READERS.items()}
+    try:
+        return SimpleDirectoryReader.load_file(
+            path, file_metadata=lambda p: {"source": p}, file_extractor=extractor,
+            errors="strict", raise_on_error=True,
+        )
+    except Exception as exc:
+        cause = exc.__cause__ or exc
+        if isinstance(cause, SkipFile):
+            raise cause from None
+        if isinstance(cause, OSError):
+            raise SkipFile(f"cannot read: {cause.strerror or cause}") from None
+        raise SkipFile(f"cannot read: {type(cause).__name__}: {cause}") from None
+
+
+# -------------------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class SkippedInput:
+    """An input left out of the index, with the reason shown to users."""
+
+    path: str
+    reason: str
+
+
+@dataclass
+class IngestReport:
+    """What one ingest did.
+
+    Attributes:
+        index_path: the index folder. files_ingested: new or changed files read and applied.
+        files_unchanged: files whose sha256 matched the manifest (not read).
+        files_pruned: manifest files removed because they no longer exist (``prune=True``).
+        skipped: inputs not ingested, each with its reason.
+        chunks_added / chunks_removed: chunk nodes written / deleted. tokens_added: LLM tokens over
+        the added chunks. total_chunks: chunks in the index afterwards. seconds: wall time.
+        written: whether a new index version was published. new_chunks: the added chunks.
+    """
+
+    index_path: Path
+    files_ingested: int = 0
+    files_unchanged: int = 0
+    files_pruned: int = 0
+    skipped: list[SkippedInput] = field(default_factory=list)
+    chunks_added: int = 0
+    chunks_removed: int = 0
+    tokens_added: int = 0
+    total_chunks: int = 0
+    seconds: float = 0.0
+    written: bool = False
+    new_chunks: list[Chunk] = field(default_factory=list, repr=False)
+
+    @property
+    def files_skipped(self) -> int:
+        return len(self.skipped)
+
+    def summary(self) -> str:
+        """One line: files ingested/unchanged/skipped(/pruned), chunks added/removed, tokens, seconds."""
+        pruned = f", {self.files_pruned} pruned" if self.files_pruned else ""
+        head = "" if self.written else "nothing changed: "
+        return (
+            f"{head}{self.files_ingested} files ingested, {self.files_unchanged} unchanged, "
+            f"{self.files_skipped} skipped{pruned}; {self.chunks_added} chunks added, "
+            f"{self.chunks_removed} removed ({self.total_chunks} in {self.index_path}); "
+            f"{self.tokens_added} tokens; {self.seconds:.1f} s"
+        )
+
+
+# ------------------------------------------------------------------------------------ ingestor
+
+
+@dataclass
+class _Pending:
+    """A document to (re)chunk and embed in this run."""
+
+    doc: Document
+    title: str
+    content_sha256: str
+    chunks: list[Chunk]
+    nodes: list["TextNode"]
+    source: str
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _IngestLock:
+    """Exclusive lock on an index's ingest (fcntl on ``.NAME.lock`` beside the folder)."""
+
+    def __init__(self, path: Path) -> None:
+        self.lock_path = path.parent / f".{path.name}.lock"
+        self._fh: Any = None
+
+    def __enter__(self) -> "_IngestLock":
+        self._fh = open(self.lock_path, "w")
+        try:
+            fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._fh.close()
+            raise IngestError(f"another ingest into {self.lock_path.parent / self.lock_path.name[1:-5]} "
+                              "is running; wait for it to finish") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fh, fcntl.LOCK_UN)
+        self._fh.close()
+
+
+class Ingestor:
+    """Ingests files into one persisted index (see the module docstring for the rules).
+
+    Args:
+        settings: ragcache settings (``ingest.*``, ``models.*``).
+        index: index name under ``ingest.index_dir``, or a folder path (:func:`resolve_index_path`).
+        kv_hook: called with the newly added chunks after they are indexed and before the new
+            index is published; None skips KV precompute.
+        show_progress: tqdm bars on stderr (reading: files and chunks; embedding: chunks, tok/s).
+        embed_model / tokenizer: already loaded models to reuse (default: the configured ones).
+
+    Raises:
+        ConfigError: ``ingest.chunk_overlap`` is not smaller than ``ingest.chunk_size``.
+    """
+
+    def __init__(self, settings: "Settings", index: str | os.PathLike[str] = "default", *,
+                 kv_hook: KVHook | None = None, show_progress: bool = True,
+                 embed_model: "BaseEmbedding | None" = None, tokenizer: TokenizerInfo | None = None) -> None:
+        ing = settings.ingest
+        if ing.chunk_overlap >= ing.chunk_size:
+            raise ConfigError(
+                f"invalid setting ingest.chunk_overlap = {ing.chunk_overlap}: must be smaller than "
+                f"ingest.chunk_size ({ing.chunk_size})"
+            )
+        self.settings = settings
+        self.path = resolve_index_path(index, ing.index_dir)
+        self.kv_hook = kv_hook
+        self.show_progress = show_progress
+        self._embed_model = embed_model
+        self._tokenizer = tokenizer
+        self._splitter: Any = None
+
+    # ---- models (loaded on first use)
+    @property
+    def tokenizer(self) -> TokenizerInfo:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.settings)
+        return self._tokenizer
+
+    @property
+    def embed_model(self) -> "BaseEmbedding":
+        if self._embed_model is None:
+            self._embed_model = load_embed_model(self.settings)
+        return self._embed_model
+
+    def _build_info(self, dim: int) -> BuildInfo:
+        s = self.settings
+        return BuildInfo(
+            chunk_size=s.ingest.chunk_size, chunk_overlap=s.ingest.chunk_overlap, llm=s.models.model,
+            llm_fingerprint=self.tokenizer.fingerprint, embedding_model=s.models.embedding_model, dim=dim,
+        )
+
+    # ---- chunking
+    def _count(self, text: str) -> list[int]:
+        return self.tokenizer.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+
+    def split(self, text: str) -> list[str]:
+        """Sentence-aware pieces of ``text``, each at most ``ingest.chunk_size`` LLM tokens."""
+        from llama_index.core.node_parser import SentenceSplitter
+
+        if self._splitter is None:
+            self._splitter = SentenceSplitter(
+                chunk_size=self.settings.ingest.chunk_size, chunk_overlap=self.settings.ingest.chunk_overlap,
+                tokenizer=self._count,
+            )
+        return [piece for raw in self._splitter.split_text(text) for piece in self._fit(raw)]
+
+    def _fit(self, text: str, depth: int = 0) -> list[str]:
+        """``text`` as pieces of at most chunk_size tokens.
+
+        SentenceSplitter sums the token counts of its splits (the joined text can tokenize longer)
+        and its overlap can push a chunk past chunk_size; the rare oversize chunk is split again
+        with a proportionally smaller budget, and as a last resort cut at token boundaries.
+        """
+        from llama_index.core.node_parser import SentenceSplitter
+
+        limit = self.settings.ingest.chunk_size
+        ids = self._count(text)
+        if len(ids) <= limit:
+            return [text] if text.strip() else []
+        pieces: list[str] = []
+        if depth < 4:
+            budget = max(8, limit * limit // len(ids) - 2 - depth * limit // 8)
+            try:
+                pieces = SentenceSplitter(chunk_size=budget, chunk_overlap=0, tokenizer=self._count).split_text(text)
+            except ValueError:
+                pieces = []
+        if len(pieces) <= 1:  # no sentence or word boundary left: cut by tokens
+            dec = self.tokenizer.tokenizer.decode
+            pieces = [dec(ids[i:i + limit - 8]).strip() for i in range(0, len(ids), limit - 8)]
+        return [q for p in pieces for q in self._fit(p, depth + 1)]
+
+    def chunk_document(self, doc: Document, title: str) -> list[Chunk]:
+        """Chunks of one document with their token ids fixed (no BOS), positions 0..n-1."""
+        out = []
+        for position, text in enumerate(self.split(doc.text)):
+            out.append(Chunk(chunk_id=chunk_id_for(text), doc_id=doc.id_, title=title, position=position,
+                             text=text, token_ids=tuple(self._count(text))))
+        return out
+
+    # ---- inputs
+    def _collect(self, paths: Iterable[str | os.PathLike[str]], report: IngestReport) -> list[Path]:
+        """Input files, sorted per argument, hidden files and index folders excluded."""
+        index_root = Path(self.settings.ingest.index_dir).expanduser().resolve()
+        own = self.path.resolve()
+
+        def excluded(p: Path) -> bool:
+            rp = p.resolve()
+            return rp == own or rp == index_root or rp.name.startswith(f".{own.name}.")
+
+        files: list[Path] = []
+        seen: set[Path] = set()
+        for raw in paths:
+            p = Path(raw).expanduser()
+            if p.is_dir():
+                for root, dirs, names in os.walk(p):
+                    dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not excluded(Path(root) / d))
+                    for n in sorted(names):
+                        if not n.startswith("."):
+                            f = (Path(root) / n).resolve()
+                            if f not in seen:
+                                seen.add(f)
+                                files.append(f)
+            elif p.is_file():
+                f = p.resolve()
+                if f not in seen:
+                    seen.add(f)
+                    files.append(f)
+            else:
+                report.skipped.append(SkippedInput(str(p), "does not exist" if not p.exists() else "not a regular file"))
+        return files
+
+    # ---- the run
+    def ingest(self, paths: Sequence[str | os.PathLike[str]], *, prune: bool = False) -> IngestReport:
+        """Add new and changed files under ``paths`` to the index, optionally pruning vanished ones.
+
+        Args:
+            paths: files and folders (recursive).
+            prune: remove the chunks of every manifest file that no longer exists.
+
+        Returns:
+            The :class:`IngestReport`; ``report.summary()`` is the one-line summary.
+
+        Raises:
+            IndexMismatchError: the index was built with another chunk size/overlap, LLM or
+                embedding model.
+            KVPrecomputeError: the kv_hook raised (nothing published).
+            IngestError: another ingest into the same index is running.
+            ModelNotFoundError: a configured model is not available.
+            Any exception from llama-index or the embedding model propagates unchanged; in every
+            error case the previous index stays as it was.
+        """
+        t0 = time.perf_counter()
+        report = IngestReport(index_path=self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _IngestLock(self.path):
+            recover(self.path)
+            self._run(paths, prune, report)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _run(self, paths: Sequence[str | os.PathLike[str]], prune: bool, report: IngestReport) -> None:
+        from tqdm import tqdm
+
+        index = Index.load(self.path, self.settings, embed_model=self.embed_model) if readable_path(self.path) else None
+        if index is not None:
+            self._check_build(index.manifest.build)
+        manifest = index.manifest if index is not None else Manifest(build=self._build_info(dim=0))
+        limit = self.settings.ingest.max_file_mb * MB
+
+        files = self._collect(paths, report)
+        pending: dict[str, _Pending] = {}
+        file_updates: dict[str, FileEntry] = {}
+        n_chunks = 0
+        bar = tqdm(files, desc="reading", unit="file", disable=not self.show_progress, file=sys.stderr)
+        for path in bar:
+            key = str(path)
+            try:
+                st = path.stat()
+                if st.st_size == 0:
+                    raise SkipFile("empty file (0 bytes)")
+                if st.st_size > limit:
+                    raise SkipFile(f"larger than ingest.max_file_mb ({st.st_size / MB:.1f} MB > "
+                                   f"{self.settings.ingest.max_file_mb:g} MB)")
+                sha = _sha256_file(path)
+            except SkipFile as exc:
+                report.skipped.append(SkippedInput(key, str(exc)))
+                continue
+            except OSError as exc:
+                report.skipped.append(SkippedInput(key, f"cannot read: {exc.strerror or exc}"))
+                continue
+            old = manifest.files.get(key)
+            if old is not None and old.sha256 == sha:
+                report.files_unchanged += 1
+                continue
+            try:
+                docs = read_file(path)
+            except SkipFile as exc:
+                report.skipped.append(SkippedInput(key, str(exc)))
+                continue
+            doc_ids: list[str] = []
+            for doc in docs:
+                title = str(doc.metadata.get("title", ""))
+                content = hashlib.sha256(f"{title}\x00{doc.text}".encode()).hexdigest()
+                if doc.id_ not in doc_ids:
+                    doc_ids.append(doc.id_)
+                known = manifest.docs.get(doc.id_)
+                if doc.id_ in pending or (known is not None and known.content_sha256 == content):
+                    continue  # same content already indexed (or queued): reuse its chunks
+                chunks = self.chunk_document(doc, title)
+                pending[doc.id_] = _Pending(doc, title, content, chunks, [], key)
+                n_chunks += len(chunks)
+            file_updates[key] = FileEntry(size=st.st_size, mtime=st.st_mtime, sha256=sha, doc_ids=doc_ids)
+            report.files_ingested += 1
+            bar.set_postfix(chunks=n_chunks)
+        bar.close()
+
+        pruned = []
+        if prune:
+            pruned = [k for k in manifest.files if k not in file_updates and not os.path.exists(k)]
+        report.files_pruned = len(pruned)
+        if not file_updates and not pruned:
+            report.total_chunks = manifest.num_chunks
+            return  # nothing to add or remove: keep the published index as it is
+
+        # the new manifest's files, and the documents that lose their chunks
+        new_files = {k: v for k, v in manifest.files.items() if k not in pruned}
+        new_files.update(file_updates)
+        referenced = {d for entry in new_files.values() for d in entry.doc_ids}
+        dropped = [d for d in manifest.docs if d not in referenced or d in pending]
+        removed_nodes = [nid for d in dropped for nid in manifest.docs[d].node_ids]
+        pending_list = [p for p in pending.values() if p.doc.id_ in referenced]
+
+        new_chunks = [c for p in pending_list for c in p.chunks]
+        self._embed(pending_list, len(new_chunks))
+        if index is None:
+            first = next((n for p in pending_list for n in p.nodes), None)
+            if first is None:
+                return  # nothing could be ingested and there is no index: write nothing
+            index = Index.create(self._build_info(dim=len(first.embedding)), self.embed_model)
+            manifest = index.manifest
+        index.delete_nodes(removed_nodes)
+        index.add_nodes([n for p in pending_list for n in p.nodes])
+        for d in dropped:
+            del manifest.docs[d]
+        for p in pending_list:
+            manifest.docs[p.doc.id_] = DocEntry(title=p.title, content_sha256=p.content_sha256,
+                                                node_ids=[n.node_id for n in p.nodes],
+                                                tokens=sum(c.num_tokens for c in p.chunks))
+        manifest.files = new_files
+
+        report.chunks_added = len(new_chunks)
+        report.chunks_removed = len(removed_nodes)
+        report.tokens_added = sum(c.num_tokens for c in new_chunks)
+        report.total_chunks = manifest.num_chunks
+        report.new_chunks = new_chunks
+        self._publish(index, new_chunks)
+        report.written = True
+
+    def _check_build(self, built: BuildInfo) -> None:
+        now = self._build_info(dim=built.dim)
+        diffs = [f"{k} {getattr(built, k)!r} -> {getattr(now, k)!r}"
+                 for k in ("chunk_size", "chunk_overlap", "llm_fingerprint", "embedding_model")
+                 if getattr(built, k) != getattr(now, k)]
+        if diffs:
+            raise IndexMismatchError(
+                f"index {self.path} was built with other settings ({'; '.join(diffs)}); its chunks "
+                "cannot be mixed with new ones: ingest into a new --index, or delete the folder to rebuild"
+            )
+
+    def _embed(self, pending: list[_Pending], total: int) -> None:
+        """Embed the pending chunks in batches (llama-index embedding model) and build their nodes."""
+        from tqdm import tqdm
+
+        nodes = []
+        for p in pending:
+            p.nodes = [chunk_to_node(c, source=p.source) for c in p.chunks]
+            nodes.extend(zip(p.nodes, p.chunks))
+        if not nodes:
+            return
+        from llama_index.core.schema import MetadataMode
+
+        embed_model = self.embed_model  # load before the bar starts: tok/s is embedding only
+        t0, tokens = time.perf_counter(), 0
+        with tqdm(total=total, desc="embedding", unit="chunk", disable=not self.show_progress, file=sys.stderr) as bar:
+            for i in range(0, len(nodes), _EMBED_BATCH):
+                batch = nodes[i:i + _EMBED_BATCH]
+                vectors = embed_model.get_text_embedding_batch(
+                    [n.get_content(metadata_mode=MetadataMode.EMBED) for n, _ in batch]
+                )
+                for (node, _), vec in zip(batch, vectors):
+                    node.embedding = vec
+                tokens += sum(c.num_tokens for _, c in batch)
+                bar.update(len(batch))
+                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
+
+    def _publish(self, index: Index, new_chunks: list[Chunk]) -> None:
+        """Write the index into a staging sibling, run the KV hook, swap it in."""
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(self.path), dir=self.path.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; the index is an ordinary folder
+        try:
+            index.persist(staging)
+            if self.kv_hook is not None and new_chunks:
+                try:
+                    self.kv_hook(new_chunks)
+                except Exception as exc:
+                    raise KVPrecomputeError(
+                        f"KV precompute failed ({type(exc).__name__}: {exc}); the index at {self.path} "
+                        "is unchanged (re-run the ingest, or pass --no-kv to index without KV)"
+                    ) from exc
+            swap_in(staging, self.path)
+            log.info("published %s: %d chunks", self.path, index.manifest.num_chunks)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
