@@ -408,10 +408,11 @@ def test_cli_ingest_prints_summary_and_exits_nonzero_only_when_nothing_was_inges
     (tmp_path / "corpus" / "empty.txt").write_text("")
     index = str(tmp_path / "cli-index")
 
-    assert main(["ingest", str(tmp_path / "corpus"), "--index", index, "--quiet"]) == 0
+    # the KV precompute through the engine is covered by tests/test_pipeline.py
+    assert main(["ingest", str(tmp_path / "corpus"), "--index", index, "--quiet", "--no-kv"]) == 0
     out, err = capsys.readouterr()
     assert "3 files ingested, 0 unchanged, 1 skipped" in out
-    assert "KV precompute is not wired" in err and "empty.txt: empty file" in err
+    assert "KV precompute skipped (--no-kv)" in out and "empty.txt: empty file" in err
 
     assert main(["ingest", str(tmp_path / "corpus"), "--index", index, "--quiet", "--no-kv"]) == 0
     out, err = capsys.readouterr()
