@@ -18,7 +18,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: modules under app/ that add subcommands, in --help order
-COMMAND_MODULES = ["app.setup_cmd", "app.ingest_cmd", "app.ask_cmd", "app.cache_cmd", "app.bench_cmd"]
+COMMAND_MODULES = ["app.setup_cmd", "app.ingest_cmd", "app.ask_cmd", "app.demo_cmd", "app.cache_cmd",
+                   "app.bench_cmd"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from ragcache.config import ConfigError
+    from ragcache.index import IndexMismatchError, IndexNotFoundError
     from ragcache.models import ModelNotFoundError
+    from ragcache.pipeline import EmptyIndexError
+    from ragcache.prompt import PromptTooLongError
+
+    user_errors = (ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, EmptyIndexError,
+                   PromptTooLongError)
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -56,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ModelNotFoundError) as exc:
+    except user_errors as exc:
         print(f"ragcache: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

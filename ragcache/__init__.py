@@ -14,4 +14,13 @@ _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ragcache.config import ConfigError, Settings  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Settings", "ConfigError", "__version__"]
+__all__ = ["Settings", "ConfigError", "RAGPipeline", "Answer", "Source", "QueryMetrics", "__version__"]
+
+
+def __getattr__(name: str):
+    # heavy parts load on first use: `import ragcache` stays light (no torch, no vLLM)
+    if name in ("RAGPipeline", "Answer", "Source", "QueryMetrics"):
+        from ragcache import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'ragcache' has no attribute {name!r}")

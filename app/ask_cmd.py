@@ -1,0 +1,100 @@
+"""`ragcache ask` and `ragcache chat`: answer questions from an index on the embedded engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ragcache.config import MODES
+
+
+def _add_query_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--index", default="default", help="index name under ingest.index_dir, or a folder")
+    p.add_argument("--mode", choices=MODES, default=None, help="query mode (default: engine.mode, blend)")
+    p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default: retrieval.top_k)")
+    p.add_argument("--recompute-ratio", type=float, default=None,
+                   help="share of context tokens recomputed in blend mode (default: blend.recompute_ratio)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to decode (default: engine.max_tokens)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser("ask", help="answer one question from an index", formatter_class=fmt)
+    p.add_argument("question", help="the question")
+    _add_query_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, metrics")
+    p.set_defaults(func=run_ask)
+
+    c = sub.add_parser("chat", help="interactive questions from an index (empty line or Ctrl-D ends)",
+                       formatter_class=fmt)
+    _add_query_options(c)
+    c.set_defaults(func=run_chat)
+
+
+def open_pipeline(args: argparse.Namespace):
+    """Settings from --settings, then the pipeline over --index (fails early if it does not exist)."""
+    from ragcache.config import Settings
+    from ragcache.index import IndexNotFoundError, readable_path, resolve_index_path
+    from ragcache.pipeline import RAGPipeline
+
+    settings = Settings.load(args.settings)
+    path = resolve_index_path(args.index, settings.ingest.index_dir)
+    if readable_path(path) is None:
+        raise IndexNotFoundError(f"no index at {path}; run `ragcache ingest PATH --index {args.index}` first")
+    return RAGPipeline.open(settings, index=args.index)
+
+
+def format_answer(answer) -> str:
+    m = answer.metrics
+    lines = [answer.text or "(empty answer)", "", "Sources:"]
+    for i, s in enumerate(answer.sources, 1):
+        snippet = " ".join(s.text.split())[:90]
+        title = f"{s.title}: " if s.title else ""
+        lines.append(f"  [{i}] {title}{snippet}...  (score {s.score:.3f}, kv: {s.tier or '-'})")
+    hits = ", ".join(f"{t} {n}" for t, n in sorted(m.tier_hits.items())) or "-"
+    lines.append("")
+    lines.append(f"mode {m.mode} | TTFT {m.ttft_s:.3f} s | retrieval {m.retrieval_s:.3f} s | total {m.total_s:.2f} s | "
+                 f"prompt {m.prompt_tokens} tok | reused {m.reused_tokens} | recomputed {m.recomputed_tokens} | "
+                 f"tier hits: {hits}")
+    return "\n".join(lines)
+
+
+def _query(rag, question: str, args: argparse.Namespace):
+    return rag.query(question, mode=args.mode, top_k=args.top_k, max_tokens=args.max_tokens,
+                     recompute_ratio=args.recompute_ratio)
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    rag = open_pipeline(args)
+    answer = _query(rag, args.question, args)
+    if args.json:
+        print(json.dumps({k: v for k, v in answer.to_dict().items() if k != "question"}, ensure_ascii=False))
+    else:
+        print(format_answer(answer))
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    rag = open_pipeline(args)
+    print(f"ragcache chat over index {args.index!r} (mode {args.mode or rag.settings.engine.mode}); "
+          "empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            question = input("you> ").strip()
+        except EOFError:
+            break
+        if not question:
+            break
+        answer = None
+        print("ragcache> ", end="", flush=True)
+        for item in rag.stream(question, mode=args.mode, top_k=args.top_k, max_tokens=args.max_tokens,
+                               recompute_ratio=args.recompute_ratio):
+            if isinstance(item, str):
+                print(item, end="", flush=True)
+            else:
+                answer = item
+        print()
+        if answer is not None:
+            print(format_answer(answer).split("\n\n", 1)[1], file=sys.stderr)
+    return 0

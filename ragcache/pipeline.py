@@ -1,0 +1,227 @@
+"""RAGPipeline: the SDK's front door: ingest documents, ask questions, get answers with metrics.
+
+Owns: wiring settings, index (ingest + retrieval) and the BlendEngine together, and the
+:class:`Answer` / :class:`Source` / :class:`QueryMetrics` objects returned to apps. Data flows one
+way: app/ui -> pipeline -> (ingest, retrieval, engine). Must not import app/ or ui/.
+
+Example::
+
+    from ragcache import RAGPipeline, Settings
+    rag = RAGPipeline.open(Settings.load(), index="docs")
+    rag.ingest(["./handbook"])
+    answer = rag.query("How do I reset my password?")
+    print(answer.text, answer.metrics.ttft_s, [s.title for s in answer.sources])
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from ragcache.config import Settings
+
+if TYPE_CHECKING:
+    from ragcache.engine import BlendEngine, Generation
+    from ragcache.ingest import IngestReport
+    from ragcache.retrieval import RetrievedChunk, Retriever
+
+log = logging.getLogger(__name__)
+
+
+class EmptyIndexError(RuntimeError):
+    """The index has no chunks yet: ingest documents first."""
+
+
+@dataclass
+class Source:
+    """A retrieved chunk used as context for an answer.
+
+    Attributes:
+        doc_id, title, text, chunk_id: the chunk. score: retrieval similarity (cosine, higher is
+        closer). tier: the KV tier that served its KV ("device", "cpu", "disk", "remote",
+        "computed" when it was missing and computed during the request, or "" in full/prefix mode).
+    """
+
+    doc_id: str
+    title: str
+    text: str
+    score: float
+    chunk_id: str
+    tier: str = ""
+
+
+@dataclass
+class QueryMetrics:
+    """Numbers for one answer. Seconds and tokens.
+
+    ttft_s is vLLM's time to first token for the generation (including loading and blending
+    chunk KV); retrieval_s the question embedding + search; total_s the whole query().
+    """
+
+    mode: str
+    ttft_s: float
+    retrieval_s: float
+    total_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    load_s: float = 0.0
+    blend_s: float = 0.0
+    output_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Answer:
+    """An answer with its sources (in prompt order) and metrics."""
+
+    question: str
+    text: str
+    sources: list[Source]
+    metrics: QueryMetrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"question": self.question, "answer": self.text,
+                "sources": [asdict(s) for s in self.sources], "metrics": self.metrics.to_dict()}
+
+
+class RAGPipeline:
+    """Settings + index + engine, loaded once; thread-safe (one generation at a time).
+
+    Use :meth:`open`. ``engine`` may be passed to share one BlendEngine between pipelines over
+    different indexes (vLLM start-up costs seconds to a minute).
+    """
+
+    def __init__(self, settings: Settings, index: str | Path, engine: "BlendEngine"):
+        from ragcache.index import resolve_index_path
+
+        self.settings = settings
+        self.index_name = str(index)
+        self.index_path = resolve_index_path(index, settings.ingest.index_dir)
+        self.engine = engine
+        self._retriever: "Retriever | None" = None
+        self._lock = threading.RLock()
+
+    @classmethod
+    def open(cls, settings: Settings | None = None, index: str | Path = "default",
+             engine: "BlendEngine | None" = None) -> "RAGPipeline":
+        """Load the model, embedder, index and KV store once.
+
+        Raises:
+            ConfigError: invalid settings. ModelNotFoundError: model not provisioned.
+        """
+        from ragcache.engine import BlendEngine
+
+        settings = settings or Settings.load()
+        return cls(settings, index, engine or BlendEngine(settings))
+
+    # ---- ingest ----------------------------------------------------------------------------
+
+    def ingest(self, paths: Sequence[str | Path], *, prune: bool = False,
+               precompute_kv: bool | None = None, show_progress: bool = False) -> "IngestReport":
+        """Add documents to the index and precompute the KV of new chunks (``ingest.precompute_kv``).
+
+        Returns the report; ``report.total_chunks == 0`` means nothing could be ingested.
+
+        Raises:
+            IngestError: the ingest failed (e.g. another ingest runs); the previous index stays usable.
+            IndexMismatchError: the index was built with other chunking or models.
+        """
+        from ragcache.ingest import Ingestor
+
+        kv = self.settings.ingest.precompute_kv if precompute_kv is None else precompute_kv
+        hook = (lambda chunks: self.engine.precompute(chunks)) if kv else None
+        with self._lock:
+            report = Ingestor(self.settings, self.index_path, kv_hook=hook,
+                              show_progress=show_progress).ingest(paths, prune=prune)
+            self._retriever = None  # reload the new index version on next use
+        return report
+
+    # ---- query -----------------------------------------------------------------------------
+
+    @property
+    def retriever(self) -> "Retriever":
+        from ragcache.retrieval import Retriever
+
+        if self._retriever is None:
+            self._retriever = Retriever.from_settings(self.settings, self.index_path)
+        return self._retriever
+
+    def retrieve(self, question: str, top_k: int | None = None) -> list["RetrievedChunk"]:
+        """Top-k chunks for ``question``, in stable order (same set -> same order).
+
+        Raises:
+            ValueError: empty question. IndexNotFoundError / EmptyIndexError: nothing ingested.
+        """
+        from ragcache.retrieval import stable_order
+
+        if not question or not question.strip():
+            raise ValueError("the question is empty; ask something")
+        found = self.retriever.retrieve(question, top_k or self.settings.retrieval.top_k)
+        if not found:
+            raise EmptyIndexError(f"the index {self.index_path} has no chunks; run `ragcache ingest PATH "
+                                  f"--index {self.index_name}` first")
+        return stable_order(found)
+
+    def _prepare(self, question: str, top_k: int | None):
+        t0 = time.perf_counter()
+        found = self.retrieve(question, top_k)
+        retrieval_s = time.perf_counter() - t0
+        prompt = self.engine.build_prompt(question, [r.chunk for r in found])
+        return t0, found, retrieval_s, prompt
+
+    @staticmethod
+    def _answer(question: str, found: Sequence["RetrievedChunk"], gen: "Generation", retrieval_s: float,
+                t0: float) -> Answer:
+        m = gen.metrics
+        tiers = m.chunk_tiers or [""] * len(found)
+        sources = [Source(r.chunk.doc_id, r.chunk.title, r.chunk.text, r.score, r.chunk.chunk_id, tier)
+                   for r, tier in zip(found, tiers)]
+        metrics = QueryMetrics(
+            mode=m.mode, ttft_s=m.ttft_s, retrieval_s=retrieval_s, total_s=time.perf_counter() - t0,
+            prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens, recomputed_tokens=m.recomputed_tokens,
+            tier_hits=dict(m.tier_hits), load_s=m.load_s, blend_s=m.blend_s, output_tokens=m.output_tokens,
+        )
+        return Answer(question, gen.text.strip(), sources, metrics)
+
+    def query(self, question: str, mode: str | None = None, top_k: int | None = None, *,
+              max_tokens: int | None = None, recompute_ratio: float | None = None) -> Answer:
+        """Answer ``question`` from the index.
+
+        Args:
+            mode: full, prefix, reuse or blend (default ``engine.mode``).
+            top_k: chunks to retrieve (default ``retrieval.top_k``).
+            recompute_ratio: override ``blend.recompute_ratio`` for this query.
+
+        Raises:
+            ValueError: empty question or unknown mode. PromptTooLongError: the prompt does not fit
+            ``engine.max_model_len``. EmptyIndexError / IndexNotFoundError: nothing ingested.
+        """
+        with self._lock:
+            t0, found, retrieval_s, prompt = self._prepare(question, top_k)
+            gen = self.engine.generate(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio)
+        return self._answer(question, found, gen, retrieval_s, t0)
+
+    def stream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
+               max_tokens: int | None = None, recompute_ratio: float | None = None) -> Iterator[str | Answer]:
+        """Yield the answer's text pieces as they are decoded, then the :class:`Answer`."""
+        with self._lock:
+            t0, found, retrieval_s, prompt = self._prepare(question, top_k)
+            for item in self.engine.stream(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio):
+                if isinstance(item, str):
+                    yield item
+                else:
+                    yield self._answer(question, found, item, retrieval_s, t0)
+
+    # ---- cache -----------------------------------------------------------------------------
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Per-tier KV store stats (hits, misses, hit_rate, occupancy, capacity, ...)."""
+        return self.engine.store_stats()
