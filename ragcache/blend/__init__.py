@@ -1,0 +1,29 @@
+"""Engine-agnostic CacheBlend math on torch tensors (Yao et al., EuroSys'25).
+
+Owns: moving pre-RoPE chunk K to new positions, exact causal attention by absolute position,
+HKVD token selection, and the layer-wise forwards (chunk KV precompute, blend, reuse) over a
+model's own per-layer callables (``DecoderOps``).
+Must not import vLLM or transformers, nor anything above it in ragcache: an engine adapter
+implements ``DecoderOps`` and hands tensors and callables in.
+"""
+
+from ragcache.blend.attention import causal_attention, expand_kv_heads
+from ragcache.blend.forward import BlendResult, LoadLayer, OnLayer, blend_kv, compute_kv, reuse_kv
+from ragcache.blend.ops import DecoderOps
+from ragcache.blend.rope import move_keys
+from ragcache.blend.select import hkvd_budget, select_hkvd
+
+__all__ = [
+    "BlendResult",
+    "DecoderOps",
+    "LoadLayer",
+    "OnLayer",
+    "blend_kv",
+    "causal_attention",
+    "compute_kv",
+    "expand_kv_heads",
+    "hkvd_budget",
+    "move_keys",
+    "reuse_kv",
+    "select_hkvd",
+]

@@ -1,0 +1,141 @@
+"""Causal attention by absolute position, for any subset of queries over a full set of keys.
+
+Owns: ``causal_attention`` and the head expansion it uses. The blend's selective layers run n
+selected queries over all N context keys; torch SDPA's ``is_causal=True`` aligns its mask top-left
+when n < N, which is wrong there, so visibility is decided by absolute position: key j is visible to
+a query iff ``k_positions[j] <= query position`` (CacheBlend, Yao et al., EuroSys'25, §4: selective
+KV recompute of the HKVD tokens attends over the whole fused KV cache).
+
+Speed on CPU (../shared/DESIGN.md): 4-D SDPA inputs ``[1, H, T, D]`` with the KV heads expanded to
+the query heads run ~4x faster than 3-D inputs with ``enable_gqa``; a dense ``[n, N]`` mask skips no
+work and masked SDPA costs about twice the ``is_causal`` kernel. So a contiguous run of queries that
+starts where the keys start uses ``is_causal``; anything else is processed in blocks of sorted
+queries, each block attending only to the keys up to its last query's position, with a mask only
+inside that window.
+Must not import vLLM, transformers, or anything above blend/ in ragcache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QUERY_BLOCK = 256  # sorted queries per SDPA call in the masked path
+
+
+def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[N, Hkv, D]`` -> ``[1, Hq, N, D]``, each KV head repeated for its group of query heads."""
+    num_kv_heads = x.shape[1]
+    x = x.transpose(0, 1)  # [Hkv, N, D]
+    if num_heads != num_kv_heads:
+        x = x.repeat_interleave(num_heads // num_kv_heads, dim=0)  # [Hq, N, D]
+    return x.unsqueeze(0)  # [1, Hq, N, D]
+
+
+def is_contiguous_range(positions: torch.LongTensor) -> bool:
+    """True if ``positions`` is ``p0, p0 + 1, ..., p0 + n - 1`` (an empty tensor counts)."""
+    if positions.numel() == 0:
+        return True
+    expected = torch.arange(positions.shape[0], device=positions.device) + positions[0]
+    return bool(torch.equal(positions, expected))
+
+
+def causal_attention(
+    q: torch.Tensor,
+    q_positions: torch.LongTensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_positions: torch.LongTensor | None = None,
+    scaling: float | None = None,
+    block_size: int = QUERY_BLOCK,
+) -> torch.Tensor:
+    """Softmax attention of queries over keys with an exact causal mask by absolute position.
+
+    Key j is visible to query i iff ``k_positions[j] <= q_positions[i]``. Queries need not be
+    contiguous or sorted (they are sorted internally and returned in the input order).
+
+    Args:
+        q: ``[n, Hq, D]`` post-RoPE queries.
+        q_positions: ``[n]`` int64 absolute positions of the queries.
+        k: ``[N, Hkv, D]`` post-RoPE keys; ``Hq`` must be a multiple of ``Hkv``.
+        v: ``[N, Hkv, D]`` values.
+        k_positions: ``[N]`` int64 absolute positions of the keys; default ``arange(N)``.
+        scaling: softmax scale; default ``1 / sqrt(D)``.
+        block_size: queries per SDPA call when a mask is needed (speed only, not results).
+
+    Returns:
+        ``[n, Hq, D]`` attention output in ``q``'s dtype and device, rows in the order of ``q``.
+
+    Raises:
+        ValueError: on mismatched shapes or lengths, ``Hq`` not a multiple of ``Hkv``, or a query
+            that sees no key (its position precedes every key's), whose softmax would be undefined.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be 3-D, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    n, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    if v.shape != k.shape or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if q_positions.shape != (n,):
+        raise ValueError(f"q_positions {tuple(q_positions.shape)} does not match q {tuple(q.shape)}")
+    if k_positions is None:
+        k_positions = torch.arange(num_keys, device=k.device)
+    elif k_positions.shape != (num_keys,):
+        raise ValueError(f"k_positions {tuple(k_positions.shape)} does not match k {tuple(k.shape)}")
+    if n == 0:
+        return q.new_empty(0, num_heads, head_dim)
+    if num_keys == 0 or bool(q_positions.min() < k_positions.min()):
+        raise ValueError("a query precedes every key: its attention row would be empty")
+
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    key = expand_kv_heads(k, num_heads)  # [1, Hq, N, D]
+    value = expand_kv_heads(v, num_heads)  # [1, Hq, N, D]
+
+    # Fast path: the queries are the first n keys (a full prefill, possibly at an offset).
+    if (
+        n <= num_keys
+        and is_contiguous_range(k_positions)
+        and is_contiguous_range(q_positions)
+        and bool(q_positions[0] == k_positions[0])
+    ):
+        out = F.scaled_dot_product_attention(
+            query, key[:, :, :n], value[:, :, :n], is_causal=True, scale=scaling
+        )  # [1, Hq, n, D]
+        return out[0].transpose(0, 1).contiguous()  # [n, Hq, D]
+
+    # Masked path: sorted queries in blocks; with sorted keys a block only reads the keys up to
+    # its last query's position, and needs no mask when its first query already sees them all.
+    order = None
+    if n > 1 and not bool((q_positions[1:] >= q_positions[:-1]).all()):
+        order = torch.argsort(q_positions, stable=True)
+        q_positions = q_positions[order]
+        query = query[:, :, order]
+    keys_sorted = num_keys == 1 or bool((k_positions[1:] >= k_positions[:-1]).all())
+
+    starts = list(range(0, n, block_size))
+    block_last = q_positions[[min(s + block_size, n) - 1 for s in starts]]  # [num_blocks]
+    if keys_sorted:
+        ends_t = torch.searchsorted(k_positions, block_last, right=True)  # [num_blocks], each >= 1
+        first_visible_all = (q_positions[starts] >= k_positions[ends_t - 1]).tolist()
+        ends = ends_t.tolist()
+    else:
+        ends = [num_keys] * len(starts)
+        first_visible_all = [False] * len(starts)
+
+    outs = []
+    for start, end, no_mask in zip(starts, ends, first_visible_all):
+        stop = min(start + block_size, n)
+        mask = None
+        if not no_mask:
+            mask = k_positions[:end].unsqueeze(0) <= q_positions[start:stop].unsqueeze(1)  # [b, end]
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:stop], key[:, :, :end], value[:, :, :end], attn_mask=mask, scale=scaling
+            )  # [1, Hq, b, D]
+        )
+    out = torch.cat(outs, dim=2)[0].transpose(0, 1)  # [n, Hq, D]
+    if order is not None:
+        out = torch.empty_like(out).index_copy_(0, order, out)
+    return out.contiguous()

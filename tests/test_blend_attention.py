@@ -1,0 +1,121 @@
+"""ragcache.blend.attention: exact causal attention by absolute position for any set of queries."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ragcache.blend import causal_attention, expand_kv_heads
+
+HQ, HKV, D = 4, 2, 16
+
+
+def reference_attention(q, q_positions, k, v, k_positions):
+    """Dense float64 softmax attention with an explicit position mask: [n, Hq, D]."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(rep, dim=1)  # [N, Hq, D]
+    v = v.double().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])  # [Hq, n, N]
+    visible = k_positions[None, :] <= q_positions[:, None]  # [n, N]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).float()
+
+
+def random_qkv(n, num_keys, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, HQ, D, generator=g)
+    k = torch.randn(num_keys, HKV, D, generator=g)
+    v = torch.randn(num_keys, HKV, D, generator=g)
+    return q, k, v
+
+
+def test_full_prefill_matches_reference():
+    q, k, v = random_qkv(64, 64)
+    positions = torch.arange(64)
+    out = causal_attention(q, positions, k, v)
+    torch.testing.assert_close(out, reference_attention(q, positions, k, v, positions), atol=1e-5, rtol=1e-5)
+
+
+def test_full_prefill_at_an_offset_matches_reference():
+    q, k, v = random_qkv(40, 40)
+    positions = torch.arange(1000, 1040)
+    out = causal_attention(q, positions, k, v, positions)
+    torch.testing.assert_close(out, reference_attention(q, positions, k, v, positions), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 256])
+def test_sparse_sorted_queries_equal_rows_of_full_causal_attention(block_size):
+    num_keys = 300
+    q_all, k, v = random_qkv(num_keys, num_keys, seed=1)
+    positions = torch.arange(num_keys)
+    full = causal_attention(q_all, positions, k, v, positions)
+    selected = torch.sort(torch.randperm(num_keys, generator=torch.Generator().manual_seed(2))[:45]).values
+    out = causal_attention(q_all[selected], selected, k, v, positions, block_size=block_size)
+    torch.testing.assert_close(out, full[selected], atol=1e-5, rtol=1e-5)
+
+
+def test_unsorted_queries_come_back_in_input_order():
+    num_keys = 120
+    q_all, k, v = random_qkv(num_keys, num_keys, seed=3)
+    positions = torch.arange(num_keys)
+    full = causal_attention(q_all, positions, k, v, positions)
+    picked = torch.tensor([90, 3, 57, 0, 119, 58])
+    out = causal_attention(q_all[picked], picked, k, v, positions, block_size=4)
+    torch.testing.assert_close(out, full[picked], atol=1e-5, rtol=1e-5)
+
+
+def test_question_queries_after_the_context_see_all_earlier_keys():
+    # The question's prefill: queries at N..N+Q-1 over the context keys plus their own.
+    q_all, k, v = random_qkv(100, 100, seed=4)
+    positions = torch.arange(100)
+    out = causal_attention(q_all[80:], positions[80:], k, v, positions)
+    expected = reference_attention(q_all[80:], positions[80:], k, v, positions)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unsorted_key_positions_are_masked_by_position_not_index():
+    q, k, v = random_qkv(30, 50, seed=5)
+    k_positions = torch.randperm(50, generator=torch.Generator().manual_seed(6))
+    q_positions = torch.sort(torch.randint(0, 50, (30,), generator=torch.Generator().manual_seed(7))).values
+    out = causal_attention(q, q_positions, k, v, k_positions, block_size=8)
+    torch.testing.assert_close(out, reference_attention(q, q_positions, k, v, k_positions), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_is_causal_would_be_wrong_for_fewer_queries_than_keys():
+    # The pitfall this module exists for: is_causal aligns top-left when n < N.
+    q_all, k, v = random_qkv(64, 64, seed=8)
+    positions = torch.arange(64)
+    rows = torch.arange(32, 64)
+    top_left = F.scaled_dot_product_attention(
+        q_all[rows].transpose(0, 1)[None], expand_kv_heads(k, HQ), expand_kv_heads(v, HQ), is_causal=True
+    )[0].transpose(0, 1)
+    exact = causal_attention(q_all[rows], rows, k, v, positions)
+    assert not torch.allclose(top_left, exact, atol=1e-3)
+    torch.testing.assert_close(exact, reference_attention(q_all[rows], rows, k, v, positions), atol=1e-5, rtol=1e-5)
+
+
+def test_expand_kv_heads_repeats_each_kv_head_for_its_query_group():
+    k = torch.randn(5, HKV, D)
+    out = expand_kv_heads(k, HQ)  # [1, Hq, N, D]
+    assert out.shape == (1, HQ, 5, D)
+    for head in range(HQ):
+        torch.testing.assert_close(out[0, head], k[:, head // (HQ // HKV)])
+
+
+def test_rejects_mismatched_lengths_and_queries_that_see_no_key():
+    q, k, v = random_qkv(4, 10)
+    with pytest.raises(ValueError):
+        causal_attention(q, torch.arange(3), k, v)
+    with pytest.raises(ValueError):
+        causal_attention(q, torch.arange(4), k, v, torch.arange(9))
+    with pytest.raises(ValueError):
+        causal_attention(q, torch.arange(4), k, v[:9])
+    with pytest.raises(ValueError, match="precedes every key"):
+        causal_attention(q, torch.arange(4), k, v, torch.arange(2, 12))
+
+
+def test_no_queries_give_an_empty_result():
+    _, k, v = random_qkv(1, 10)
+    out = causal_attention(torch.empty(0, HQ, D), torch.empty(0, dtype=torch.long), k, v)
+    assert out.shape == (0, HQ, D)

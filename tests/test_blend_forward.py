@@ -1,0 +1,263 @@
+"""ragcache.blend.forward: compute_kv is an exact prefill; blend_kv spans reuse (ratio 0) to full prefill (ratio 1)."""
+
+import threading
+
+import pytest
+import torch
+from hf_ops import HFLlamaOps, LayerCollector, cached_context, hf_layer_kv, smollm2, tiny_llama
+
+from ragcache.blend import DecoderOps, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama()
+    return model, HFLlamaOps(model)
+
+
+@pytest.fixture(scope="module")
+def tiny_context(tiny):
+    """A lead-in and three chunks of the tiny model, each chunk's KV computed alone after the lead-in."""
+    _, ops = tiny
+    g = torch.Generator().manual_seed(11)
+    lead_in = torch.randint(0, 256, (6,), generator=g).tolist()
+    chunks = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 25, 33)]
+    return cached_context(ops, lead_in, chunks)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tokenizer = smollm2()
+    return model, HFLlamaOps(model), tokenizer
+
+
+def full_kv(ops, context):
+    """compute_kv of the whole context, K rotated to its positions: per layer [N, Hkv, D]."""
+    k_pre, v = compute_kv(ops, context.token_ids, context.positions)
+    return [move_keys(ops, layer, k_pre[layer], context.positions) for layer in range(ops.num_layers)], list(v)
+
+
+def run_blend(ops, context, **kwargs):
+    collected = LayerCollector(ops.num_layers)
+    result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, on_layer=collected, **kwargs)
+    return result, collected
+
+
+def test_transformers_adapter_satisfies_the_decoder_ops_protocol(tiny):
+    _, ops = tiny
+    assert isinstance(ops, DecoderOps)
+    assert (ops.num_layers, ops.num_heads, ops.num_kv_heads, ops.head_dim) == (4, 4, 2, 16)
+    assert ops.scaling == 16**-0.5
+
+
+def test_compute_kv_equals_transformers_past_key_values_every_layer_tiny(tiny):
+    model, ops = tiny
+    ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(70)
+    k_pre, v = compute_kv(ops, ids, positions)
+    assert k_pre.shape == v.shape == (ops.num_layers, 70, ops.num_kv_heads, ops.head_dim)
+    expected = hf_layer_kv(model, ids, positions)
+    for layer in range(ops.num_layers):
+        k = move_keys(ops, layer, k_pre[layer], positions)
+        torch.testing.assert_close(k, expected[layer][0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(v[layer], expected[layer][1], atol=1e-6, rtol=0)
+
+
+def test_compute_kv_keep_from_returns_the_tail_of_the_full_prefill(tiny):
+    _, ops = tiny
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(100, 130)
+    k_all, v_all = compute_kv(ops, ids, positions)
+    k_tail, v_tail = compute_kv(ops, ids, positions, keep_from=12)
+    assert torch.equal(k_tail, k_all[:, 12:]) and torch.equal(v_tail, v_all[:, 12:])
+    with pytest.raises(ValueError):
+        compute_kv(ops, ids, positions, keep_from=30)
+    with pytest.raises(ValueError):
+        compute_kv(ops, ids, positions[:-1])
+
+
+def test_compute_kv_equals_transformers_past_key_values_every_layer_smollm2(smol):
+    model, ops, tokenizer = smol
+    text = "Paris is the capital of France. It hosts the Louvre, the most visited museum in the world."
+    ids = torch.tensor(tokenizer(text)["input_ids"])
+    positions = torch.arange(ids.shape[0])
+    k_pre, v = compute_kv(ops, ids, positions)
+    expected = hf_layer_kv(model, ids, positions)
+    for layer in range(ops.num_layers):
+        k = move_keys(ops, layer, k_pre[layer], positions)
+        torch.testing.assert_close(k, expected[layer][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v[layer], expected[layer][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("check_layer", "deviation", "prefetch"),
+    [(0, "value", True), (1, "value", True), (1, "key", False), (3, "key", True), (3, "value", False)],
+)
+def test_blend_at_ratio_one_reproduces_full_prefill_multi_chunk_tiny(
+    tiny, tiny_context, check_layer, deviation, prefetch
+):
+    _, ops = tiny
+    expected_k, expected_v = full_kv(ops, tiny_context)
+    result, got = run_blend(
+        ops, tiny_context, recompute_ratio=1.0, check_layer=check_layer, deviation=deviation, prefetch=prefetch
+    )
+    n = tiny_context.token_ids.shape[0]
+    assert result.num_recomputed == n and result.selected.tolist() == list(range(n))
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_blend_at_ratio_one_reproduces_full_prefill_multi_chunk_smollm2(smol):
+    _, ops, tokenizer = smol
+    lead_in = tokenizer("<|im_start|>system\nAnswer from the passages.<|im_end|>\n")["input_ids"]
+    passages = [
+        "The Amazon is the largest rainforest on Earth, spanning nine countries in South America.",
+        "Mount Kilimanjaro, a dormant volcano in Tanzania, is the highest mountain in Africa.",
+        "The Danube flows through ten countries, more than any other river in the world.",
+    ]
+    context = cached_context(ops, lead_in, [tokenizer(p + "\n")["input_ids"] for p in passages])
+    expected_k, expected_v = full_kv(ops, context)
+    _, got = run_blend(ops, context, recompute_ratio=1.0, check_layer=1)
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("check_layer", [0, 1, 2])
+def test_blend_at_ratio_zero_equals_reuse_after_the_check_layer(tiny, tiny_context, check_layer):
+    _, ops = tiny
+    result, blended = run_blend(ops, tiny_context, recompute_ratio=0.0, check_layer=check_layer)
+    reused = LayerCollector(ops.num_layers)
+    reuse_result = reuse_kv(ops, tiny_context.positions, tiny_context.load_layer, reused)
+    expected_k, expected_v = full_kv(ops, tiny_context)
+    assert result.num_recomputed == 0 and reuse_result.num_recomputed == 0
+    for layer in range(ops.num_layers):
+        if layer <= check_layer:  # computed in full for every token
+            torch.testing.assert_close(blended.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(blended.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(blended.k[layer], reused.k[layer])
+            assert torch.equal(blended.v[layer], reused.v[layer])
+
+
+def test_reuse_moves_cached_k_and_keeps_v(tiny, tiny_context):
+    _, ops = tiny
+    got = LayerCollector(ops.num_layers)
+    shifted = tiny_context.positions + 500
+    reuse_kv(ops, shifted, tiny_context.load_layer, got, prefetch=False)
+    for layer in range(ops.num_layers):
+        assert torch.equal(got.k[layer], move_keys(ops, layer, tiny_context.k_pre[layer], shifted))
+        assert torch.equal(got.v[layer], tiny_context.v[layer])
+
+
+def test_reuse_of_a_single_chunk_at_its_canonical_position_is_exact(tiny, tiny_context):
+    # Lead-in + first chunk sit exactly where they were precomputed: reuse equals full prefill.
+    _, ops = tiny
+    n = tiny_context.chunk_starts[1]
+    k_pre, v = tiny_context.k_pre[:, :n], tiny_context.v[:, :n]
+    got = LayerCollector(ops.num_layers)
+    reuse_kv(ops, torch.arange(n), lambda layer: (k_pre[layer], v[layer]), got)
+    expected_k, expected_v = compute_kv(ops, tiny_context.token_ids[:n], torch.arange(n))
+    for layer in range(ops.num_layers):
+        k = move_keys(ops, layer, expected_k[layer], torch.arange(n))
+        torch.testing.assert_close(got.k[layer], k, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-6, rtol=0)
+
+
+def test_blend_recomputes_the_budget_and_keeps_unselected_rows_cached(tiny, tiny_context):
+    _, ops = tiny
+    check_layer = 1
+    result, got = run_blend(ops, tiny_context, recompute_ratio=0.2, check_layer=check_layer)
+    n = tiny_context.token_ids.shape[0]
+    assert result.num_recomputed == hkvd_budget(0.2, n) == result.selected.shape[0]
+    assert torch.all(result.selected[1:] > result.selected[:-1])
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[result.selected] = False
+    for layer in range(check_layer + 1, ops.num_layers):
+        cached_k = move_keys(ops, layer, tiny_context.k_pre[layer], tiny_context.positions)
+        assert torch.equal(got.k[layer][kept], cached_k[kept])
+        assert torch.equal(got.v[layer][kept], tiny_context.v[layer][kept])
+        assert not torch.allclose(got.v[layer][~kept], tiny_context.v[layer][~kept])
+
+
+def test_blend_selects_by_value_deviation_at_the_check_layer(tiny, tiny_context):
+    _, ops = tiny
+    result, got = run_blend(ops, tiny_context, recompute_ratio=0.1, check_layer=2)
+    deviation = (got.v[2] - tiny_context.v[2]).pow(2).sum(dim=(1, 2))
+    expected = torch.sort(torch.topk(deviation, result.num_recomputed).indices).values
+    assert torch.equal(result.selected, expected)
+
+
+def test_forced_tokens_without_cached_kv_are_recomputed(tiny, tiny_context):
+    # The second chunk's KV is missing: load_layer hands zeros for it and it is forced.
+    _, ops = tiny
+    start, stop = tiny_context.chunk_starts[1], tiny_context.chunk_starts[2]
+    forced = torch.zeros(tiny_context.token_ids.shape[0], dtype=torch.bool)
+    forced[start:stop] = True
+    k_pre, v = tiny_context.k_pre.clone(), tiny_context.v.clone()
+    k_pre[:, start:stop] = 0
+    v[:, start:stop] = 0
+    collected = LayerCollector(ops.num_layers)
+    result = blend_kv(
+        ops, tiny_context.token_ids, tiny_context.positions, lambda layer: (k_pre[layer], v[layer]),
+        recompute_ratio=0.1, forced=forced, on_layer=collected,
+    )
+    n = tiny_context.token_ids.shape[0]
+    assert set(range(start, stop)) <= set(result.selected.tolist())
+    assert result.num_recomputed == (stop - start) + hkvd_budget(0.1, n)
+    for layer in range(ops.num_layers):
+        assert collected.v[layer][start:stop].abs().sum(dim=(1, 2)).min() > 0
+
+    # Every token forced, nothing cached: the blend is a full prefill.
+    everything = LayerCollector(ops.num_layers)
+    blend_kv(
+        ops, tiny_context.token_ids, tiny_context.positions, lambda layer: (torch.zeros_like(k_pre[layer]),) * 2,
+        recompute_ratio=0.0, forced=torch.ones(n, dtype=torch.bool), on_layer=everything,
+    )
+    expected_k, expected_v = full_kv(ops, tiny_context)
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(everything.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(everything.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_prefetch_loads_layers_in_order_on_a_background_thread(tiny, tiny_context):
+    _, ops = tiny
+    calls = []
+
+    def load_layer(layer):
+        calls.append((layer, threading.current_thread() is threading.main_thread()))
+        return tiny_context.load_layer(layer)
+
+    ids, positions = tiny_context.token_ids, tiny_context.positions
+    collected = LayerCollector(ops.num_layers)
+    result = blend_kv(ops, ids, positions, load_layer, check_layer=1, on_layer=collected)
+    assert [layer for layer, _ in calls] == [1, 2, 3]  # layers before the check layer need no cached KV
+    assert not any(on_main for _, on_main in calls)
+    assert result.load_s >= 0 and result.compute_s > 0 and result.on_layer_s > 0
+
+    calls.clear()
+    blend_kv(ops, ids, positions, load_layer, check_layer=1, on_layer=collected, prefetch=False)
+    assert calls == [(1, True), (2, True), (3, True)]
+
+
+def test_blend_rejects_bad_arguments(tiny, tiny_context):
+    _, ops = tiny
+    ids, positions, load = tiny_context.token_ids, tiny_context.positions, tiny_context.load_layer
+    sink = LayerCollector(ops.num_layers)
+    for kwargs in (
+        {"recompute_ratio": 1.5},
+        {"recompute_ratio": -0.1},
+        {"check_layer": ops.num_layers},
+        {"check_layer": -1},
+        {"deviation": "attention"},
+        {"forced": torch.zeros(3, dtype=torch.bool)},
+    ):
+        with pytest.raises(ValueError):
+            blend_kv(ops, ids, positions, load, on_layer=sink, **kwargs)
+    with pytest.raises(ValueError):
+        blend_kv(ops, ids, positions[:-1], load, on_layer=sink)
+    with pytest.raises(ValueError, match="load_layer"):
+        blend_kv(ops, ids, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), on_layer=sink)
+    with pytest.raises(ValueError, match="load_layer"):
+        reuse_kv(ops, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), sink)
