@@ -1,0 +1,204 @@
+"""The chat page: streamed answers with their sources and metrics, TTFT over the session, KV cache.
+
+A page script of ui/app.py's st.navigation (run as ``__main__``); importable for its parts.
+
+Session state owned here: ``messages`` (the conversation: user questions and assistant records
+holding the SDK's Answer objects or an error message) and ``ttft_log`` (one row per generation:
+query number, mode, TTFT).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import streamlit as st
+
+from ragcache.config import MODES, Settings
+from ui import components, state
+
+if TYPE_CHECKING:
+    from ragcache.pipeline import Answer, RAGPipeline
+
+log = logging.getLogger("ui.chat_page")  # run as __main__ by st.navigation
+
+MESSAGES = "messages"
+TTFT_LOG = "ttft_log"
+
+MODE_HELP = ("blend: reuse chunk KV and recompute the HKVD tokens (CacheBlend) · reuse: reuse chunk KV, "
+             "recompute nothing · prefix: vLLM prefix caching only · full: normal prefill, no reuse")
+
+
+@dataclass(frozen=True)
+class QueryOptions:
+    mode: str
+    top_k: int
+    recompute_ratio: float
+    compare: bool
+
+
+def sidebar_controls(settings: Settings) -> QueryOptions:
+    """Mode, recompute ratio, top_k and the comparison toggle (kept across page switches)."""
+    with st.sidebar:
+        st.subheader("Query")
+        mode = st.selectbox("Mode", MODES, index=MODES.index(settings.engine.mode), key="mode",
+                            persist_state="session", help=MODE_HELP)
+        ratio = st.slider("Recompute ratio", 0.0, 1.0, float(settings.blend.recompute_ratio), 0.01,
+                          key="recompute_ratio", persist_state="session", disabled=mode != "blend",
+                          help="share of context tokens recomputed in blend mode (HKVD tokens)")
+        top_k = st.number_input("top_k", 1, 100, int(settings.retrieval.top_k), 1, key="top_k",
+                                persist_state="session", help="chunks retrieved per question")
+        compare = st.toggle("Compare with full prefill", key="compare", persist_state="session",
+                            disabled=mode == "full",
+                            help="also run each question with full prefill and show the TTFT speedup")
+        if st.button("Clear conversation", icon=":material/delete_sweep:", disabled=not st.session_state[MESSAGES]):
+            st.session_state[MESSAGES] = []
+            st.session_state[TTFT_LOG] = []
+    return QueryOptions(mode, int(top_k), float(ratio), bool(compare) and mode != "full")
+
+
+def render(settings: Settings, index: str | None) -> None:
+    st.session_state.setdefault(MESSAGES, [])
+    st.session_state.setdefault(TTFT_LOG, [])
+    opts = sidebar_controls(settings)
+
+    st.title("ragcache chat")
+    if index:
+        st.caption(f"Index **{index}** · answers come from the embedded vLLM engine, which reuses each "
+                   f"chunk's stored KV instead of prefilling it again.")
+    # The overview sits above the conversation but is drawn again once this run's question is
+    # answered, so its chart and cache numbers include it.
+    left, right = st.container(border=True).columns([1, 1], gap="medium")
+    left.markdown("**TTFT per query**")
+    chart_slot = left.empty()
+    with chart_slot.container():
+        components.ttft_chart(st.session_state[TTFT_LOG])
+    right.markdown("**KV cache per tier**")
+    cache_slot = right.empty()
+    cache_slot.caption("Shown once the engine runs" + ("." if index else " (ingest an index first)."))
+
+    for record in st.session_state[MESSAGES]:
+        with st.chat_message(record["role"]):
+            if record["role"] == "user":
+                st.text(record["content"])
+            else:
+                show_answer(record)
+
+    question = st.chat_input("Ask a question about the documents" if index else "Ingest documents first",
+                             submit_mode="disable", disabled=not index)
+    pipe = None
+    if not index:
+        st.info(f"There is no index under `{state.index_dir(settings)}` yet. Upload files on the Ingest page, "
+                "or run `ragcache ingest PATH --index NAME` and reload.", icon=":material/info:")
+        st.page_link("ingest_page.py", label="Go to the Ingest page", icon=":material/upload_file:")
+    else:
+        try:
+            with st.spinner("Loading the index; the first time, starting the vLLM engine (once per server "
+                            "process, 30-70 s on 2 CPU cores)…", show_time=True):
+                pipe = state.pipeline_for(settings, index)
+                _ = pipe.retriever  # load the index and the embedding model now, not in the first question
+        except Exception as exc:
+            log.exception("cannot open index %s", index)
+            st.error(state.describe_error(exc, index))
+    if question is not None and pipe is not None:
+        ask(pipe, index, question, opts)
+        with chart_slot.container():
+            components.ttft_chart(st.session_state[TTFT_LOG])
+    if pipe is not None:
+        with cache_slot.container():
+            try:
+                components.cache_table(pipe.cache_stats())
+            except Exception as exc:
+                log.exception("cache stats failed")
+                st.caption(f"Cache stats unavailable: {type(exc).__name__}: {exc}")
+
+
+def show_answer(record: dict[str, Any], streamed: bool = False) -> None:
+    """One assistant turn: the text (unless it was just streamed), metrics, comparison, sources."""
+    if "error" in record:
+        st.error(record["error"], icon=":material/error:")
+        return
+    answer: Answer = record["answer"]
+    if not streamed:
+        st.markdown(answer.text or "_(empty answer)_")
+    elif not answer.text:
+        st.markdown("_(empty answer)_")
+    full = record.get("full")
+    components.metrics_strip(answer, full)
+    if "compare_error" in record:
+        st.warning(f"No comparison with full prefill: {record['compare_error']}")
+    if full is not None:
+        components.comparison_expander(full)
+    components.sources_expander(answer.sources)
+
+
+def _text_pieces(stream: Iterator["str | Answer"], holder: dict[str, Any]) -> Iterator[str]:
+    """The text pieces of ``pipeline.stream``; the final Answer goes into ``holder["answer"]``.
+
+    If the page is rerun mid-answer (another widget changed), closing this generator drains the
+    rest of the stream, so the engine finishes the request and the answer still reaches the history.
+    """
+    try:
+        for item in stream:
+            if isinstance(item, str):
+                yield item
+            else:
+                holder["answer"] = item
+    finally:
+        for item in stream:
+            if not isinstance(item, str):
+                holder["answer"] = item
+
+
+def ask(pipe: "RAGPipeline", index: str, question: str, opts: QueryOptions) -> None:
+    """Answer ``question`` (streamed), record it, show it; errors become an st.error with the fix."""
+    history = st.session_state[MESSAGES]
+    history.append({"role": "user", "content": question})
+    with st.chat_message("user"):
+        st.text(question)
+    record: dict[str, Any] = {"role": "assistant", "index": index}
+    with st.chat_message("assistant"):
+        try:
+            if not question.strip():
+                raise ValueError("the question is empty: type a question in the box below")
+            holder: dict[str, Any] = {}
+            pieces = _text_pieces(pipe.stream(question, mode=opts.mode, top_k=opts.top_k,
+                                              recompute_ratio=opts.recompute_ratio), holder)
+            try:
+                st.write_stream(pieces)
+            finally:
+                pieces.close()
+                if "answer" in holder:
+                    record["answer"] = holder["answer"]
+            if opts.compare:
+                try:
+                    with st.spinner("Running the same question with full prefill…"):
+                        record["full"] = pipe.query(question, mode="full", top_k=opts.top_k)
+                except Exception as exc:
+                    log.warning("full-prefill comparison failed: %s", exc)
+                    record["compare_error"] = state.describe_error(exc, index)
+            show_answer(record, streamed=True)
+        except Exception as exc:  # ScriptControlException (rerun/stop) is a BaseException: not caught
+            log.warning("question failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
+            record.pop("answer", None)
+            record["error"] = state.describe_error(exc, index)
+            st.error(record["error"], icon=":material/error:")
+        finally:
+            if "answer" not in record and "error" not in record:
+                record["error"] = "Stopped before the answer came back (the page was rerun). Ask again."
+            history.append(record)
+            if "answer" in record:
+                _log_ttft(record["answer"], record.get("full"))
+
+
+def _log_ttft(answer: "Answer", full: "Answer | None") -> None:
+    rows = st.session_state[TTFT_LOG]
+    n = (rows[-1]["query"] + 1) if rows else 1
+    rows.append({"query": n, "mode": answer.metrics.mode, "ttft_s": answer.metrics.ttft_s})
+    if full is not None:
+        rows.append({"query": n, "mode": full.metrics.mode, "ttft_s": full.metrics.ttft_s})
+
+
+if __name__ == "__main__":
+    render(state.load_settings(), st.session_state.get(state.ACTIVE_INDEX))

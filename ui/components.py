@@ -1,0 +1,148 @@
+"""Pieces of the chat page: an answer's metrics strip and sources, the TTFT chart, the cache panel.
+
+Pure rendering from SDK result objects (Answer, QueryMetrics, cache_stats() dicts); no engine calls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import streamlit as st
+
+if TYPE_CHECKING:
+    from ragcache.pipeline import Answer, QueryMetrics, Source
+
+#: tiers top-down, as the store names them; others are appended in the order seen
+TIER_ORDER = ("device", "cpu", "disk", "remote", "computed")
+
+
+def seconds(x: float) -> str:
+    return f"{x:.3f} s"
+
+
+def tier_hits_text(hits: dict[str, int]) -> str:
+    """``{"cpu": 3, "disk": 1}`` -> ``cpu 3 · disk 1`` (top tier first); ``-`` when empty."""
+    order = [t for t in TIER_ORDER if t in hits] + sorted(t for t in hits if t not in TIER_ORDER)
+    return " · ".join(f"{t} {hits[t]}" for t in order if hits[t]) or "-"
+
+
+def speedup(answer: "Answer", full: "Answer | None") -> float | None:
+    """full-prefill TTFT / this answer's TTFT, or None without a comparison."""
+    if full is None or answer.metrics.ttft_s <= 0:
+        return None
+    return full.metrics.ttft_s / answer.metrics.ttft_s
+
+
+def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
+    """TTFT, mode, reused / recomputed tokens and tier hits of one answer (plus the speedup over
+    full prefill when it was compared), then a caption with the remaining numbers."""
+    m: QueryMetrics = answer.metrics
+    up = speedup(answer, full)
+    cols = st.columns([1.1, 0.9, 1.1, 1.2, 1.4] + ([1.1] if up is not None else []))
+    delta = None
+    if full is not None:
+        delta = f"{m.ttft_s - full.metrics.ttft_s:+.3f} s vs full"
+    cols[0].metric("TTFT", seconds(m.ttft_s), delta=delta, delta_color="inverse",
+                   help="time to first token: loading/blending chunk KV + prefill of the question")
+    cols[1].metric("Mode", m.mode)
+    cols[2].metric("Reused tokens", f"{m.reused_tokens:,}", help="context tokens whose KV came from the cache")
+    cols[3].metric("Recomputed tokens", f"{m.recomputed_tokens:,}",
+                   help="context tokens recomputed (HKVD tokens in blend; all of them in full/prefix)")
+    cols[4].metric("Tier hits", tier_hits_text(m.tier_hits), help="chunks served per KV tier")
+    if up is not None:
+        cols[5].metric("Speedup vs full", f"{up:.1f}×", help=f"full prefill TTFT {seconds(full.metrics.ttft_s)} "
+                       f"/ {m.mode} TTFT {seconds(m.ttft_s)}")
+    parts = [f"retrieval {seconds(m.retrieval_s)}", f"total {m.total_s:.2f} s",
+             f"prompt {m.prompt_tokens:,} tokens", f"{m.output_tokens} tokens out"]
+    if m.load_s or m.blend_s:
+        parts[1:1] = [f"KV load {seconds(m.load_s)}", f"blend {seconds(m.blend_s)}"]
+    st.caption(" · ".join(parts))
+
+
+def sources_expander(sources: Sequence["Source"]) -> None:
+    """The retrieved chunks in prompt order: title, score, the KV tier that served them, text."""
+    with st.expander(f"Sources ({len(sources)})", icon=":material/description:"):
+        if not sources:
+            st.caption("No sources.")
+        for i, s in enumerate(sources, 1):
+            title = s.title or s.doc_id or s.chunk_id
+            st.markdown(f"**{i}. {_escape(title)}** &nbsp; score `{s.score:.3f}` &nbsp; KV tier "
+                        f"`{s.tier or '-'}`")
+            st.text(s.text)
+            st.caption(f"{s.doc_id} · chunk {s.chunk_id}")
+
+
+def comparison_expander(full: "Answer") -> None:
+    """The full-prefill answer that was run for comparison."""
+    with st.expander(f"Full prefill answer (TTFT {seconds(full.metrics.ttft_s)})", icon=":material/compare:"):
+        st.text(full.text or "(empty answer)")
+        st.caption(f"prompt {full.metrics.prompt_tokens:,} tokens · recomputed "
+                   f"{full.metrics.recomputed_tokens:,} · total {full.metrics.total_s:.2f} s")
+
+
+def ttft_chart(rows: Sequence[dict[str, Any]]) -> None:
+    """TTFT per query over the session, one series per mode (rows: query, mode, ttft_s)."""
+    if not rows:
+        st.caption("TTFT per query appears here after the first question.")
+        return
+    import altair as alt
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    chart = (
+        alt.Chart(df)
+        .mark_line(point=alt.OverlayMarkDef(size=60))
+        .encode(
+            x=alt.X("query:O", title="query", axis=alt.Axis(labelAngle=0)),
+            y=alt.Y("ttft_s:Q", title="TTFT (s)"),
+            color=alt.Color("mode:N", title="mode", sort=["blend", "reuse", "prefix", "full"]),
+            tooltip=["query", "mode", alt.Tooltip("ttft_s:Q", format=".3f", title="TTFT (s)")],
+        )
+        .properties(height=200)
+    )
+    st.altair_chart(chart, width="stretch")
+
+
+def cache_table(stats: dict[str, dict[str, Any]]) -> None:
+    """Per KV tier: hit rate (bar), hits / lookups, entries, bytes stored of its capacity."""
+    import pandas as pd
+
+    if not stats:
+        st.caption("The KV store reports no tiers.")
+        return
+    rows = []
+    for tier, s in stats.items():
+        cap = s.get("capacity_bytes")
+        lookups = int(s.get("hits", 0)) + int(s.get("misses", 0))
+        rows.append({
+            "tier": tier + ("" if s.get("up", True) else " (down)"),
+            "hit rate": float(s.get("hit_rate", 0.0)),
+            "hits": f"{s.get('hits', 0)}/{lookups}",
+            "entries": int(s.get("entries", 0)),
+            "stored": f"{_size(int(s.get('occupancy_bytes') or 0))} / {_size(cap) if cap else 'unbounded'}",
+        })
+    st.dataframe(
+        pd.DataFrame(rows), hide_index=True, width="stretch",
+        column_config={
+            "tier": st.column_config.TextColumn("tier", width=70),
+            "hit rate": st.column_config.ProgressColumn(
+                "hit rate", format="percent", min_value=0.0, max_value=1.0, width=120,
+                help="hits / lookups that reached this tier, since the server started"),
+            "hits": st.column_config.TextColumn("hits", width=60, help="hits / lookups"),
+            "entries": st.column_config.NumberColumn("entries", width=65, help="chunk KV entries held now"),
+            "stored": st.column_config.TextColumn("stored", help="bytes held now / capacity (GB = 10^9 bytes)"),
+        },
+    )
+
+
+def _size(n: int | float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _escape(text: str) -> str:
+    """``text`` with Markdown's special characters escaped."""
+    return "".join("\\" + c if c in "\\`*_{}[]()#+-.!|<>~$" else c for c in text)
