@@ -70,11 +70,13 @@ class IndexMismatchError(ValueError):
 def resolve_index_path(name: str | os.PathLike[str], index_dir: str | os.PathLike[str]) -> Path:
     """Folder of the index ``name``.
 
-    ``name`` is taken as a path when it contains a path separator or names an existing folder;
-    otherwise it is a name under ``index_dir`` (``ingest.index_dir``, default ``indexes``).
+    ``name`` is taken as a path when it contains a path separator (``./docs``, ``/data/idx``);
+    otherwise it is a name under ``index_dir`` (``ingest.index_dir``, default ``indexes``). A bare
+    name never means a folder of the working directory: ``--index docs`` run from a project root
+    must not replace the project's ``docs/`` folder with an index.
     """
     raw = os.fspath(name)
-    if os.sep in raw or (os.altsep and os.altsep in raw) or Path(raw).is_dir():
+    if os.sep in raw or (os.altsep and os.altsep in raw):
         return Path(raw).expanduser()
     return Path(index_dir).expanduser() / raw
 

@@ -425,3 +425,13 @@ def test_cli_ingest_prints_summary_and_exits_nonzero_only_when_nothing_was_inges
     # a name without a separator resolves under ingest.index_dir (here ./indexes in tmp_path)
     assert main(["ingest", str(tmp_path / "corpus" / "notes.txt"), "--index", "named", "--quiet", "--no-kv"]) == 0
     assert (tmp_path / "indexes" / "named" / "manifest.json").is_file()
+
+
+def test_bare_index_name_never_means_a_folder_of_the_working_directory(tmp_path, monkeypatch):
+    from ragcache.index import resolve_index_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    assert resolve_index_path("docs", "indexes") == Path("indexes") / "docs"
+    assert resolve_index_path("./docs", "indexes") == Path("./docs")
+    assert resolve_index_path(str(tmp_path / "idx"), "indexes") == tmp_path / "idx"
