@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.verbose:  # vLLM's per-step INFO lines drown the answers; -v brings them back
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -38,8 +38,9 @@ class EngineKVHook:
     ``totals`` sums the precompute reports (computed, skipped, tokens, seconds).
     """
 
-    def __init__(self, settings: "Settings"):
+    def __init__(self, settings: "Settings", show_progress: bool = True):
         self.settings = settings
+        self.show_progress = show_progress
         self.engine = None
         self.totals = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0}
 
@@ -51,14 +52,14 @@ class EngineKVHook:
 
             print(f"starting the engine for the KV precompute of {len(chunks)} chunks ...", file=sys.stderr, flush=True)
             self.engine = BlendEngine(self.settings)
-        out = self.engine.precompute(chunks)
+        out = self.engine.precompute(chunks, show_progress=self.show_progress)
         for k in self.totals:
             self.totals[k] += out[k]
 
 
-def make_kv_hook(settings: "Settings") -> "KVHook | None":
+def make_kv_hook(settings: "Settings", show_progress: bool = True) -> "KVHook | None":
     """The KV precompute step run on newly ingested chunks (see :class:`EngineKVHook`)."""
-    return EngineKVHook(settings)
+    return EngineKVHook(settings, show_progress)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
     settings = Settings.load(args.settings)
     want_kv = settings.ingest.precompute_kv and not args.no_kv
-    kv_hook = make_kv_hook(settings) if want_kv else None
+    kv_hook = make_kv_hook(settings, not args.quiet) if want_kv else None
     ingestor = Ingestor(settings, args.index, kv_hook=kv_hook, show_progress=not args.quiet)
     try:
         report = ingestor.ingest(args.paths, prune=args.prune)

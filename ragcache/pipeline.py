@@ -137,7 +137,7 @@ class RAGPipeline:
         from ragcache.ingest import Ingestor
 
         kv = self.settings.ingest.precompute_kv if precompute_kv is None else precompute_kv
-        hook = (lambda chunks: self.engine.precompute(chunks)) if kv else None
+        hook = (lambda chunks: self.engine.precompute(chunks, show_progress=show_progress)) if kv else None
         with self._lock:
             report = Ingestor(self.settings, self.index_path, kv_hook=hook,
                               show_progress=show_progress).ingest(paths, prune=prune)

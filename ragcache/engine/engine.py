@@ -96,6 +96,7 @@ class BlendEngine:
         from vllm.config import KVTransferConfig
 
         self.settings = settings
+        self._lock = threading.RLock()
         self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
         t0 = time.perf_counter()
         # read by vLLM when the engine is created (vllm.envs is evaluated lazily)
@@ -125,25 +126,38 @@ class BlendEngine:
         )[0]
         self.tokenizer = self.llm.get_tokenizer()
         self.prompts = PromptBuilder(self.tokenizer, settings.prompt, self.llm_info.fingerprint)
+        # one tiny blend request: the first one pays for lazy kernel and allocator set-up
+        self.generate(self.prompts.build("warm up", []), "blend", max_tokens=1)
         self.startup_s = time.perf_counter() - t0
-        self._lock = threading.RLock()
         log.info("BlendEngine ready on %s in %.1f s", self.device, self.startup_s)
 
     # ---- KV precompute ---------------------------------------------------------------------
 
-    def precompute(self, chunks: Sequence[Chunk]) -> dict[str, Any]:
+    def precompute(self, chunks: Sequence[Chunk], *, show_progress: bool = False,
+                   batch_size: int = 8) -> dict[str, Any]:
         """Compute and store the KV of the head and of each chunk's unit not stored yet.
 
         Blocks the engine while it runs: call it at ingest time, not beside live requests.
-        Returns ``{"computed", "skipped", "tokens", "seconds"}``.
+        Chunks go to the worker ``batch_size`` at a time (a tqdm bar on stderr when
+        ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds"}`` (seconds of
+        worker compute, tokens of the computed units).
         """
-        with self._lock:
-            head = self.llm.collective_rpc(
-                "ragcache_precompute", args=([], [[self.prompts.head_key, self.prompts.head_ids]]))[0]
+        from tqdm import tqdm
+
+        total = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0}
+        bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute", disable=not show_progress)
+        with self._lock, bar:
+            batches = [(list(), [[self.prompts.head_key, self.prompts.head_ids]])]
             items = [[self.prompts.key(c), self.prompts.unit_ids(c)] for c in chunks]
-            out = self.llm.collective_rpc("ragcache_precompute", args=(self.prompts.head_ids, items))[0]
-        out["computed"] += head["computed"]
-        return out
+            batches += [(self.prompts.head_ids, items[i:i + batch_size]) for i in range(0, len(items), batch_size)]
+            for n, (lead_in, batch) in enumerate(batches):
+                out = self.llm.collective_rpc("ragcache_precompute", args=(lead_in, batch))[0]
+                for k in total:
+                    total[k] += out[k]
+                if n:  # the head is not one of the user's chunks
+                    bar.update(len(batch))
+                    bar.set_postfix_str(f"{total['tokens'] / max(total['seconds'], 1e-9):,.0f} tok/s")
+        return total
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -240,16 +254,23 @@ class BlendEngine:
         text, token_ids, last = [], [], None
         with self._lock:
             req_id = engine.add_request(rid, inputs, sp)  # internal id = rid + random suffix
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id not in (rid, req_id):
-                        continue
-                    piece = out.outputs[0].text
-                    token_ids.extend(out.outputs[0].token_ids)
-                    last = out
-                    if piece:
-                        text.append(piece)
-                        yield piece
+            finished = False
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.request_id not in (rid, req_id):
+                            continue
+                        piece = out.outputs[0].text
+                        token_ids.extend(out.outputs[0].token_ids)
+                        last = out
+                        if piece:
+                            text.append(piece)
+                            yield piece
+                finished = True
+            finally:
+                if not finished:  # the reader stopped early: free the request's slots in vLLM
+                    engine.abort_request([req_id], internal=True)
+                    self.llm.collective_rpc("ragcache_pop_stats", args=(rid,))
             metrics = self._metrics(rid, mode, prompt, last, time.perf_counter() - t0, len(token_ids))
         yield Generation("".join(text), token_ids, metrics)
 

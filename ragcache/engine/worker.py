@@ -138,7 +138,10 @@ class WorkerRuntime:
                 handles[j], tiers[j] = _MemoryHandle(k, v), COMPUTED
                 return handles[j].layer(i)
 
+        loaded: set[int] = set()
+
         def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            loaded.add(i)
             ks, vs = zip(*(layer_of(j, i) for j in range(len(handles))))
             return torch.cat(ks).to(device, self.ops.dtype), torch.cat(vs).to(device, self.ops.dtype)
 
@@ -160,6 +163,11 @@ class WorkerRuntime:
                 on_layer=write_layer, prefetch=overlap,
             )
         recomputed = int(result.num_recomputed)
+        # blend does not load layers below the check layer; a handle promotes its entry to the top
+        # memory tier only once every layer was read, so read the rest (one layer: cheap)
+        for i in sorted(set(range(self.ops.num_layers)) - loaded):
+            for j in range(len(handles)):
+                layer_of(j, i)
         for h in handles:
             h.close()
         total_s = time.perf_counter() - t0
