@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import pydoc
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ def render_corpus(folder: Path) -> list[Path]:
     for name in DEMO_MODULES:
         path = folder / f"{name}.txt"
         text = pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext)
+        text = re.sub(r" at 0x[0-9a-f]+", "", text)  # object addresses change per process
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
         paths.append(path)
