@@ -26,8 +26,18 @@ test-unit: setup
 ui: setup
 	$(VENV)/bin/streamlit run ui/app.py
 
+# every benchmark once (hours on a 2-core CPU); results/ is not committed: the tables, plots and
+# JSON are copied to docs/bench/, which docs/benchmarks.md shows
+BENCH_N ?= 10
 bench: setup
-	$(VENV)/bin/ragcache bench ttft --n 10 --out results/bench_ttft.json
+	$(VENV)/bin/ragcache bench ttft --dataset musique --n $(BENCH_N) --out results/bench_ttft.json
+	$(VENV)/bin/ragcache bench ttft --dataset hotpotqa --n $(BENCH_N) --out results/bench_ttft_hotpotqa.json
+	$(VENV)/bin/ragcache bench hotset --out results/bench_hotset.json
+	$(VENV)/bin/ragcache bench throughput --out results/bench_throughput.json
+	$(VENV)/bin/ragcache bench tiers --out results/bench_tier_ttft.json
+	$(VENV)/bin/ragcache bench ingest --out results/bench_ingest.json
+	mkdir -p docs/bench
+	for b in ttft ttft_hotpotqa hotset throughput tier_ttft ingest; do cp -f results/bench_$$b.* docs/bench/; done
 
 clean-cache:
 	rm -rf indexes/* ~/.cache/ragcache/kv

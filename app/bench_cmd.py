@@ -1,0 +1,272 @@
+"""`ragcache bench ttft|hotset|throughput|tiers|ingest` and `ragcache eval`: reproducible numbers.
+
+Thin flag parsing over ragcache.evaluation, where the runners, metrics, tables and plots live.
+Every benchmark writes RESULT.json, RESULT.md (its tables) and, where it has one, RESULT.png, and
+prints the tables. The chunk KV of a run goes to a temporary folder (deleted afterwards) unless
+--kv-dir is given, so the user's KV cache is never touched and a configured Redis is not used.
+One engine per command (``tiers`` starts one per tier layout, in child processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ragcache.config import MODES
+
+_FMT = argparse.ArgumentDefaultsHelpFormatter
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _modes(text: str) -> list[str]:
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [m for m in vals if m not in MODES]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"modes must be some of {','.join(MODES)}; got {text!r}")
+    return vals
+
+
+def _common(p: argparse.ArgumentParser, *, out: str | None, dataset: str = "musique") -> None:
+    p.add_argument("--dataset", default=dataset,
+                   help="QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR) or a JSON path")
+    p.add_argument("--out", type=Path, default=Path(out) if out else None,
+                   help="result JSON (.md tables and .png plot beside it)"
+                   + ("" if out else "; default results/eval_MODE.json"))
+    p.add_argument("--kv-dir", type=Path, default=None,
+                   help="chunk KV folder for this run (default: a temporary folder, deleted afterwards)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, ingest",
+                       description="Each benchmark prints its tables and writes RESULT.json/.md/.png; "
+                       "see docs/benchmarks.md for what is measured and how.", formatter_class=_FMT)
+    kinds = b.add_subparsers(dest="bench_kind", metavar="BENCHMARK")
+    b.set_defaults(func=lambda args: _usage(b))
+
+    t = kinds.add_parser("ttft", help="TTFT, speedup and quality of every mode side by side, plus the ratio sweep",
+                         formatter_class=_FMT)
+    _common(t, out="results/bench_ttft.json")
+    t.add_argument("--n", type=int, default=10, help="examples")
+    t.add_argument("--offset", type=int, default=0, help="first example")
+    t.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt, in the file's order")
+    t.add_argument("--modes", type=_modes, default=list(MODES), help="modes to compare (full is always run)")
+    t.add_argument("--ratios", type=_floats, default=[0.0, 0.05, 0.1, 0.15, 0.3, 1.0],
+                   help="recompute ratios of the blend sweep (blend.recompute_ratio is always included)")
+    t.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per answer (greedy)")
+    t.add_argument("--prefix-warmup", choices=["chunks", "context", "none"], default="chunks",
+                   help="untimed warm-up before each prefix request: each chunk once after the head (chunks), "
+                   "the same context with another question (context), or nothing")
+    t.add_argument("--no-nll", action="store_true", help="skip the gold-answer NLL requests")
+    t.set_defaults(func=run_ttft)
+
+    h = kinds.add_parser("hotset", help="50 questions over chunk sets overlapping ~70%%: TTFT over the sequence, "
+                         "tier hit rates", formatter_class=_FMT)
+    _common(h, out="results/bench_hotset.json")
+    h.add_argument("--questions", type=int, default=50, help="questions in the sequence")
+    h.add_argument("--passages", type=int, default=6, help="chunks per question")
+    h.add_argument("--overlap", type=float, default=0.7, help="share of each question's chunks drawn from the hot pool")
+    h.add_argument("--hot-pool", type=int, default=12, help="passages in the hot pool (the most recurring ones)")
+    h.add_argument("--seed", type=int, default=0, help="seed of the hot-pool draws")
+    h.add_argument("--modes", type=_modes, default=["full", "prefix", "blend"], help="modes (full is always run)")
+    h.add_argument("--max-tokens", type=int, default=8, help="tokens decoded per answer")
+    h.add_argument("--window", type=int, default=10, help="questions at each end compared for speedup decay")
+    h.add_argument("--cpu-pool-gb", type=float, default=0.5,
+                   help="cpu tier size for the run: smaller than the working set, so cold chunks come from disk")
+    h.set_defaults(func=run_hotset)
+
+    p = kinds.add_parser("throughput", help="requests/s and prompt tokens/s of concurrent batches, full vs blend",
+                         formatter_class=_FMT)
+    _common(p, out="results/bench_throughput.json")
+    p.add_argument("--concurrency", type=_ints, default=[1, 4, 8, 16], help="batch sizes")
+    p.add_argument("--modes", type=_modes, default=["full", "blend"], help="modes")
+    p.add_argument("--passages", type=int, default=3, help="passages per prompt")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens decoded per request")
+    p.set_defaults(func=run_throughput)
+
+    r = kinds.add_parser("tiers", help="blend TTFT with chunk KV from cpu, disk, Redis; pipeline_overlap on/off",
+                         formatter_class=_FMT)
+    _common(r, out="results/bench_tier_ttft.json")
+    r.add_argument("--n", type=int, default=3, help="examples")
+    r.add_argument("--passages", type=int, default=10, help="passages per prompt")
+    r.add_argument("--repeats", type=int, default=3, help="requests per example, tier and overlap setting")
+    r.add_argument("--layouts", default="cpu,disk,remote", help="tier layouts (remote needs redis-server installed)")
+    r.set_defaults(func=run_tiers)
+
+    i = kinds.add_parser("ingest", help="KV precompute tokens/s next to vLLM's own prefill tokens/s",
+                         formatter_class=_FMT)
+    _common(i, out="results/bench_ingest.json")
+    i.add_argument("--n", type=int, default=3, help="examples whose passages are ingested")
+    i.add_argument("--passages", type=int, default=10, help="passages per example")
+    i.set_defaults(func=run_ingest)
+
+    e = sub.add_parser("eval", help="answer quality of one mode against full prefill and the gold answers (JSON)",
+                       description="KL(full || mode) of the first token, mean gold-answer NLL, token F1, Rouge-L, "
+                       "EM, and agreement with full prefill's answer.", formatter_class=_FMT)
+    _common(e, out=None)
+    e.add_argument("--mode", choices=MODES, default="blend", help="mode to evaluate")
+    e.add_argument("--n", type=int, default=10, help="examples")
+    e.add_argument("--offset", type=int, default=0, help="first example")
+    e.add_argument("--passages", type=int, default=10, help="passages per prompt")
+    e.add_argument("--recompute-ratio", type=float, default=None, help="blend ratio (default: blend.recompute_ratio)")
+    e.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per answer")
+    e.set_defaults(func=run_eval)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _with_engine(args: argparse.Namespace, work: Callable[[Any], dict[str, Any]], *,
+                 store: dict[str, Any] | None = None) -> int:
+    """Settings with the KV in --kv-dir (or a temporary folder), one engine, ``work(engine)``, write, print."""
+    from ragcache import evaluation as ev
+    from ragcache.engine import BlendEngine
+
+    kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
+    started = ev._now()
+    engine = None
+    try:
+        settings = ev.bench_settings(args.settings, kv_dir=kv_dir, store=store)
+        t0 = time.perf_counter()
+        engine = BlendEngine(settings)
+        start_s = time.perf_counter() - t0
+        _say(f"engine ready in {start_s:.1f} s; chunk KV in {kv_dir}")
+        result = work(engine)
+        ev.stamp(result, command=ev.command_line(), engine=engine, dataset=str(ev.resolve_dataset(args.dataset)),
+                 started=started)
+        result["engine"]["start_wall_s"] = round(start_s, 1)
+    finally:
+        if engine is not None:
+            engine.close()
+        if args.kv_dir is None:
+            shutil.rmtree(kv_dir, ignore_errors=True)
+    return _finish(result, args.out)
+
+
+def _finish(result: dict[str, Any], out: Path) -> int:
+    from ragcache import evaluation as ev
+
+    paths = ev.write_result(result, out)
+    print(ev.render(result))
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _load(args: argparse.Namespace, n: int | None, offset: int = 0):
+    from ragcache import evaluation as ev
+
+    return ev.load_qa(args.dataset, n, offset)
+
+
+def _user_error(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Missing data files and invalid benchmark parameters print one line and exit 2."""
+    def wrapped(args: argparse.Namespace) -> int:
+        from ragcache.evaluation import BenchConfigError, DatasetNotFoundError
+
+        try:
+            return fn(args)
+        except (DatasetNotFoundError, BenchConfigError) as exc:
+            print(f"ragcache: error: {exc}", file=sys.stderr)
+            return 2
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+@_user_error
+def run_ttft(args: argparse.Namespace) -> int:
+    from ragcache import evaluation as ev
+
+    examples = _load(args, args.n, args.offset)
+    ev.make_variants(args.modes, args.ratios, 0.15)  # validate flags before the engine starts
+    return _with_engine(args, lambda eng: ev.run_ttft(
+        eng, examples, modes=args.modes, ratios=args.ratios, passages=args.passages, max_tokens=args.max_tokens,
+        prefix_warmup=args.prefix_warmup, nll=not args.no_nll, progress=_say))
+
+
+@_user_error
+def run_eval(args: argparse.Namespace) -> int:
+    from ragcache import evaluation as ev
+
+    examples = _load(args, args.n, args.offset)
+    if args.out is None:
+        args.out = Path(f"results/eval_{args.mode}.json")
+    return _with_engine(args, lambda eng: ev.run_eval(
+        eng, examples, mode=args.mode, recompute_ratio=args.recompute_ratio, passages=args.passages,
+        max_tokens=args.max_tokens, progress=_say))
+
+
+@_user_error
+def run_hotset(args: argparse.Namespace) -> int:
+    from ragcache import evaluation as ev
+
+    questions = ev.build_hotset(_load(args, None), questions=args.questions, passages=args.passages,
+                                overlap=args.overlap, hot_pool=args.hot_pool, seed=args.seed)
+    return _with_engine(args, lambda eng: ev.run_hotset(eng, questions, modes=args.modes, max_tokens=args.max_tokens,
+                                                        window=args.window, progress=_say),
+                        store={"cpu_kv_pool_gb": args.cpu_pool_gb})
+
+
+@_user_error
+def run_throughput(args: argparse.Namespace) -> int:
+    from ragcache import evaluation as ev
+
+    examples = _load(args, max(args.concurrency))
+    return _with_engine(args, lambda eng: ev.run_throughput(
+        eng, examples, concurrency=args.concurrency, modes=args.modes, passages=args.passages,
+        max_tokens=args.max_tokens, progress=_say))
+
+
+@_user_error
+def run_ingest(args: argparse.Namespace) -> int:
+    from ragcache import evaluation as ev
+
+    examples = _load(args, args.n)
+    return _with_engine(args, lambda eng: ev.run_ingest(eng, examples, passages=args.passages, progress=_say))
+
+
+@_user_error
+def run_tiers(args: argparse.Namespace) -> int:
+    from ragcache import evaluation as ev
+
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in ev.TIER_LAYOUTS]
+    if bad or not layouts:
+        raise ev.BenchConfigError(f"--layouts must be some of {','.join(ev.TIER_LAYOUTS)}; got {args.layouts!r}")
+    examples = _load(args, args.n)
+    kv_root = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-tiers-"))
+    started = ev._now()
+    try:
+        result = ev.run_tiers(args.settings, examples, kv_root=kv_root, passages=args.passages,
+                              repeats=args.repeats, layouts=layouts, progress=_say)
+    finally:
+        if args.kv_dir is None:
+            shutil.rmtree(kv_root, ignore_errors=True)
+    ev.stamp(result, command=ev.command_line(), dataset=str(ev.resolve_dataset(args.dataset)), started=started)
+    return _finish(result, args.out)
