@@ -169,6 +169,16 @@ def _with_engine(args: argparse.Namespace, work: Callable[[Any], dict[str, Any]]
     return _finish(result, args.out)
 
 
+def _checkpoint(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
+    """Write the partial result (JSON only, ``"partial": true``) after every example."""
+    from ragcache import evaluation as ev
+
+    def write(partial: dict[str, Any]) -> None:
+        ev.stamp(partial, command=ev.command_line(), dataset=str(ev.resolve_dataset(args.dataset)))
+        ev.write_result(partial, args.out, with_plot=False)
+    return write
+
+
 def _finish(result: dict[str, Any], out: Path) -> int:
     from ragcache import evaluation as ev
 
@@ -207,7 +217,7 @@ def run_ttft(args: argparse.Namespace) -> int:
     ev.make_variants(args.modes, args.ratios, 0.15)  # validate flags before the engine starts
     return _with_engine(args, lambda eng: ev.run_ttft(
         eng, examples, modes=args.modes, ratios=args.ratios, passages=args.passages, max_tokens=args.max_tokens,
-        prefix_warmup=args.prefix_warmup, nll=not args.no_nll, progress=_say))
+        prefix_warmup=args.prefix_warmup, nll=not args.no_nll, progress=_say, checkpoint=_checkpoint(args)))
 
 
 @_user_error
@@ -229,7 +239,8 @@ def run_hotset(args: argparse.Namespace) -> int:
     questions = ev.build_hotset(_load(args, None), questions=args.questions, passages=args.passages,
                                 overlap=args.overlap, hot_pool=args.hot_pool, seed=args.seed)
     return _with_engine(args, lambda eng: ev.run_hotset(eng, questions, modes=args.modes, max_tokens=args.max_tokens,
-                                                        window=args.window, progress=_say),
+                                                        window=args.window, progress=_say,
+                                                        checkpoint=_checkpoint(args)),
                         store={"cpu_kv_pool_gb": args.cpu_pool_gb})
 
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+Checkpoint = Callable[[dict[str, Any]], None]
 
 #: MuSiQue / HotpotQA files under the shared data folder, by short name
 DATASETS = {
@@ -522,7 +523,7 @@ def _record(g: "Generation") -> dict[str, Any]:
 def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Sequence[str] = MODES,
              ratios: Sequence[float] = (0.0, 0.05, 0.1, 0.15, 0.3, 1.0), default_ratio: float | None = None,
              passages: int = 10, max_tokens: int = 32, prefix_warmup: str = "chunks", nll: bool = True,
-             progress: Progress | None = None) -> dict[str, Any]:
+             progress: Progress | None = None, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
     """TTFT and quality of every mode on the same prompts, asked in a rotated order per example.
 
     Per example: chunks from its first ``passages`` passages (file order), KV precomputed once;
@@ -533,8 +534,9 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     KV, so one exact score, taken in ``prefix`` mode over the warm cache, stands for both).
 
     Returns a dict with ``modes`` (summary of full/prefix/reuse/blend at ``default_ratio``),
-    ``sweep`` (one summary per blend ratio, plus ``reuse``), ``variants`` (every variant's summary),
-    ``targets`` and ``examples`` (per-example records of every variant).
+    ``sweep`` (one summary per blend ratio), ``variants`` (every variant's summary), ``targets`` and
+    ``examples`` (per-example records of every variant). ``checkpoint``, when given, receives the
+    result so far (``"partial": True``) after every example, so an interrupted run keeps its data.
     """
     say = progress or (lambda _msg: None)
     default_ratio = engine.settings.blend.recompute_ratio if default_ratio is None else default_ratio
@@ -594,7 +596,15 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
         brief = "  ".join(f"{v.name} {results[v.name]['ttft_s']:.2f}s" for v in variants)
         say(f"[{i + 1}/{len(examples)}] example {ex.index}: {len(prompt.token_ids)} tokens | {brief} "
             f"| {time.perf_counter() - t_ex:.0f} s")
+        if checkpoint is not None and i + 1 < len(examples):
+            checkpoint(_ttft_result(variants, records, default_ratio, passages, max_tokens, prefix_warmup,
+                                    time.perf_counter() - t_start, partial=True))
+    return _ttft_result(variants, records, default_ratio, passages, max_tokens, prefix_warmup,
+                        time.perf_counter() - t_start)
 
+
+def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], default_ratio: float, passages: int,
+                 max_tokens: int, prefix_warmup: str, run_s: float, partial: bool = False) -> dict[str, Any]:
     summaries = {v.name: summarize_variant(v, records) for v in variants}
     main = {"full": summaries["full"]}
     for m in ("prefix", "reuse"):
@@ -603,13 +613,16 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     if ratio_name(default_ratio) in summaries:
         main["blend"] = summaries[ratio_name(default_ratio)]
     sweep = [summaries[v.name] for v in variants if v.mode == "blend"]
-    return {
+    out = {
         "benchmark": "ttft", "n": len(records), "passages": passages, "max_tokens": max_tokens,
-        "prefix_warmup": prefix_warmup, "default_ratio": default_ratio, "ratios": sorted({v.ratio for v in variants
-                                                                                          if v.ratio is not None}),
+        "prefix_warmup": prefix_warmup, "default_ratio": default_ratio,
+        "ratios": sorted({v.ratio for v in variants if v.ratio is not None}),
         "modes": main, "sweep": sweep, "variants": summaries, "targets": ttft_targets(main),
-        "run_s": round(time.perf_counter() - t_start, 1), "examples": records,
+        "run_s": round(run_s, 1), "examples": records,
     }
+    if partial:
+        out["partial"] = True
+    return out
 
 
 def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -759,14 +772,15 @@ def _tier_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str
 
 
 def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes: Sequence[str] = ("full", "prefix",
-               "blend"), max_tokens: int = 8, window: int = 10, progress: Progress | None = None) -> dict[str, Any]:
+               "blend"), max_tokens: int = 8, window: int = 10, progress: Progress | None = None,
+               checkpoint: Checkpoint | None = None) -> dict[str, Any]:
     """The hotset sequence: ingest every chunk, then ask each question in every mode (rotated order).
 
     Chunks are put in the stable order retrieval uses. ``prefix`` gets no warm-up: it hits whatever
     exact prefixes earlier ``prefix`` requests left (the realistic case). Reports TTFT per question
     and mode, per-tier hit rates of the store over the sequence (lookups that reached each tier),
     the tiers that served blend's chunks, and the median speedup of the last ``window`` questions
-    against the first ``window``.
+    against the first ``window``. ``checkpoint`` gets the result so far after every question.
     """
     from ragcache.retrieval import stable_order
 
@@ -807,6 +821,17 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
         prev = ids
         say(f"[{i + 1}/{len(questions)}] " + "  ".join(f"{v.name} {row['results'][v.name]['ttft_s']:.2f}s"
                                                        for v in variants))
+        if checkpoint is not None and i + 1 < len(questions):
+            checkpoint(_hotset_result(engine, variants, questions, sets, records, pre, ingest_s, window, max_tokens,
+                                      before, served, partial=True))
+    return _hotset_result(engine, variants, questions, sets, records, pre, ingest_s, window, max_tokens, before,
+                          served)
+
+
+def _hotset_result(engine: "BlendEngine", variants: Sequence[Variant], questions: Sequence[HotQuestion],
+                   sets: Sequence[Sequence[Chunk]], records: list[dict[str, Any]], pre: dict[str, Any],
+                   ingest_s: float, window: int, max_tokens: int, before: Mapping[str, Any], served: Counter[str],
+                   partial: bool = False) -> dict[str, Any]:
     after = engine.store_stats()
     summary = {}
     for v in variants:
@@ -828,7 +853,7 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
     if name in summary:
         targets["hotset_last_vs_first"] = _target(summary[name]["last_vs_first"], TARGETS["hotset_last_vs_first_min"],
                                                   "min", f"median blend speedup, last {window} / first {window} questions")
-    return {
+    out = {
         "benchmark": "hotset", "n": len(records), "window": window, "max_tokens": max_tokens,
         "passages": len(questions[0].passages) if questions else 0, "hot_per_question": questions[0].hot if questions else 0,
         "distinct_chunks": len({c.chunk_id for s in sets for c in s}), "ingest": {**pre, "wall_s": _r(ingest_s, 2)},
@@ -838,6 +863,9 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
         "served_by_tier": {t: _r(n / total_served) for t, n in served.most_common()} if total_served else {},
         "targets": targets, "questions": records,
     }
+    if partial:
+        out["partial"] = True
+    return out
 
 
 # =================================================================================================
