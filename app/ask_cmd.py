@@ -32,12 +32,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_chat)
 
 
+def _check_query_options(args: argparse.Namespace) -> None:
+    """Reject out-of-range flags before the engine starts (same ranges as the settings)."""
+    from ragcache.config import ConfigError
+
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k {args.top_k}: must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    if args.recompute_ratio is not None and not 0.0 <= args.recompute_ratio <= 1.0:
+        raise ConfigError(f"--recompute-ratio {args.recompute_ratio}: must be in [0, 1]")
+
+
 def open_pipeline(args: argparse.Namespace):
     """Settings from --settings, then the pipeline over --index (fails early if it does not exist)."""
     from ragcache.config import Settings
     from ragcache.index import IndexNotFoundError, readable_path, resolve_index_path
     from ragcache.pipeline import RAGPipeline
 
+    _check_query_options(args)
     settings = Settings.load(args.settings)
     path = resolve_index_path(args.index, settings.ingest.index_dir)
     if readable_path(path) is None:

@@ -164,7 +164,7 @@ class RAGPipeline:
 
         if not question or not question.strip():
             raise ValueError("the question is empty; ask something")
-        found = self.retriever.retrieve(question, top_k or self.settings.retrieval.top_k)
+        found = self.retriever.retrieve(question, self.settings.retrieval.top_k if top_k is None else top_k)
         if not found:
             raise EmptyIndexError(f"the index {self.index_path} has no chunks; run `ragcache ingest PATH "
                                   f"--index {self.index_name}` first")

@@ -124,10 +124,13 @@ def test_cli_ingest_then_ask_json(corpus, tmp_path):
     r = subprocess.run(cli + ["ask", "What is the capital of Zorbia?", "--index", "cli", "--json", "--top-k", "2"],
                        env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = json.loads(r.stdout)  # stdout is exactly the JSON object (engine logs go to stderr)
     assert set(out) == {"answer", "sources", "metrics"}
     assert len(out["sources"]) == 2 and out["metrics"]["reused_tokens"] > 0
     assert out["sources"][0]["tier"] in ("cpu", "disk")
     r = subprocess.run(cli + ["ask", "anything?", "--index", "missing"], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "ragcache ingest" in r.stderr
+    r = subprocess.run(cli + ["ask", "anything?", "--index", "cli", "--recompute-ratio", "2"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--recompute-ratio 2.0: must be in [0, 1]" in r.stderr
