@@ -6,8 +6,8 @@ benchmark (``ttft`` with its recompute-ratio sweep, ``hotset``, ``throughput``, 
 ``ingest``, and the quality-only ``eval``). Every runner returns a plain JSON-able dict; the tables
 and plots that present them live here too, so the CLI (app/bench_cmd.py) only parses flags.
 
-Imports ragcache.chunks/config/prompt/retrieval at module level and the engine (vLLM) only inside
-the runners; never app/ or ui/.
+Imports ragcache.chunks/config/prompt at module level, ragcache.retrieval (llama-index) and the
+engine (vLLM) only inside the runners; never app/ or ui/.
 
 Measurement rules, because these machines are shared and noisy:
 
@@ -18,13 +18,14 @@ Measurement rules, because these machines are shared and noisy:
 - vLLM's prefix cache is reset before each example; ``full``, ``reuse`` and ``blend`` requests carry a
   unique cache salt (see BlendEngine), so only ``prefix`` requests share exact-prefix blocks;
 - quality requests (gold-answer NLL) run after all timed requests of an example, so they never warm
-  a cache a timed request could hit.
+  a cache a timed request could hit;
+- one untimed request per mode runs before the first timed one (the first request after start-up
+  pays seconds of one-time costs on CPU).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import platform
@@ -47,8 +48,6 @@ from ragcache.prompt import AssembledPrompt
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
-
-log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 Checkpoint = Callable[[dict[str, Any]], None]
@@ -451,15 +450,25 @@ def generate_with_distribution(engine: "BlendEngine", prompt: AssembledPrompt, m
 
     rid, inputs, sp = engine._request(prompt, mode, max_tokens, recompute_ratio, -1, delta=False)
     sp.detokenize = False
+    sp.flat_logprobs = True  # flat lists instead of ~49k Logprob objects per decode step
     t0 = time.perf_counter()
     with engine._lock:
         out = engine.llm.generate([inputs], [sp], use_tqdm=False)[0]
         total = time.perf_counter() - t0
         comp = out.outputs[0]
         metrics = engine._metrics(rid, mode, prompt, out, total, len(comp.token_ids))
-    first = {tok: lp.logprob for tok, lp in comp.logprobs[0].items()} if comp.logprobs else None
     text = engine.tokenizer.decode(list(comp.token_ids), skip_special_tokens=True)
-    return Generation(text, list(comp.token_ids), metrics, first)
+    return Generation(text, list(comp.token_ids), metrics, _first_position(comp.logprobs))
+
+
+def _first_position(logprobs: Any) -> dict[int, float] | None:
+    """``{token_id: logprob}`` of the first generated position, from vLLM flat or per-position logprobs."""
+    if not logprobs:
+        return None
+    if hasattr(logprobs, "start_indices"):  # vllm.logprobs.FlatLogprobs
+        a, b = logprobs.start_indices[0], logprobs.end_indices[0]
+        return dict(zip(logprobs.token_ids[a:b], logprobs.logprobs[a:b]))
+    return {tok: lp.logprob for tok, lp in logprobs[0].items()}
 
 
 def continuation_logprobs(engine: "BlendEngine", prompt: AssembledPrompt, continuation: Sequence[int],
@@ -499,6 +508,15 @@ def continuation_logprobs(engine: "BlendEngine", prompt: AssembledPrompt, contin
     return [float(row[tok].logprob) for row, tok in zip(rows, continuation)]
 
 
+def warm_up(engine: "BlendEngine", chunks: Sequence[Chunk], modes: Sequence[str] = ("full", "blend")) -> None:
+    """One untimed short request per mode: the first request after start-up pays one-time costs
+    (kernel set-up, allocations; seconds on CPU) that would otherwise land in one timed TTFT."""
+    prompt = engine.build_prompt(WARMUP_QUESTION, list(chunks)[:2])
+    for mode in dict.fromkeys(modes):
+        engine.generate(prompt, mode, max_tokens=2)
+    engine.reset_prefix_cache()
+
+
 def answer_ids(engine: "BlendEngine", answer: str) -> list[int]:
     """Token ids of a gold answer as the assistant would write it (no BOS, no end-of-turn)."""
     return list(engine.tokenizer(answer.strip(), add_special_tokens=False)["input_ids"])
@@ -526,11 +544,11 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
              progress: Progress | None = None, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
     """TTFT and quality of every mode on the same prompts, asked in a rotated order per example.
 
-    Per example: chunks from its first ``passages`` passages (file order), KV precomputed once;
-    vLLM's prefix cache reset; then one timed greedy request per variant (``max_tokens`` decoded,
-    first-token distribution over the whole vocabulary); ``prefix`` is preceded by an untimed
-    warm-up (see :func:`warm_prefix_cache`). After the timed requests, the gold answer's mean NLL is
-    scored per variant with :func:`continuation_logprobs` (``full`` and ``prefix`` both serve exact
+    Per example: chunks from its first ``passages`` passages (file order), KV precomputed once
+    (before the first example, :func:`warm_up`); vLLM's prefix cache reset; then one timed greedy
+    request per variant (``max_tokens`` decoded, first-token distribution over the whole
+    vocabulary); ``prefix`` is preceded by an untimed warm-up (see :func:`warm_prefix_cache`).
+    After the timed requests, the gold answer's mean NLL is scored per variant with :func:`continuation_logprobs` (``full`` and ``prefix`` both serve exact
     KV, so one exact score, taken in ``prefix`` mode over the warm cache, stands for both).
 
     Returns a dict with ``modes`` (summary of full/prefix/reuse/blend at ``default_ratio``),
@@ -548,6 +566,8 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
         chunks = make_chunks(engine.tokenizer, ex.passages[:passages])
         pre = engine.precompute(chunks)
         prompt = engine.build_prompt(ex.question, chunks)
+        if i == 0:
+            warm_up(engine, chunks, [v.mode for v in variants])
         engine.reset_prefix_cache()
         gens: dict[str, Generation] = {}
         order = rotated(variants, i)
@@ -791,7 +811,7 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
     pre = engine.precompute(_distinct(c for s in sets for c in s))
     ingest_s = time.perf_counter() - t0
     say(f"ingest: {pre['computed']} chunk KV computed, {pre['skipped']} already stored, {ingest_s:.1f} s")
-    engine.reset_prefix_cache()
+    warm_up(engine, sets[0], [v.mode for v in variants])
     before = engine.store_stats()
     seen: set[str] = set()
     prev: set[str] = set()
@@ -938,6 +958,7 @@ def run_ingest(engine: "BlendEngine", examples: Sequence[QAExample], *, passages
     """
     say = progress or (lambda _msg: None)
     chunks = _distinct(c for ex in examples for c in make_chunks(engine.tokenizer, ex.passages[:passages]))
+    warm_up(engine, chunks[:1])  # one-time costs of both paths (the chunk's KV is forgotten next)
     engine.forget(chunks)
     t0 = time.perf_counter()
     pre = engine.precompute(chunks)
@@ -1065,10 +1086,9 @@ def _tiers_layout(layout: str, settings_file: str | None, store: dict[str, Any],
             chunks = make_chunks(engine.tokenizer, ex.passages[:passages])
             engine.precompute(chunks)
             prompt = engine.build_prompt(ex.question, chunks)
-            ref = None
-            if layout == "cpu":
-                engine.generate(prompt, "blend", max_tokens=1)  # promotes KV found on disk into the cpu tier
-                ref = engine.generate(prompt, "full", max_tokens=1).metrics.ttft_s
+            # untimed: the first requests pay one-time costs, and in ``cpu`` this promotes KV found on disk
+            engine.generate(prompt, "blend", max_tokens=1)
+            ref = engine.generate(prompt, "full", max_tokens=1).metrics.ttft_s if layout == "cpu" else None
             for rep in range(repeats):
                 for name, cold in setups:
                     for overlap in rotated([True, False], i + rep):
