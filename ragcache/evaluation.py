@@ -548,8 +548,9 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     (before the first example, :func:`warm_up`); vLLM's prefix cache reset; then one timed greedy
     request per variant (``max_tokens`` decoded, first-token distribution over the whole
     vocabulary); ``prefix`` is preceded by an untimed warm-up (see :func:`warm_prefix_cache`).
-    After the timed requests, the gold answer's mean NLL is scored per variant with :func:`continuation_logprobs` (``full`` and ``prefix`` both serve exact
-    KV, so one exact score, taken in ``prefix`` mode over the warm cache, stands for both).
+    After the timed requests, the gold answer's mean NLL is scored per variant with
+    :func:`continuation_logprobs` (``full`` and ``prefix`` both serve exact KV, so one exact score,
+    taken in ``prefix`` mode over the warm cache, stands for both).
 
     Returns a dict with ``modes`` (summary of full/prefix/reuse/blend at ``default_ratio``),
     ``sweep`` (one summary per blend ratio), ``variants`` (every variant's summary), ``targets`` and
