@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from app.cli import HelpFormatter
 from ragcache.config import MODES
 
 
@@ -19,7 +20,7 @@ def _add_query_options(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     p = sub.add_parser("ask", help="answer one question from an index", formatter_class=fmt)
     p.add_argument("question", help="the question")
     _add_query_options(p)

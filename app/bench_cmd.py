@@ -17,9 +17,30 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from app.cli import HelpFormatter
 from ragcache.config import MODES
 
-_FMT = argparse.ArgumentDefaultsHelpFormatter
+_FMT = HelpFormatter
+
+
+def _positive(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return val
+
+
+def _non_negative(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return val
 
 
 def _floats(text: str) -> list[float]:
@@ -47,33 +68,34 @@ def _modes(text: str) -> list[str]:
     return vals
 
 
-def _common(p: argparse.ArgumentParser, *, out: str | None, dataset: str = "musique") -> None:
+def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset: str = "musique") -> None:
     p.add_argument("--dataset", default=dataset,
                    help="QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR) or a JSON path")
     p.add_argument("--out", type=Path, default=Path(out) if out else None,
-                   help="result JSON (.md tables and .png plot beside it)"
-                   + ("" if out else "; default results/eval_MODE.json"))
+                   help="result JSON (the .md tables" + (" and the .png plot" if plot else "") + " beside it)"
+                   + ("" if out else "; default: results/eval_MODE.json"))
     p.add_argument("--kv-dir", type=Path, default=None,
                    help="chunk KV folder for this run (default: a temporary folder, deleted afterwards)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, ingest",
-                       description="Each benchmark prints its tables and writes RESULT.json/.md/.png; "
+                       description="Each benchmark prints its tables and writes RESULT.json, RESULT.md and (ttft, hotset, "
+                       "throughput) RESULT.png; "
                        "see docs/benchmarks.md for what is measured and how.", formatter_class=_FMT)
     kinds = b.add_subparsers(dest="bench_kind", metavar="BENCHMARK")
     b.set_defaults(func=lambda args: _usage(b))
 
     t = kinds.add_parser("ttft", help="TTFT, speedup and quality of every mode side by side, plus the ratio sweep",
                          formatter_class=_FMT)
-    _common(t, out="results/bench_ttft.json")
-    t.add_argument("--n", type=int, default=10, help="examples")
-    t.add_argument("--offset", type=int, default=0, help="first example")
-    t.add_argument("--passages", type=int, default=10, help="passages (chunks) per prompt, in the file's order")
-    t.add_argument("--modes", type=_modes, default=list(MODES), help="modes to compare (full is always run)")
-    t.add_argument("--ratios", type=_floats, default=[0.0, 0.05, 0.1, 0.15, 0.3, 1.0],
+    _common(t, out="results/bench_ttft.json", plot=True)
+    t.add_argument("--n", type=_positive, default=10, help="examples")
+    t.add_argument("--offset", type=_non_negative, default=0, help="first example")
+    t.add_argument("--passages", type=_positive, default=10, help="passages (chunks) per prompt, in the file's order")
+    t.add_argument("--modes", type=_modes, default=",".join(MODES), help="modes to compare (full is always run)")
+    t.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3,1",
                    help="recompute ratios of the blend sweep (blend.recompute_ratio is always included)")
-    t.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per answer (greedy)")
+    t.add_argument("--max-tokens", type=_positive, default=32, help="tokens decoded per answer (greedy)")
     t.add_argument("--prefix-warmup", choices=["chunks", "context", "none"], default="chunks",
                    help="untimed warm-up before each prefix request: each chunk once after the head (chunks), "
                    "the same context with another question (context), or nothing")
@@ -82,54 +104,55 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     h = kinds.add_parser("hotset", help="50 questions over chunk sets overlapping ~70%%: TTFT over the sequence, "
                          "tier hit rates", formatter_class=_FMT)
-    _common(h, out="results/bench_hotset.json")
-    h.add_argument("--questions", type=int, default=50, help="questions in the sequence")
-    h.add_argument("--passages", type=int, default=6, help="chunks per question")
+    _common(h, out="results/bench_hotset.json", plot=True)
+    h.add_argument("--questions", type=_positive, default=50, help="questions in the sequence")
+    h.add_argument("--passages", type=_positive, default=6, help="chunks per question")
     h.add_argument("--overlap", type=float, default=0.7, help="share of each question's chunks drawn from the hot pool")
-    h.add_argument("--hot-pool", type=int, default=12, help="passages in the hot pool (the most recurring ones)")
+    h.add_argument("--hot-pool", type=_positive, default=12, help="passages in the hot pool (the most recurring ones)")
     h.add_argument("--seed", type=int, default=0, help="seed of the hot-pool draws")
-    h.add_argument("--modes", type=_modes, default=["full", "prefix", "blend"], help="modes (full is always run)")
-    h.add_argument("--max-tokens", type=int, default=8, help="tokens decoded per answer")
-    h.add_argument("--window", type=int, default=10, help="questions at each end compared for speedup decay")
+    h.add_argument("--modes", type=_modes, default="full,prefix,blend", help="modes (full is always run)")
+    h.add_argument("--max-tokens", type=_positive, default=8, help="tokens decoded per answer")
+    h.add_argument("--window", type=_positive, default=10, help="questions at each end compared for speedup decay")
     h.add_argument("--cpu-pool-gb", type=float, default=0.5,
                    help="cpu tier size for the run: smaller than the working set, so cold chunks come from disk")
     h.set_defaults(func=run_hotset)
 
     p = kinds.add_parser("throughput", help="requests/s and prompt tokens/s of concurrent batches, full vs blend",
                          formatter_class=_FMT)
-    _common(p, out="results/bench_throughput.json")
-    p.add_argument("--concurrency", type=_ints, default=[1, 4, 8, 16], help="batch sizes")
-    p.add_argument("--modes", type=_modes, default=["full", "blend"], help="modes")
-    p.add_argument("--passages", type=int, default=3, help="passages per prompt")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens decoded per request")
+    _common(p, out="results/bench_throughput.json", plot=True)
+    p.add_argument("--concurrency", type=_ints, default="1,4,8,16", help="batch sizes")
+    p.add_argument("--modes", type=_modes, default="full,blend", help="modes")
+    p.add_argument("--passages", type=_positive, default=3, help="passages per prompt")
+    p.add_argument("--max-tokens", type=_positive, default=16, help="tokens decoded per request")
     p.set_defaults(func=run_throughput)
 
     r = kinds.add_parser("tiers", help="blend TTFT with chunk KV from cpu, disk, Redis; pipeline_overlap on/off",
                          formatter_class=_FMT)
-    _common(r, out="results/bench_tier_ttft.json")
-    r.add_argument("--n", type=int, default=3, help="examples")
-    r.add_argument("--passages", type=int, default=10, help="passages per prompt")
-    r.add_argument("--repeats", type=int, default=3, help="requests per example, tier and overlap setting")
-    r.add_argument("--layouts", default="cpu,disk,remote", help="tier layouts (remote needs redis-server installed)")
+    _common(r, out="results/bench_tier_ttft.json", plot=False)
+    r.add_argument("--n", type=_positive, default=3, help="examples")
+    r.add_argument("--passages", type=_positive, default=10, help="passages per prompt")
+    r.add_argument("--repeats", type=_positive, default=3, help="requests per example, tier and overlap setting")
+    r.add_argument("--layouts", default="cpu,disk,remote", help="tier layouts: cpu, disk (measured with the page cache warm and, as disk-cold, dropped), "
+                   "remote (needs redis-server installed)")
     r.set_defaults(func=run_tiers)
 
     i = kinds.add_parser("ingest", help="KV precompute tokens/s next to vLLM's own prefill tokens/s",
                          formatter_class=_FMT)
-    _common(i, out="results/bench_ingest.json")
-    i.add_argument("--n", type=int, default=3, help="examples whose passages are ingested")
-    i.add_argument("--passages", type=int, default=10, help="passages per example")
+    _common(i, out="results/bench_ingest.json", plot=False)
+    i.add_argument("--n", type=_positive, default=3, help="examples whose passages are ingested")
+    i.add_argument("--passages", type=_positive, default=10, help="passages per example")
     i.set_defaults(func=run_ingest)
 
     e = sub.add_parser("eval", help="answer quality of one mode against full prefill and the gold answers (JSON)",
                        description="KL(full || mode) of the first token, mean gold-answer NLL, token F1, Rouge-L, "
                        "EM, and agreement with full prefill's answer.", formatter_class=_FMT)
-    _common(e, out=None)
+    _common(e, out=None, plot=False)
     e.add_argument("--mode", choices=MODES, default="blend", help="mode to evaluate")
-    e.add_argument("--n", type=int, default=10, help="examples")
-    e.add_argument("--offset", type=int, default=0, help="first example")
-    e.add_argument("--passages", type=int, default=10, help="passages per prompt")
+    e.add_argument("--n", type=_positive, default=10, help="examples")
+    e.add_argument("--offset", type=_non_negative, default=0, help="first example")
+    e.add_argument("--passages", type=_positive, default=10, help="passages per prompt")
     e.add_argument("--recompute-ratio", type=float, default=None, help="blend ratio (default: blend.recompute_ratio)")
-    e.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per answer")
+    e.add_argument("--max-tokens", type=_positive, default=32, help="tokens decoded per answer")
     e.set_defaults(func=run_eval)
 
 

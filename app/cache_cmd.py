@@ -7,6 +7,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from app.cli import HelpFormatter
+
 if TYPE_CHECKING:
     from ragcache.config import Settings
     from ragcache.kvstore import KVSpec, TieredStore
@@ -17,25 +19,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         "cache", help="inspect and maintain the chunk KV store (stats, clear, verify)",
         description="The KV store's tiers come from the [store] settings: cpu (cpu_kv_pool_gb), "
         "disk (ssd_cache_dir, ssd_cache_max_gb) and remote (remote_url).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     actions = p.add_subparsers(dest="cache_action", metavar="ACTION")
     p.set_defaults(func=lambda args: _usage(p))
 
     s = actions.add_parser("stats", help="entries, occupancy and capacity of every tier",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
     s.add_argument("--index", default="default", metavar="NAME",
                    help="index whose chunks you are looking at (the store is shared by all indexes)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=run_stats)
 
     c = actions.add_parser("clear", help="delete every KV entry from every tier (disk folder and Redis too)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
     c.add_argument("--index", default="default", metavar="NAME", help="index name (printed only)")
     c.set_defaults(func=run_clear)
 
     v = actions.add_parser("verify", help="check every stored entry (header, size, checksums); remove bad ones",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
     v.add_argument("--index", default="default", metavar="NAME", help="index name (printed only)")
     v.add_argument("--json", action="store_true", help="print JSON instead of a table")
     v.set_defaults(func=run_verify)

@@ -22,11 +22,20 @@ COMMAND_MODULES = ["app.setup_cmd", "app.ingest_cmd", "app.ask_cmd", "app.demo_c
                    "app.bench_cmd"]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default, except where there is none or the help text states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ragcache",
         description="RAG with a tiered chunk KV cache and CacheBlend on embedded vLLM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--settings", default=None, help="settings TOML file (default: ./settings.toml)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -18,6 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from app.cli import HelpFormatter
+
 #: stdlib modules whose pydoc pages form the demo corpus
 DEMO_MODULES = ["json", "itertools", "functools", "shutil", "csv", "heapq", "bisect", "textwrap", "statistics"]
 
@@ -48,7 +50,7 @@ def render_corpus(folder: Path) -> list[Path]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="ingest Python's stdlib docs and compare blend vs full prefill",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--index", default="demo", help="index name for the demo corpus")
     p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS), help="how many demo questions to ask")
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON to this file")

@@ -1216,9 +1216,13 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """The same table as GitHub markdown."""
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
-    out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    """The same table as GitHub markdown (a ``|`` inside a cell is escaped so it does not split it)."""
+    def cell(v: Any) -> str:
+        return _fmt(v).replace("|", "\\|")
+
+    out = ["| " + " | ".join(map(cell, headers)) + " |",
+           "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    out += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
     return "\n".join(out)
 
 

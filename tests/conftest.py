@@ -16,14 +16,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("RAGCACHE_DATA_DIR") or REPO.parent / "shared" / "data")
 
 
 def shared_data(relative: str) -> Path:
     """Path under ../shared/data, or skip the test with a clear message when it is absent."""
     path = SHARED_DATA / relative
     if not path.exists():
-        pytest.skip(f"{path} is absent (the evaluation data lives in ../shared/data beside the repo)")
+        pytest.skip(f"{path} is absent (the evaluation data lives in ../shared/data beside the repo, "
+                    "or set RAGCACHE_DATA_DIR)")
     return path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +119,8 @@ def next_token_logits(
 # --- the real small model and multi-chunk contexts --------------------------------------------
 
 SMOLLM2 = "smollm2-135m-instruct"
-HOTPOTQA = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa" / "hotpotqa_distractor_100.json"
+HOTPOTQA = Path(os.environ.get("RAGCACHE_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data") \
+    / "hotpotqa" / "hotpotqa_distractor_100.json"
 
 
 @functools.lru_cache(maxsize=1)

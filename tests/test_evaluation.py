@@ -187,4 +187,33 @@ def test_cli_missing_dataset_and_bad_flags_fail_with_one_line(tmp_path, capsys):
     assert main(["eval", "--dataset", str(tmp_path / "nope.json")]) == 2
     with pytest.raises(SystemExit):
         main(["bench", "ttft", "--modes", "full,fast"])
+    for bad in (["bench", "ttft", "--n", "0"], ["bench", "hotset", "--passages", "0"],
+                ["eval", "--max-tokens", "-1"], ["bench", "ttft", "--offset", "-1"],
+                ["bench", "tiers", "--repeats", "x"]):
+        with pytest.raises(SystemExit):  # rejected by the parser, before any engine starts
+            main(bad + ["--out", str(tmp_path / "r.json")])
+        assert "expected" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_bench_help_shows_list_defaults_as_typed_and_no_empty_defaults(capsys):
+    from app.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "ttft", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0,0.05,0.1,0.15,0.3,1)" in text and "[0.0" not in text
+    assert "(default: None)" not in text and ".png" in text
+    args = parser.parse_args(["bench", "ttft"])
+    assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "tiers", "--help"])
+    assert ".png" not in capsys.readouterr().out
+
+
+def test_markdown_table_escapes_pipes_inside_cells():
+    md = ev.markdown_table(["target", "limit"], [["KL(full||blend)", "|x| ≤ 0.02"]])
+    rows = md.splitlines()
+    assert rows[2] == "| KL(full\\|\\|blend) | \\|x\\| ≤ 0.02 |"
+    assert all(row.replace("\\|", "").count("|") == 3 for row in rows)
