@@ -37,7 +37,9 @@ bench: setup
 	$(VENV)/bin/ragcache bench tiers --out results/bench_tier_ttft.json
 	$(VENV)/bin/ragcache bench ingest --out results/bench_ingest.json
 	mkdir -p docs/bench
-	for b in ttft ttft_hotpotqa hotset throughput tier_ttft ingest; do cp -f results/bench_$$b.* docs/bench/; done
+	for b in ttft ttft_hotpotqa hotset throughput tier_ttft ingest; do \
+	  for f in results/bench_$$b.json results/bench_$$b.md results/bench_$$b.png; do [ ! -f $$f ] || cp -f $$f docs/bench/; done; \
+	done
 
 clean-cache:
 	rm -rf indexes/* ~/.cache/ragcache/kv
