@@ -23,24 +23,21 @@ from ragcache.config import MODES
 _FMT = HelpFormatter
 
 
-def _positive(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return val
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``, else a one-line error naming the value."""
+    def parse(text: str) -> int:
+        try:
+            val = int(text)
+        except ValueError:
+            val = low - 1
+        if val < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return val
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if val < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return val
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 def _floats(text: str) -> list[float]:
