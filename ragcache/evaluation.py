@@ -618,14 +618,14 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
         say(f"[{i + 1}/{len(examples)}] example {ex.index}: {len(prompt.token_ids)} tokens | {brief} "
             f"| {time.perf_counter() - t_ex:.0f} s")
         if checkpoint is not None and i + 1 < len(examples):
-            checkpoint(_ttft_result(variants, records, default_ratio, passages, max_tokens, prefix_warmup,
-                                    time.perf_counter() - t_start, partial=True))
+            checkpoint({**_ttft_result(variants, records, default_ratio, passages, max_tokens, prefix_warmup,
+                                       time.perf_counter() - t_start), "partial": True})
     return _ttft_result(variants, records, default_ratio, passages, max_tokens, prefix_warmup,
                         time.perf_counter() - t_start)
 
 
 def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], default_ratio: float, passages: int,
-                 max_tokens: int, prefix_warmup: str, run_s: float, partial: bool = False) -> dict[str, Any]:
+                 max_tokens: int, prefix_warmup: str, run_s: float) -> dict[str, Any]:
     summaries = {v.name: summarize_variant(v, records) for v in variants}
     main = {"full": summaries["full"]}
     for m in ("prefix", "reuse"):
@@ -634,16 +634,13 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
     if ratio_name(default_ratio) in summaries:
         main["blend"] = summaries[ratio_name(default_ratio)]
     sweep = [summaries[v.name] for v in variants if v.mode == "blend"]
-    out = {
+    return {
         "benchmark": "ttft", "n": len(records), "passages": passages, "max_tokens": max_tokens,
         "prefix_warmup": prefix_warmup, "default_ratio": default_ratio,
         "ratios": sorted({v.ratio for v in variants if v.ratio is not None}),
         "modes": main, "sweep": sweep, "variants": summaries, "targets": ttft_targets(main),
         "run_s": round(run_s, 1), "examples": records,
     }
-    if partial:
-        out["partial"] = True
-    return out
 
 
 def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -843,16 +840,16 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
         say(f"[{i + 1}/{len(questions)}] " + "  ".join(f"{v.name} {row['results'][v.name]['ttft_s']:.2f}s"
                                                        for v in variants))
         if checkpoint is not None and i + 1 < len(questions):
-            checkpoint(_hotset_result(engine, variants, questions, sets, records, pre, ingest_s, window, max_tokens,
-                                      before, served, partial=True))
+            checkpoint({**_hotset_result(engine, variants, questions, sets, records, pre, ingest_s, window,
+                                         max_tokens, before, served), "partial": True})
     return _hotset_result(engine, variants, questions, sets, records, pre, ingest_s, window, max_tokens, before,
                           served)
 
 
 def _hotset_result(engine: "BlendEngine", variants: Sequence[Variant], questions: Sequence[HotQuestion],
                    sets: Sequence[Sequence[Chunk]], records: list[dict[str, Any]], pre: dict[str, Any],
-                   ingest_s: float, window: int, max_tokens: int, before: Mapping[str, Any], served: Counter[str],
-                   partial: bool = False) -> dict[str, Any]:
+                   ingest_s: float, window: int, max_tokens: int, before: Mapping[str, Any],
+                   served: Counter[str]) -> dict[str, Any]:
     after = engine.store_stats()
     summary = {}
     for v in variants:
@@ -874,7 +871,7 @@ def _hotset_result(engine: "BlendEngine", variants: Sequence[Variant], questions
     if name in summary:
         targets["hotset_last_vs_first"] = _target(summary[name]["last_vs_first"], TARGETS["hotset_last_vs_first_min"],
                                                   "min", f"median blend speedup, last {window} / first {window} questions")
-    out = {
+    return {
         "benchmark": "hotset", "n": len(records), "window": window, "max_tokens": max_tokens,
         "passages": len(questions[0].passages) if questions else 0, "hot_per_question": questions[0].hot if questions else 0,
         "distinct_chunks": len({c.chunk_id for s in sets for c in s}), "ingest": {**pre, "wall_s": _r(ingest_s, 2)},
@@ -884,9 +881,6 @@ def _hotset_result(engine: "BlendEngine", variants: Sequence[Variant], questions
         "served_by_tier": {t: _r(n / total_served) for t, n in served.most_common()} if total_served else {},
         "targets": targets, "questions": records,
     }
-    if partial:
-        out["partial"] = True
-    return out
 
 
 # =================================================================================================
