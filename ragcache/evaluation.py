@@ -425,9 +425,9 @@ def warm_prefix_cache(engine: "BlendEngine", chunks: Sequence[Chunk], how: str) 
     if how == "none":
         return
     if how == "chunks":
-        prompts = [engine.build_prompt(WARMUP_QUESTION, [c]) for c in chunks]
+        prompts = [engine.prompts.build(WARMUP_QUESTION, [c]) for c in chunks]
     elif how == "context":
-        prompts = [engine.build_prompt(WARMUP_QUESTION, list(chunks))]
+        prompts = [engine.prompts.build(WARMUP_QUESTION, list(chunks))]
     else:
         raise ValueError(f"unknown prefix warm-up {how!r}; use chunks, context or none")
     engine.generate_many(prompts, "prefix", max_tokens=1)
@@ -435,83 +435,21 @@ def warm_prefix_cache(engine: "BlendEngine", chunks: Sequence[Chunk], how: str) 
 
 def generate_with_distribution(engine: "BlendEngine", prompt: AssembledPrompt, mode: str, *,
                                recompute_ratio: float | None = None, max_tokens: int = 32) -> "Generation":
-    """Like ``engine.generate(..., logprobs=-1)``: greedy answer, metrics, first-token distribution
-    over the whole vocabulary; but without vLLM detokenizing the logprobs.
-
-    vLLM decodes the token of every logprob entry (the whole vocabulary, ~49k ``tokenizer.decode``
-    calls) at every decode step, which costs seconds per generated token on CPU; with
-    ``detokenize=False`` only the dicts are built and the answer is decoded here once. TTFT is
-    unaffected either way (vLLM stamps the first token before output processing).
-
-    Built on BlendEngine's private ``_request`` and ``_metrics`` (the mode's transfer params, cache
-    salt and metrics are the engine's own).
-    """
-    from ragcache.engine import Generation
-
-    rid, inputs, sp = engine._request(prompt, mode, max_tokens, recompute_ratio, -1, delta=False)
-    sp.detokenize = False
-    sp.flat_logprobs = True  # flat lists instead of ~49k Logprob objects per decode step
-    t0 = time.perf_counter()
-    with engine._lock:
-        out = engine.llm.generate([inputs], [sp], use_tqdm=False)[0]
-        total = time.perf_counter() - t0
-        comp = out.outputs[0]
-        metrics = engine._metrics(rid, mode, prompt, out, total, len(comp.token_ids))
-    text = engine.tokenizer.decode(list(comp.token_ids), skip_special_tokens=True)
-    return Generation(text, list(comp.token_ids), metrics, _first_position(comp.logprobs))
-
-
-def _first_position(logprobs: Any) -> dict[int, float] | None:
-    """``{token_id: logprob}`` of the first generated position, from vLLM flat or per-position logprobs."""
-    if not logprobs:
-        return None
-    if hasattr(logprobs, "start_indices"):  # vllm.logprobs.FlatLogprobs
-        a, b = logprobs.start_indices[0], logprobs.end_indices[0]
-        return dict(zip(logprobs.token_ids[a:b], logprobs.logprobs[a:b]))
-    return {tok: lp.logprob for tok, lp in logprobs[0].items()}
+    """Greedy answer, metrics and the first-token distribution over the whole vocabulary."""
+    return engine.generate(prompt, mode, recompute_ratio=recompute_ratio, max_tokens=max_tokens, logprobs=-1)
 
 
 def continuation_logprobs(engine: "BlendEngine", prompt: AssembledPrompt, continuation: Sequence[int],
                           mode: str, recompute_ratio: float | None = None) -> list[float]:
-    """Teacher-forced log-probabilities (nats) of ``continuation`` token ids right after ``prompt``.
-
-    One request over ``prompt + continuation`` in ``mode`` with vLLM prompt logprobs: the context
-    is served exactly as in a normal request of that mode (the connector loads/blends
-    ``[0, ctx_len)``; the tail and the continuation are prefilled over it). Two vLLM settings make
-    this work beside the connector: ``skip_reading_prefix_cache=False`` (with prompt logprobs vLLM
-    otherwise skips every cache hit, the connector's claimed tokens included) and
-    ``detokenize=False`` (rows of claimed tokens hold uninitialised ids that must not be decoded).
-
-    Built on BlendEngine's private ``_request`` (so the mode's transfer params and cache salt are
-    the engine's own) until the engine offers a scoring method.
-
-    Raises:
-        ValueError: empty continuation.
-        RuntimeError: the continuation's first token was served from cache (not scored).
-    """
-    if not continuation:
-        raise ValueError("empty continuation: nothing to score")
-    extended = AssembledPrompt(list(prompt.token_ids) + list(continuation), prompt.segments, prompt.ctx_len,
-                               prompt.lead_in_len)
-    rid, inputs, sp = engine._request(extended, mode, 1, recompute_ratio, None, delta=False)
-    sp.prompt_logprobs = 0
-    sp.skip_reading_prefix_cache = False
-    sp.detokenize = False
-    with engine._lock:
-        out = engine.llm.generate([inputs], [sp], use_tqdm=False)[0]
-        engine.llm.collective_rpc("ragcache_pop_stats", args=(rid,))  # drop the worker's per-request record
-    n_prompt = len(prompt.token_ids)
-    if int(out.num_cached_tokens or 0) > n_prompt - 1:
-        raise RuntimeError(f"{out.num_cached_tokens} cached tokens cover the continuation's first position "
-                           f"({n_prompt}); its log-probability was not computed")
-    rows = out.prompt_logprobs[n_prompt:]
-    return [float(row[tok].logprob) for row, tok in zip(rows, continuation)]
+    """Teacher-forced log-probabilities (nats) of ``continuation`` right after ``prompt`` (see
+    :meth:`ragcache.engine.BlendEngine.continuation_logprobs`)."""
+    return engine.continuation_logprobs(prompt, continuation, mode, recompute_ratio=recompute_ratio)
 
 
 def warm_up(engine: "BlendEngine", chunks: Sequence[Chunk], modes: Sequence[str] = ("full", "blend")) -> None:
     """One untimed short request per mode: the first request after start-up pays one-time costs
     (kernel set-up, allocations; seconds on CPU) that would otherwise land in one timed TTFT."""
-    prompt = engine.build_prompt(WARMUP_QUESTION, list(chunks)[:2])
+    prompt = engine.prompts.build(WARMUP_QUESTION, list(chunks)[:2])
     for mode in dict.fromkeys(modes):
         engine.generate(prompt, mode, max_tokens=2)
     engine.reset_prefix_cache()
@@ -525,7 +463,7 @@ def answer_ids(engine: "BlendEngine", answer: str) -> list[int]:
 def _record(g: "Generation") -> dict[str, Any]:
     m = g.metrics
     return {
-        "ttft_s": _r(m.ttft_s), "total_s": _r(m.total_s), "load_s": _r(m.load_s), "blend_s": _r(m.blend_s),
+        "ttft_s": _r(m.ttft_s), "total_s": _r(m.total_s), "load_s": _r(m.load_s), "worker_s": _r(m.worker_s),
         "prompt_tokens": m.prompt_tokens, "ctx_tokens": m.ctx_tokens, "reused_tokens": m.reused_tokens,
         "recomputed_tokens": m.recomputed_tokens, "missing_computed_tokens": m.missing_computed_tokens,
         "num_cached_tokens": m.num_cached_tokens, "output_tokens": m.output_tokens,
@@ -566,7 +504,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
         t_ex = time.perf_counter()
         chunks = make_chunks(engine.tokenizer, ex.passages[:passages])
         pre = engine.precompute(chunks)
-        prompt = engine.build_prompt(ex.question, chunks)
+        prompt = engine.prompts.build(ex.question, chunks)
         if i == 0:
             warm_up(engine, chunks, [v.mode for v in variants])
         engine.reset_prefix_cache()
@@ -654,7 +592,7 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
         "variant": v.name, "mode": v.mode, "recompute_ratio": v.ratio, "n": len(rs),
         "ttft_median_s": _r(median(ttft)), "ttft_p90_s": _r(percentile(ttft, 90)), "ttft_mean_s": _r(mean(ttft)),
         "speedup_median": _r(median([x["speedup"] for x in rs]), 3),
-        "load_s_median": _r(median([x["load_s"] for x in rs])), "blend_s_median": _r(median([x["blend_s"] for x in rs])),
+        "load_s_median": _r(median([x["load_s"] for x in rs])), "worker_s_median": _r(median([x["worker_s"] for x in rs])),
         "kl_mean": _r(mean(x["kl_from_full"] for x in rs), 5), "kl_median": _r(median([x["kl_from_full"] for x in rs]), 5),
         "gold_nll_mean": _r(nll), "gold_nll_rel_full": _r(nll / nll_full - 1.0) if (nll and nll_full) else None,
         "f1_mean": _r(mean(x["f1"] for x in rs)), "rouge_l_mean": _r(mean(x["rouge_l"] for x in rs)),
@@ -817,7 +755,7 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
     served: Counter[str] = Counter()
     for i, (q, chunks) in enumerate(zip(questions, sets)):
         ids = {c.chunk_id for c in chunks}
-        prompt = engine.build_prompt(q.question, chunks)
+        prompt = engine.prompts.build(q.question, chunks)
         row: dict[str, Any] = {"index": q.index, "prompt_tokens": len(prompt.token_ids),
                                "seen_before": _r(len(ids & seen) / len(ids)) if i else None,
                                "jaccard_prev": _r(len(ids & prev) / len(ids | prev)) if i else None,
@@ -906,7 +844,7 @@ def run_throughput(engine: "BlendEngine", examples: Sequence[QAExample], *, conc
     for ex in examples[:n]:
         chunks = make_chunks(engine.tokenizer, ex.passages[:passages])
         all_chunks += chunks
-        prompts.append(engine.build_prompt(ex.question, chunks))
+        prompts.append(engine.prompts.build(ex.question, chunks))
     pre = engine.precompute(_distinct(all_chunks))
     for m in modes:
         engine.generate(prompts[0], m, max_tokens=2)
@@ -1080,7 +1018,7 @@ def _tiers_layout(layout: str, settings_file: str | None, store: dict[str, Any],
         for i, ex in enumerate(examples):
             chunks = make_chunks(engine.tokenizer, ex.passages[:passages])
             engine.precompute(chunks)
-            prompt = engine.build_prompt(ex.question, chunks)
+            prompt = engine.prompts.build(ex.question, chunks)
             # untimed: the first requests pay one-time costs, and in ``cpu`` this promotes KV found on disk
             engine.generate(prompt, "blend", max_tokens=1)
             ref = engine.generate(prompt, "full", max_tokens=1).metrics.ttft_s if layout == "cpu" else None
@@ -1093,7 +1031,7 @@ def _tiers_layout(layout: str, settings_file: str | None, store: dict[str, Any],
                         g = engine.generate(prompt, "blend", max_tokens=1)
                         m = g.metrics
                         rows.append({"tier": name, "pipeline_overlap": overlap, "example": ex.index, "repeat": rep,
-                                     "ttft_s": _r(m.ttft_s), "load_s": _r(m.load_s), "blend_s": _r(m.blend_s),
+                                     "ttft_s": _r(m.ttft_s), "load_s": _r(m.load_s), "worker_s": _r(m.worker_s),
                                      "ctx_tokens": m.ctx_tokens, "served_by": sorted(set(m.chunk_tiers)),
                                      "full_ttft_s": _r(ref)})
         return {"layout": layout, "startup_s": round(engine.startup_s, 1), "rows": rows}
@@ -1165,7 +1103,7 @@ def run_tiers(settings_file: str | None, examples: Sequence[QAExample], *, kv_ro
                 "ttft_median_s": _r(median([r["ttft_s"] for r in sel])),
                 "ttft_p90_s": _r(percentile([r["ttft_s"] for r in sel], 90)),
                 "load_s_median": _r(median([r["load_s"] for r in sel])),
-                "blend_s_median": _r(median([r["blend_s"] for r in sel])),
+                "worker_s_median": _r(median([r["worker_s"] for r in sel])),
                 "vs_cpu_median": _r(median(ratio), 3),
                 "served_by": sorted({t for r in sel for t in r["served_by"]}),
             })
@@ -1277,9 +1215,9 @@ def tables(result: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[An
         return [(f"throughput ({result['prompt_tokens_mean']:.0f}-token prompts)", h, rows),
                 ("blend over full", rh, rr)]
     if kind == "tiers":
-        h = ["tier", "overlap", "n", "TTFT med (s)", "TTFT p90 (s)", "load (s)", "blend (s)", "vs cpu"]
+        h = ["tier", "overlap", "n", "TTFT med (s)", "TTFT p90 (s)", "load (s)", "worker (s)", "vs cpu"]
         rows = [[s["tier"], s["pipeline_overlap"], s["n"], s["ttft_median_s"], s["ttft_p90_s"], s["load_s_median"],
-                 s["blend_s_median"], s["vs_cpu_median"]] for s in result["summary"]]
+                 s["worker_s_median"], s["vs_cpu_median"]] for s in result["summary"]]
         return [(f"blend TTFT by tier (n={result['n']}, full TTFT median {result['full_ttft_median_s']} s)", h, rows)]
     if kind == "ingest":
         h = ["path", "tokens/s", "seconds"]

@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from ragcache.config import Settings
+from ragcache.engine.messages import RequestMetrics
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
@@ -54,28 +55,8 @@ class Source:
     tier: str = ""
 
 
-@dataclass
-class QueryMetrics:
-    """Numbers for one answer. Seconds and tokens.
-
-    ttft_s is vLLM's time to first token for the generation (including loading and blending
-    chunk KV); retrieval_s the question embedding + search; total_s the whole query().
-    """
-
-    mode: str
-    ttft_s: float
-    retrieval_s: float
-    total_s: float
-    prompt_tokens: int
-    reused_tokens: int
-    recomputed_tokens: int
-    tier_hits: dict[str, int] = field(default_factory=dict)
-    load_s: float = 0.0
-    blend_s: float = 0.0
-    output_tokens: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+#: the SDK's name for the per-request metrics (one definition: :class:`ragcache.engine.messages.RequestMetrics`)
+QueryMetrics = RequestMetrics
 
 
 @dataclass
@@ -85,7 +66,7 @@ class Answer:
     question: str
     text: str
     sources: list[Source]
-    metrics: QueryMetrics
+    metrics: RequestMetrics
 
     def to_dict(self) -> dict[str, Any]:
         return {"question": self.question, "answer": self.text,
@@ -174,7 +155,7 @@ class RAGPipeline:
         t0 = time.perf_counter()
         found = self.retrieve(question, top_k)
         retrieval_s = time.perf_counter() - t0
-        prompt = self.engine.build_prompt(question, [r.chunk for r in found])
+        prompt = self.engine.prompts.build(question, [r.chunk for r in found])
         return t0, found, retrieval_s, prompt
 
     @staticmethod
@@ -184,12 +165,9 @@ class RAGPipeline:
         tiers = m.chunk_tiers or [""] * len(found)
         sources = [Source(r.chunk.doc_id, r.chunk.title, r.chunk.text, r.score, r.chunk.chunk_id, tier)
                    for r, tier in zip(found, tiers)]
-        metrics = QueryMetrics(
-            mode=m.mode, ttft_s=m.ttft_s, retrieval_s=retrieval_s, total_s=time.perf_counter() - t0,
-            prompt_tokens=m.prompt_tokens, reused_tokens=m.reused_tokens, recomputed_tokens=m.recomputed_tokens,
-            tier_hits=dict(m.tier_hits), load_s=m.load_s, blend_s=m.blend_s, output_tokens=m.output_tokens,
-        )
-        return Answer(question, gen.text.strip(), sources, metrics)
+        m.retrieval_s = retrieval_s
+        m.total_s = time.perf_counter() - t0
+        return Answer(question, gen.text.strip(), sources, m)
 
     def query(self, question: str, mode: str | None = None, top_k: int | None = None, *,
               max_tokens: int | None = None, recompute_ratio: float | None = None) -> Answer:

@@ -11,24 +11,39 @@ The prompt is the model's chat template rendered around a placeholder and split 
     tail = "Question: <q>" <end of user turn> <assistant turn opening>
 
 Token ids are concatenated, never re-tokenized, so a chunk's tokens are identical in every prompt
-and its KV can be reused. The head is itself a cached segment at position 0 (exact), and every
-chunk's KV is precomputed right after the head, i.e. at canonical start position ``len(head)``:
-the first chunk of any prompt therefore sits exactly where its KV was computed, and the KV of
-every chunk saw the same lead-in. The key of a unit hashes (model fingerprint, layout version,
-unit token ids, lead-in hash), so changing the system prompt or model changes every key.
+and its KV can be reused. Where cached KV is computed is one rule, :func:`lead_in_for` (the
+*placement rule*): the head is a cached segment computed at position 0 with no lead-in (exact),
+and every chunk's KV is computed right after the head, i.e. at canonical start position
+``len(head)``. The first chunk of any prompt therefore sits exactly where its KV was computed, and
+the KV of every chunk saw the same lead-in. The key of a unit hashes (model fingerprint, layout
+version, unit token ids, its lead-in), so changing the system prompt or model changes every key.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from ragcache.chunks import Chunk, ChunkKey
 from ragcache.config import PromptSettings
 
 _CTX = "\u2063RAGCACHE_CONTEXT\u2063"
 _QUESTION = "\u2063RAGCACHE_QUESTION\u2063"
+
+
+def lead_in_for(start: int, head_ids: Sequence[int]) -> list[int]:
+    """The placement rule: the tokens a cached segment's KV is computed after.
+
+    The head (the segment starting at position 0) is computed with no lead-in; every chunk is
+    computed right after the head, whatever its position in a prompt. Used to key, precompute and
+    (when missing) compute every segment.
+
+    Args:
+        start: the segment's first position in its prompt (0 only for the head).
+        head_ids: token ids of the prompt head.
+    """
+    return [] if start == 0 else list(head_ids)
 
 
 class PromptTooLongError(ValueError):
@@ -68,13 +83,10 @@ class AssembledPrompt:
     ctx_len: int
     lead_in_len: int
 
-    def transfer_params(self) -> dict[str, Any]:
-        """Plain-data description for the KV connector (kv_transfer_params)."""
-        return {
-            "ctx_len": self.ctx_len,
-            "lead_in_len": self.lead_in_len,
-            "segments": [[s.key, s.start, s.length] for s in self.segments],
-        }
+    @property
+    def tail_len(self) -> int:
+        """Tokens after the cached context (the question and the assistant-turn opening)."""
+        return len(self.token_ids) - self.ctx_len
 
 
 class PromptBuilder:
@@ -84,19 +96,20 @@ class PromptBuilder:
         tokenizer: a Hugging Face tokenizer with a chat template (or none: a plain fallback is used).
         settings: the ``[prompt]`` settings.
         model_fingerprint: from :func:`ragcache.models.resolve_llm`; part of every key.
+        max_len: the model's context in tokens (``engine.max_model_len``); longer prompts are
+            refused by :meth:`build`. None: no limit.
     """
 
-    def __init__(self, tokenizer: Any, settings: PromptSettings, model_fingerprint: str):
+    def __init__(self, tokenizer: Any, settings: PromptSettings, model_fingerprint: str,
+                 max_len: int | None = None):
         self.tokenizer = tokenizer
         self.settings = settings
         self.model_fingerprint = model_fingerprint
+        self.max_len = max_len
         head_text, self._tail_template = self._split_template()
         self.head_ids: list[int] = self._encode(head_text)
         self.separator_ids: list[int] = self._encode(settings.chunk_separator)
-        self.namespace = hashlib.sha256(
-            ("lead-in:" + ",".join(map(str, self.head_ids))).encode()
-        ).hexdigest()[:16]
-        self.head_key = ChunkKey.of(self.head_ids, model_fingerprint, namespace="head").digest
+        self.head = Segment(self._key(self.head_ids, 0), 0, len(self.head_ids), None)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -112,19 +125,36 @@ class PromptBuilder:
         head, rest = rendered.split(_CTX)
         return head, rest
 
+    def _key(self, unit: Sequence[int], start: int) -> str:
+        lead_in = lead_in_for(start, self.head_ids)
+        namespace = hashlib.sha256(("lead-in:" + ",".join(map(str, lead_in))).encode()).hexdigest()[:16]
+        return ChunkKey.of(unit, self.model_fingerprint, namespace=namespace).digest
+
+    @property
+    def head_key(self) -> str:
+        """KV store key of the prompt head."""
+        return self.head.key
+
     def unit_ids(self, chunk: Chunk) -> list[int]:
         """Token ids of a chunk's cached unit: its token ids followed by the separator."""
         return list(chunk.token_ids) + self.separator_ids
 
     def key(self, chunk: Chunk) -> str:
         """KV store key of a chunk's unit under this model and lead-in."""
-        return ChunkKey.of(self.unit_ids(chunk), self.model_fingerprint, namespace=self.namespace).digest
+        return self._key(self.unit_ids(chunk), len(self.head_ids))
+
+    def canonical_segment(self, chunk: Chunk) -> Segment:
+        """The chunk's unit where its KV is computed: right after the head (see :func:`lead_in_for`)."""
+        unit = self.unit_ids(chunk)
+        return Segment(self.key(chunk), len(self.head_ids), len(unit), chunk.chunk_id)
 
     def tail_ids(self, question: str) -> list[int]:
         return self._encode(self._tail_template.replace(_QUESTION, question.strip()))
 
     def build(self, question: str, chunks: Sequence[Chunk], max_len: int | None = None) -> AssembledPrompt:
         """Assemble the prompt for ``question`` over ``chunks`` (already in stable order).
+
+        ``max_len`` overrides the builder's limit for this call.
 
         Raises:
             ValueError: empty question.
@@ -133,13 +163,14 @@ class PromptBuilder:
         if not question or not question.strip():
             raise ValueError("the question is empty; ask something")
         ids = list(self.head_ids)
-        segments = [Segment(self.head_key, 0, len(ids), None)]
+        segments = [self.head]
         for chunk in chunks:
             unit = self.unit_ids(chunk)
             segments.append(Segment(self.key(chunk), len(ids), len(unit), chunk.chunk_id))
             ids.extend(unit)
         ctx_len = len(ids)
         ids.extend(self.tail_ids(question))
+        max_len = self.max_len if max_len is None else max_len
         if max_len is not None and len(ids) + 1 > max_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens but the model's context is {max_len} "

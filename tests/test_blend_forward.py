@@ -7,6 +7,7 @@ import torch
 from hf_ops import HFLlamaOps, LayerCollector, cached_context, hf_layer_kv, smollm2, tiny_llama
 
 from ragcache.blend import DecoderOps, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv
+from ragcache.config import BlendSettings
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,18 @@ def full_kv(ops, context):
     return [move_keys(ops, layer, k_pre[layer], context.positions) for layer in range(ops.num_layers)], list(v)
 
 
+#: the [blend] settings' defaults, for calls that do not set a knob themselves
+DEFAULTS = BlendSettings().model_dump(include={"recompute_ratio", "check_layer", "deviation"})
+
+
+def blend(ops, ids, positions, load_layer, **kwargs):
+    """``blend_kv`` with the settings' defaults for the knobs not given."""
+    return blend_kv(ops, ids, positions, load_layer, **{**DEFAULTS, **kwargs})
+
+
 def run_blend(ops, context, **kwargs):
     collected = LayerCollector(ops.num_layers)
-    result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, on_layer=collected, **kwargs)
+    result = blend(ops, context.token_ids, context.positions, context.load_layer, on_layer=collected, **kwargs)
     return result, collected
 
 
@@ -199,7 +209,7 @@ def test_forced_tokens_without_cached_kv_are_recomputed(tiny, tiny_context):
     k_pre[:, start:stop] = 0
     v[:, start:stop] = 0
     collected = LayerCollector(ops.num_layers)
-    result = blend_kv(
+    result = blend(
         ops, tiny_context.token_ids, tiny_context.positions, lambda layer: (k_pre[layer], v[layer]),
         recompute_ratio=0.1, forced=forced, on_layer=collected,
     )
@@ -211,7 +221,7 @@ def test_forced_tokens_without_cached_kv_are_recomputed(tiny, tiny_context):
 
     # Every token forced, nothing cached: the blend is a full prefill.
     everything = LayerCollector(ops.num_layers)
-    blend_kv(
+    blend(
         ops, tiny_context.token_ids, tiny_context.positions, lambda layer: (torch.zeros_like(k_pre[layer]),) * 2,
         recompute_ratio=0.0, forced=torch.ones(n, dtype=torch.bool), on_layer=everything,
     )
@@ -231,13 +241,13 @@ def test_prefetch_loads_layers_in_order_on_a_background_thread(tiny, tiny_contex
 
     ids, positions = tiny_context.token_ids, tiny_context.positions
     collected = LayerCollector(ops.num_layers)
-    result = blend_kv(ops, ids, positions, load_layer, check_layer=1, on_layer=collected)
+    result = blend(ops, ids, positions, load_layer, check_layer=1, on_layer=collected)
     assert [layer for layer, _ in calls] == [1, 2, 3]  # layers before the check layer need no cached KV
     assert not any(on_main for _, on_main in calls)
     assert result.load_s >= 0 and result.compute_s > 0 and result.on_layer_s > 0
 
     calls.clear()
-    blend_kv(ops, ids, positions, load_layer, check_layer=1, on_layer=collected, prefetch=False)
+    blend(ops, ids, positions, load_layer, check_layer=1, on_layer=collected, prefetch=False)
     assert calls == [(1, True), (2, True), (3, True)]
 
 
@@ -254,10 +264,10 @@ def test_blend_rejects_bad_arguments(tiny, tiny_context):
         {"forced": torch.zeros(3, dtype=torch.bool)},
     ):
         with pytest.raises(ValueError):
-            blend_kv(ops, ids, positions, load, on_layer=sink, **kwargs)
+            blend(ops, ids, positions, load, on_layer=sink, **kwargs)
     with pytest.raises(ValueError):
-        blend_kv(ops, ids, positions[:-1], load, on_layer=sink)
+        blend(ops, ids, positions[:-1], load, on_layer=sink)
     with pytest.raises(ValueError, match="load_layer"):
-        blend_kv(ops, ids, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), on_layer=sink)
+        blend(ops, ids, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), on_layer=sink)
     with pytest.raises(ValueError, match="load_layer"):
         reuse_kv(ops, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), sink)

@@ -73,7 +73,7 @@ def test_blend_first_token_distribution_is_closer_to_full_prefill_than_reuse(smo
         blended = LayerCollector(ops.num_layers)
         result = blend_kv(
             ops, context.token_ids, context.positions, context.load_layer,
-            recompute_ratio=0.15, check_layer=1, on_layer=blended,
+            recompute_ratio=0.15, check_layer=1, deviation="value", on_layer=blended,
         )
         assert result.num_recomputed > 0
         kl_blend.append(kl_full_to(full, next_token_logits(model, blended.k, blended.v, torch.tensor(question))))

@@ -46,7 +46,7 @@ def test_ratio_one_reproduces_full_prefill(engine, fact_chunks):
                  "What is kelmet made of?"]
     orders = [fact_chunks, fact_chunks[::-1], fact_chunks[1:3]]
     for q, chunks in zip(questions, orders):
-        prompt = engine.build_prompt(q, chunks)
+        prompt = engine.prompts.build(q, chunks)
         full = engine.generate(prompt, "full", max_tokens=16)
         blend = engine.generate(prompt, "blend", max_tokens=16, recompute_ratio=1.0)
         assert blend.token_ids == full.token_ids, (q, full.text, blend.text)
@@ -56,7 +56,7 @@ def test_ratio_one_reproduces_full_prefill(engine, fact_chunks):
 
 def test_single_chunk_at_canonical_position_reuse_is_exact(engine, fact_chunks):
     for chunk in fact_chunks[:2]:
-        prompt = engine.build_prompt("Summarize the document in one sentence.", [chunk])
+        prompt = engine.prompts.build("Summarize the document in one sentence.", [chunk])
         full = engine.generate(prompt, "full", max_tokens=20)
         reuse = engine.generate(prompt, "reuse", max_tokens=20)
         assert reuse.token_ids == full.token_ids, (full.text, reuse.text)
@@ -64,7 +64,7 @@ def test_single_chunk_at_canonical_position_reuse_is_exact(engine, fact_chunks):
 
 
 def test_blend_reuses_and_reports_metrics(engine, fact_chunks):
-    prompt = engine.build_prompt("What is the capital of Zorbia?", fact_chunks)
+    prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
     g = engine.generate(prompt, "blend")
     m = g.metrics
     assert m.mode == "blend" and m.ttft_s > 0 and m.prompt_tokens == len(prompt.token_ids)
@@ -79,7 +79,7 @@ def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks)
     new = make_chunks(engine, ["Zorbian children learn the seven-string harp from the age of five."])
     engine.forget(new)
     assert engine.stored_tiers(new) == [None]
-    prompt = engine.build_prompt("What instrument do Zorbian children learn?", fact_chunks[:1] + new)
+    prompt = engine.prompts.build("What instrument do Zorbian children learn?", fact_chunks[:1] + new)
     first = engine.generate(prompt, "blend")
     assert first.metrics.chunk_tiers[-1] == "computed" and first.text.strip()
     assert engine.stored_tiers(new)[0] is not None
@@ -89,7 +89,7 @@ def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks)
 
 
 def test_blended_kv_is_not_a_prefix_hit_for_full(engine, fact_chunks):
-    prompt = engine.build_prompt("Where does the parliament meet?", fact_chunks)
+    prompt = engine.prompts.build("Where does the parliament meet?", fact_chunks)
     engine.generate(prompt, "blend")
     full = engine.generate(prompt, "full")
     assert full.metrics.num_cached_tokens == 0
@@ -106,7 +106,7 @@ def test_blend_first_token_closer_to_full_than_reuse_on_musique(engine):
         texts = [c["text"] for c in ex["ctxs"][:6]]
         chunks = make_chunks(engine, texts)
         engine.precompute(chunks)
-        prompt = engine.build_prompt(ex["question"], chunks)
+        prompt = engine.prompts.build(ex["question"], chunks)
         dists = {mode: engine.generate(prompt, mode, max_tokens=1, logprobs=-1).first_token_logprobs
                  for mode in ("full", "reuse", "blend")}
         kl_blend.append(kl(dists["full"], dists["blend"]))
@@ -115,7 +115,7 @@ def test_blend_first_token_closer_to_full_than_reuse_on_musique(engine):
 
 
 def test_stream_yields_text_then_generation(engine, fact_chunks):
-    prompt = engine.build_prompt("What is the capital of Zorbia?", fact_chunks)
+    prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
     pieces = list(engine.stream(prompt, "blend", max_tokens=12))
     final = pieces[-1]
     assert not isinstance(final, str) and all(isinstance(p, str) for p in pieces[:-1])

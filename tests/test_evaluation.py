@@ -153,7 +153,7 @@ def test_build_hotset_draws_the_overlap_from_the_most_recurring_passages():
 
 def _summary(name, mode, ratio, ttft, speedup, kl, nll, rel):
     return {"variant": name, "mode": mode, "recompute_ratio": ratio, "n": 2, "ttft_median_s": ttft, "ttft_p90_s": ttft,
-            "ttft_mean_s": ttft, "speedup_median": speedup, "load_s_median": 0.0, "blend_s_median": 0.0,
+            "ttft_mean_s": ttft, "speedup_median": speedup, "load_s_median": 0.0, "worker_s_median": 0.0,
             "kl_mean": kl, "kl_median": kl, "gold_nll_mean": nll, "gold_nll_rel_full": rel, "f1_mean": 0.1,
             "rouge_l_mean": 0.1, "em_mean": 0.0, "agree_em_mean": 1.0, "agree_rouge_l_mean": 1.0,
             "agree_tokens_mean": 1.0, "recomputed_frac_mean": 0.15, "prompt_tokens_mean": 100.0}

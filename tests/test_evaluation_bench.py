@@ -16,12 +16,12 @@ pytestmark = pytest.mark.integration
 
 SUMMARY_FIELDS = {
     "variant", "mode", "recompute_ratio", "n", "ttft_median_s", "ttft_p90_s", "ttft_mean_s", "speedup_median",
-    "load_s_median", "blend_s_median", "kl_mean", "kl_median", "gold_nll_mean", "gold_nll_rel_full", "f1_mean",
+    "load_s_median", "worker_s_median", "kl_mean", "kl_median", "gold_nll_mean", "gold_nll_rel_full", "f1_mean",
     "rouge_l_mean", "em_mean", "agree_em_mean", "agree_rouge_l_mean", "agree_tokens_mean", "recomputed_frac_mean",
     "prompt_tokens_mean",
 }
 RECORD_FIELDS = {
-    "ttft_s", "total_s", "load_s", "blend_s", "prompt_tokens", "ctx_tokens", "reused_tokens", "recomputed_tokens",
+    "ttft_s", "total_s", "load_s", "worker_s", "prompt_tokens", "ctx_tokens", "reused_tokens", "recomputed_tokens",
     "missing_computed_tokens", "num_cached_tokens", "output_tokens", "chunk_tiers", "answer", "recompute_ratio",
     "first_token", "kl_from_full", "gold_nll", "f1", "rouge_l", "em", "agree_em", "agree_rouge_l", "agree_tokens",
     "speedup",
@@ -65,7 +65,7 @@ def test_gold_answer_scoring_matches_across_exact_paths_and_eval_reports_quality
     ex = data[0]
     chunks = ev.make_chunks(engine.tokenizer, ex.passages[:2])
     engine.precompute(chunks)
-    prompt = engine.build_prompt(ex.question, chunks)
+    prompt = engine.prompts.build(ex.question, chunks)
     gold = ev.answer_ids(engine, ex.answers[0])
     full = ev.continuation_logprobs(engine, prompt, gold, "full")
     blend_all = ev.continuation_logprobs(engine, prompt, gold, "blend", recompute_ratio=1.0)

@@ -54,8 +54,8 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
                        f"/ {m.mode} TTFT {seconds(m.ttft_s)}")
     parts = [f"retrieval {seconds(m.retrieval_s)}", f"total {m.total_s:.2f} s",
              f"prompt {m.prompt_tokens:,} tokens", f"{m.output_tokens} tokens out"]
-    if m.load_s or m.blend_s:
-        parts[1:1] = [f"KV load {seconds(m.load_s)}", f"blend {seconds(m.blend_s)}"]
+    if m.worker_s:
+        parts[1:1] = [f"KV load {seconds(m.load_s)}", f"context ready in {seconds(m.worker_s)}"]
     st.caption(" · ".join(parts))
 
 

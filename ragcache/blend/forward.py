@@ -216,9 +216,9 @@ def blend_kv(
     positions: torch.LongTensor,
     load_layer: LoadLayer,
     *,
-    recompute_ratio: float = 0.15,
-    check_layer: int = 1,
-    deviation: str = "value",
+    recompute_ratio: float,
+    check_layer: int,
+    deviation: str,
     forced: torch.Tensor | None = None,
     on_layer: OnLayer,
     prefetch: bool = True,
@@ -248,10 +248,11 @@ def blend_kv(
         load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])`` cached KV of the context
             (rows of forced tokens are ignored and may hold anything finite). Called once per
             layer from ``check_layer`` on, in order; with ``prefetch`` from a background thread.
-        recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]`` (default 0.15).
-        check_layer: the layer where HKVD tokens are selected, in ``[0, num_layers)`` (default 1).
-        deviation: ``"value"`` (default, as in the paper) or ``"key"``: which of the check layer's
-            cached and fresh KV are compared.
+        recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
+        check_layer: the layer where HKVD tokens are selected, in ``[0, num_layers)``.
+        deviation: ``"value"`` (as in the paper) or ``"key"``: which of the check layer's cached and
+            fresh KV are compared.
+        (The defaults of these three live in one place: ``ragcache.config.BlendSettings``.)
         forced: ``[N]`` bool, True for tokens with no cached KV (always recomputed), or None.
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None``, see above.
         prefetch: load layer i+1 in a background thread while layer i computes (the

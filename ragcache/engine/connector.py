@@ -6,10 +6,18 @@ Modelled on vLLM's ``example_connector.py``. Two instances exist: the scheduler 
 engine core) and the worker side (with the model). Nothing here imports ragcache.pipeline, app/
 or ui/.
 
-A request opts in through ``SamplingParams(extra_args={"kv_transfer_params": {"ragcache": {...}}})``
-with the dict of :meth:`ragcache.prompt.AssembledPrompt.transfer_params` plus ``rid`` (ragcache's
-request id), ``mode`` ("reuse" or "blend") and the blend knobs. Such a request carries a unique
+A request opts in through ``SamplingParams(extra_args={"kv_transfer_params": {TRANSFER_KEY:
+BlendParams.to_dict()}})`` (see :mod:`ragcache.engine.messages`); such a request carries a unique
 ``cache_salt`` so that its approximate KV never serves another request as an exact prefix.
+
+The worker's :class:`~ragcache.engine.messages.ContextStats` travel back with the request: the
+worker side hands them to the scheduler side in the step's worker metadata
+(``build_connector_worker_meta`` -> ``update_connector_output``), and ``request_finished`` returns
+them as the request's ``kv_transfer_params``, which vLLM puts on the ``RequestOutput``. A request
+that finishes in the step that loaded it (e.g. ``max_tokens=1``) is finished *before* that step's
+worker metadata is read (vLLM 0.32 ``Scheduler.update_from_output``): ``request_finished`` then
+returns a dict that ``update_connector_output`` fills in later in the same call, before the
+step's outputs leave the engine core.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
+
+from ragcache.engine.messages import TRANSFER_KEY, BlendParams, LoadRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,41 +41,39 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 
-PARAMS_KEY = "ragcache"
-
-
-@dataclass
-class LoadRequest:
-    """What the worker needs to fill one request's context KV (plain data, sent between processes).
-
-    Attributes:
-        req_id: vLLM's request id.
-        params: the request's ``kv_transfer_params["ragcache"]`` dict (rid, mode, segments, ...).
-        token_ids: the context tokens ``[0, ctx_len)`` of the prompt.
-        block_ids: the request's paged-cache block ids (first KV cache group), in order.
-    """
-
-    req_id: str
-    params: dict[str, Any]
-    token_ids: list[int]
-    block_ids: list[int]
-
 
 @dataclass
 class RagcacheConnectorMetadata(KVConnectorMetadata):
-    """Per-step metadata: the requests whose context KV the worker loads before this step's forward."""
+    """Scheduler -> worker, per step: the requests whose context KV the worker loads before the forward."""
 
     loads: list[LoadRequest] = field(default_factory=list)
 
 
-def _ragcache_params(request: "Request") -> dict[str, Any] | None:
-    params = request.kv_transfer_params or {}
-    p = params.get(PARAMS_KEY)
-    return p if isinstance(p, dict) else None
+@dataclass
+class RagcacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: ``{req_id: ContextStats.to_dict()}`` of the requests loaded."""
+
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, RagcacheWorkerMetadata):
+            self.stats.update(other.stats)
+        return self
+
+
+def blend_params(request: "Request") -> BlendParams | None:
+    """The request's :class:`BlendParams`, or None for a request that does not use the connector.
+
+    Raises:
+        ValueError: the request carries malformed ragcache params.
+    """
+    p = (request.kv_transfer_params or {}).get(TRANSFER_KEY)
+    return BlendParams.from_dict(p) if isinstance(p, dict) and "mode" in p else None
 
 
 class RagcacheConnector(KVConnectorBase_V1):
@@ -74,9 +83,13 @@ class RagcacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         # scheduler side
-        self._pending: dict[str, tuple["Request", list[int]]] = {}
+        self._pending: dict[str, tuple["Request", BlendParams]] = {}
+        self._loading: set[str] = set()  # loads sent to the worker, stats not back yet
+        self._stats: dict[str, dict[str, Any]] = {}  # stats back, request not finished yet
+        self._awaiting: dict[str, dict[str, Any]] = {}  # finished before its stats came back
         # worker side: set by the worker extension (ragcache.engine.worker) via ragcache_init
         self.runtime: Any = None
+        self._done: dict[str, dict[str, Any]] = {}
 
     # ==============================
     # Worker-side methods
@@ -85,8 +98,8 @@ class RagcacheConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Fill the paged cache with the final context K/V of every request in this step's metadata.
 
-        Runs synchronously before the step's forward: the whole context is written (all layers),
-        so ``wait_for_layer_load`` has nothing to wait for.
+        Runs synchronously before the step's forward (the claim is not asynchronous): the whole
+        context is written (all layers), so ``wait_for_layer_load`` has nothing to wait for.
 
         Raises:
             RuntimeError: a request asked for chunk KV before ``ragcache_init`` set up the worker.
@@ -97,7 +110,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         if self.runtime is None:
             raise RuntimeError("ragcache connector used before ragcache_init; create engines with BlendEngine")
         for load in meta.loads:
-            self.runtime.load_request(load, self.block_size)
+            self._done[load.req_id] = self.runtime.load_request(load, self.block_size).to_dict()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -107,6 +120,13 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The stats of the requests loaded this step (None when there were none)."""
+        if not self._done:
+            return None
+        done, self._done = self._done, {}
+        return RagcacheWorkerMetadata(stats=done)
 
     # ==============================
     # Scheduler-side methods
@@ -118,48 +138,56 @@ class RagcacheConnector(KVConnectorBase_V1):
         Side-effect free. Requests without ragcache params claim nothing. At least one prompt token
         (the tail) is always left for vLLM to prefill.
         """
-        p = _ragcache_params(request)
+        p = blend_params(request)
         if p is None:
             return 0, False
-        ctx_len = min(int(p["ctx_len"]), request.num_prompt_tokens - 1)
+        ctx_len = min(p.ctx_len, request.num_prompt_tokens - 1)
         return max(0, ctx_len - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens > 0:
-            self._pending[request.request_id] = (request, list(blocks.get_block_ids()[0]))
+            self._pending[request.request_id] = (request, blend_params(request))
+
+    def _load(self, req_id: str, request: "Request", params: BlendParams, block_ids: list[int]) -> LoadRequest:
+        self._loading.add(req_id)
+        return LoadRequest(req_id=req_id, params=params, token_ids=list(request.prompt_token_ids),
+                           block_ids=list(block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """Turn this step's newly scheduled ragcache requests into :class:`LoadRequest` entries."""
         meta = RagcacheConnectorMetadata()
         for new_req in scheduler_output.scheduled_new_reqs:
             pending = self._pending.pop(new_req.req_id, None)
-            if pending is None:
-                continue
-            request, _ = pending
-            p = _ragcache_params(request)
-            ctx_len = int(p["ctx_len"])
-            meta.loads.append(LoadRequest(
-                req_id=new_req.req_id,
-                params=p,
-                token_ids=list(request.prompt_token_ids[:ctx_len]),
-                block_ids=list(new_req.block_ids[0]),
-            ))
+            if pending is not None:
+                meta.loads.append(self._load(new_req.req_id, *pending, new_req.block_ids[0]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: load again
             pending = self._pending.pop(req_id, None)
-            if pending is None or cached.new_block_ids[i] is None:
-                continue
-            request, _ = pending
-            p = _ragcache_params(request)
-            meta.loads.append(LoadRequest(
-                req_id=req_id,
-                params=p,
-                token_ids=list(request.prompt_token_ids[: int(p["ctx_len"])]),
-                block_ids=list(cached.new_block_ids[i][0]),
-            ))
+            if pending is not None and cached.new_block_ids[i] is not None:
+                meta.loads.append(self._load(req_id, *pending, cached.new_block_ids[i][0]))
         return meta
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Receive the worker's per-request stats (see the module docstring for the ordering)."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, RagcacheWorkerMetadata):
+            return
+        for req_id, stats in meta.stats.items():
+            self._loading.discard(req_id)
+            waiting = self._awaiting.pop(req_id, None)
+            if waiting is not None:
+                waiting.update(stats)
+            else:
+                self._stats[req_id] = stats
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._pending.pop(request.request_id, None)
-        p = _ragcache_params(request)
-        return False, ({"ragcache_rid": p.get("rid")} if p else None)
+        """Return the request's :class:`~ragcache.engine.messages.ContextStats` dict as its kv_transfer_params."""
+        req_id = request.request_id
+        self._pending.pop(req_id, None)
+        stats = self._stats.pop(req_id, None)
+        if stats is None:
+            if req_id not in self._loading:
+                return False, None  # never loaded (not a ragcache request, or aborted before its load)
+            self._loading.discard(req_id)
+            stats = self._awaiting[req_id] = {}  # filled by update_connector_output in this same step
+        return False, {TRANSFER_KEY: stats}

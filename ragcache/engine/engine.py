@@ -1,8 +1,9 @@
 """BlendEngine: the embedded vLLM engine with ragcache's KV connector and worker extension.
 
 Owns: creating ``vllm.LLM`` with the connector (by module path) and the worker extension, the
-four query modes, KV precompute calls, and per-request metrics. Streaming and batches go through
-the same engine (``LLMEngine.add_request`` / ``step`` with DELTA outputs), so one engine serves
+four query modes, KV precompute calls, scoring (first-token distributions, teacher-forced
+continuation log-probabilities) and per-request metrics. Streaming and batches go through the
+same engine (``LLMEngine.add_request`` / ``step`` with DELTA outputs), so one engine serves
 ``generate``, ``generate_many`` and ``stream``; a lock keeps callers from stepping it concurrently.
 
 Modes (one prompt, four ways):
@@ -10,6 +11,8 @@ Modes (one prompt, four ways):
   ``prefix`` vLLM's own prefix caching only (exact prefixes of earlier prompts);
   ``reuse``  every chunk's KV moved to its new position, nothing recomputed;
   ``blend``  CacheBlend: reuse plus recompute of the HKVD tokens (default).
+
+What crosses to the worker and back is typed in :mod:`ragcache.engine.messages`.
 """
 
 from __future__ import annotations
@@ -19,54 +22,43 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ragcache.chunks import KV_LAYOUT_VERSION, Chunk
 from ragcache.config import MODES, Settings
+from ragcache.engine.messages import CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, Rpc, SegmentRef
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.prompt import AssembledPrompt, PromptBuilder
 
 log = logging.getLogger(__name__)
 
-# vLLM lowers torch to one thread per worker unless OMP_NUM_THREADS is set (10x slower on CPU).
-os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-
-
-@dataclass
-class GenerationMetrics:
-    """Per-request numbers. Times in seconds, sizes in tokens.
-
-    ttft_s is vLLM's ``first_token_latency`` (queueing + connector load/blend + prefill of the tail).
-    """
-
-    mode: str
-    ttft_s: float
-    total_s: float
-    prompt_tokens: int
-    ctx_tokens: int = 0
-    reused_tokens: int = 0
-    recomputed_tokens: int = 0
-    missing_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    load_s: float = 0.0
-    blend_s: float = 0.0
-    output_tokens: int = 0
-    chunk_tiers: list[str] = field(default_factory=list)
-    tier_hits: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class Generation:
-    """An answer: text, token ids and metrics."""
+    """An answer: text, token ids and metrics.
+
+    Attributes:
+        first_token_logprobs: ``{token_id: logprob}`` (nats) of the first generated position when
+            requested with ``logprobs`` (the whole vocabulary with ``logprobs=-1``), else None.
+    """
 
     text: str
     token_ids: list[int]
-    metrics: GenerationMetrics
+    metrics: RequestMetrics
     first_token_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class _Request:
+    """One prepared vLLM request (ids, inputs, sampling params) and what metrics need of it."""
+
+    rid: str
+    prompt: AssembledPrompt
+    mode: str
+    recompute_ratio: float | None
+    inputs: dict[str, Any]
+    sampling: Any  # vllm.SamplingParams
 
 
 def _default_dtype(setting: str) -> str:
@@ -80,8 +72,32 @@ def _default_dtype(setting: str) -> str:
         return "float32"
 
 
+def _first_position(logprobs: Any) -> dict[int, float] | None:
+    """``{token_id: logprob}`` of the first generated position, from vLLM flat or per-position logprobs."""
+    if not logprobs:
+        return None
+    if hasattr(logprobs, "start_indices"):  # vllm.logprobs.FlatLogprobs
+        a, b = logprobs.start_indices[0], logprobs.end_indices[0]
+        return dict(zip(logprobs.token_ids[a:b], logprobs.logprobs[a:b]))
+    return {tok: lp.logprob for tok, lp in logprobs[0].items()}
+
+
+def _set_engine_environment(settings: Settings) -> None:
+    """Environment that vLLM reads when an engine is created (``vllm.envs`` is evaluated lazily)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.engine.in_process else "1"
+    # vLLM lowers torch to one thread per worker unless OMP_NUM_THREADS is set (10x slower on CPU)
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+
+
 class BlendEngine:
     """Embedded vLLM with chunk-KV reuse and CacheBlend.
+
+    Attributes:
+        prompts: the :class:`~ragcache.prompt.PromptBuilder` of this model and ``[prompt]`` settings
+            (prompts longer than ``engine.max_model_len`` are refused there).
+        tokenizer: the model's Hugging Face tokenizer.
+        device: the device the model runs on (``str(torch.device)``), as vLLM loaded it.
+        startup_s: seconds from creating vLLM to ready (warm-up included).
 
     Args:
         settings: ragcache settings (engine, blend, store, prompt sections are used).
@@ -99,8 +115,7 @@ class BlendEngine:
         self._lock = threading.RLock()
         self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
         t0 = time.perf_counter()
-        # read by vLLM when the engine is created (vllm.envs is evaluated lazily)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.engine.in_process else "1"
+        _set_engine_environment(settings)
         kv_config = KVTransferConfig(
             kv_connector="RagcacheConnector",
             kv_connector_module_path="ragcache.engine.connector",
@@ -121,11 +136,11 @@ class BlendEngine:
             seed=0,
         )
         self.device = self.llm.collective_rpc(
-            "ragcache_init",
-            args=(settings.store.model_dump(mode="json"), self.llm_info.fingerprint, KV_LAYOUT_VERSION),
+            Rpc.INIT, args=(settings.store.model_dump(mode="json"), self.llm_info.fingerprint, KV_LAYOUT_VERSION),
         )[0]
         self.tokenizer = self.llm.get_tokenizer()
-        self.prompts = PromptBuilder(self.tokenizer, settings.prompt, self.llm_info.fingerprint)
+        self.prompts = PromptBuilder(self.tokenizer, settings.prompt, self.llm_info.fingerprint,
+                                     max_len=eng.max_model_len)
         # one tiny blend request: the first one pays for lazy kernel and allocator set-up
         self.generate(self.prompts.build("warm up", []), "blend", max_tokens=1)
         self.startup_s = time.perf_counter() - t0
@@ -137,36 +152,38 @@ class BlendEngine:
                    batch_size: int = 8) -> dict[str, Any]:
         """Compute and store the KV of the head and of each chunk's unit not stored yet.
 
+        Every unit is computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`).
         Blocks the engine while it runs: call it at ingest time, not beside live requests.
         Chunks go to the worker ``batch_size`` at a time (a tqdm bar on stderr when
         ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds"}`` (seconds of
-        worker compute, tokens of the computed units).
+        worker compute, tokens of the computed units; the head is not counted).
         """
         from tqdm import tqdm
 
+        head_ids = self.prompts.head_ids
+        head = self.prompts.head
+        items = []
+        for c in chunks:
+            seg = self.prompts.canonical_segment(c)
+            items.append([seg.key, seg.start, self.prompts.unit_ids(c)])
         total = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0}
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute", disable=not show_progress)
         with self._lock, bar:
-            batches = [(list(), [[self.prompts.head_key, self.prompts.head_ids]])]
-            items = [[self.prompts.key(c), self.prompts.unit_ids(c)] for c in chunks]
-            batches += [(self.prompts.head_ids, items[i:i + batch_size]) for i in range(0, len(items), batch_size)]
-            for n, (lead_in, batch) in enumerate(batches):
-                out = self.llm.collective_rpc("ragcache_precompute", args=(lead_in, batch))[0]
+            self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [[head.key, head.start, head_ids]]))
+            for i in range(0, len(items), batch_size):
+                batch = items[i:i + batch_size]
+                out = self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, batch))[0]
                 for k in total:
                     total[k] += out[k]
-                if n:  # the head is not one of the user's chunks
-                    bar.update(len(batch))
-                    bar.set_postfix_str(f"{total['tokens'] / max(total['seconds'], 1e-9):,.0f} tok/s")
+                bar.update(len(batch))
+                bar.set_postfix_str(f"{total['tokens'] / max(total['seconds'], 1e-9):,.0f} tok/s")
         return total
 
-    # ---- generation ------------------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------
 
-    def build_prompt(self, question: str, chunks: Sequence[Chunk]) -> AssembledPrompt:
-        """The prompt for ``question`` over ``chunks`` (in the given order). See ragcache.prompt."""
-        return self.prompts.build(question, chunks, max_len=self.settings.engine.max_model_len)
-
-    def _request(self, prompt: AssembledPrompt, mode: str, max_tokens: int | None, recompute_ratio: float | None,
-                 logprobs: int | None, delta: bool) -> tuple[str, dict[str, Any], Any]:
+    def _request(self, prompt: AssembledPrompt, mode: str, *, max_tokens: int | None = None,
+                 recompute_ratio: float | None = None, logprobs: int | None = None,
+                 delta: bool = False) -> _Request:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -174,13 +191,15 @@ class BlendEngine:
             raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
         rid = uuid.uuid4().hex
         extra = None
-        if mode in ("reuse", "blend"):
-            b = self.settings.blend
-            params = prompt.transfer_params()
-            params.update(rid=rid, mode=mode,
-                          recompute_ratio=b.recompute_ratio if recompute_ratio is None else recompute_ratio,
-                          check_layer=b.check_layer, deviation=b.deviation, pipeline_overlap=b.pipeline_overlap)
-            extra = {"kv_transfer_params": {"ragcache": params}}
+        ratio = None
+        if mode in CONNECTOR_MODES:
+            params = BlendParams.from_settings(
+                self.settings.blend, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
+                segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
+                recompute_ratio=recompute_ratio,
+            )
+            ratio = params.recompute_ratio if mode == "blend" else None
+            extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}
         sp = SamplingParams(
             temperature=0.0,
             max_tokens=max_tokens or self.settings.engine.max_tokens,
@@ -188,27 +207,24 @@ class BlendEngine:
             extra_args=extra,
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
         )
+        if logprobs is not None:
+            # vLLM decodes the token of every logprob entry (~49k tokenizer.decode calls for the whole
+            # vocabulary) at every step, seconds per token on CPU: return ids, decode the answer here
+            sp.detokenize = False
+            sp.flat_logprobs = True
         inputs: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
         if mode != "prefix":
             inputs["cache_salt"] = rid  # never share (or reuse) exact-prefix blocks with others
-        return rid, inputs, sp
+        return _Request(rid, prompt, mode, ratio, inputs, sp)
 
-    def _metrics(self, rid: str, mode: str, prompt: AssembledPrompt, out: Any, total_s: float,
-                 output_tokens: int) -> GenerationMetrics:
-        m = out.metrics
-        ttft = float(getattr(m, "first_token_latency", 0.0) or 0.0) if m is not None else 0.0
-        stats = self.llm.collective_rpc("ragcache_pop_stats", args=(rid,))[0] or {}
-        return GenerationMetrics(
-            mode=mode, ttft_s=ttft, total_s=total_s, prompt_tokens=len(prompt.token_ids),
-            ctx_tokens=prompt.ctx_len,
-            reused_tokens=int(stats.get("reused_tokens", 0)),
-            recomputed_tokens=int(stats.get("recomputed_tokens", 0)),
-            missing_computed_tokens=int(stats.get("missing_computed_tokens", 0)),
-            num_cached_tokens=int(out.num_cached_tokens or 0),
-            load_s=float(stats.get("load_s", 0.0)), blend_s=float(stats.get("blend_s", 0.0)),
-            output_tokens=output_tokens,
-            chunk_tiers=list(stats.get("chunk_tiers", [])), tier_hits=dict(stats.get("tier_hits", {})),
-        )
+    def _generation(self, req: _Request, out: Any, total_s: float) -> Generation:
+        comp = out.outputs[0]
+        token_ids = list(comp.token_ids)
+        text = comp.text if req.sampling.detokenize else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        first = _first_position(comp.logprobs) if req.sampling.logprobs is not None else None
+        metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=out,
+                                             total_s=total_s, recompute_ratio=req.recompute_ratio)
+        return Generation(text, token_ids, metrics, first)
 
     def generate_many(self, prompts: Sequence[AssembledPrompt], mode: str | None = None, *,
                       max_tokens: int | None = None, recompute_ratio: float | None = None,
@@ -217,48 +233,77 @@ class BlendEngine:
 
         Args:
             mode: full, prefix, reuse or blend (default ``engine.mode``).
+            max_tokens: tokens to decode (default ``engine.max_tokens``).
+            recompute_ratio: blend's ratio for these requests (default ``blend.recompute_ratio``).
             logprobs: when set, the first generated token's top-``logprobs`` log-probabilities are
                 returned (-1 = the whole vocabulary), for quality measurements.
 
         Raises:
-            ValueError: unknown mode.
+            ValueError: unknown mode, or a ratio outside [0, 1].
         """
         mode = mode or self.settings.engine.mode
+        reqs = [self._request(p, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, logprobs=logprobs)
+                for p in prompts]
         t0 = time.perf_counter()
-        reqs = [self._request(p, mode, max_tokens, recompute_ratio, logprobs, delta=False) for p in prompts]
         with self._lock:
-            outs = self.llm.generate([inp for _, inp, _ in reqs], [sp for _, _, sp in reqs], use_tqdm=False)
-            total = time.perf_counter() - t0
-            results = []
-            for (rid, _, _), prompt, out in zip(reqs, prompts, outs):
-                comp = out.outputs[0]
-                first_lp = None
-                if logprobs is not None and comp.logprobs:
-                    first_lp = {tok: lp.logprob for tok, lp in comp.logprobs[0].items()}
-                results.append(Generation(comp.text, list(comp.token_ids),
-                                          self._metrics(rid, mode, prompt, out, total, len(comp.token_ids)),
-                                          first_lp))
-        return results
+            outs = self.llm.generate([r.inputs for r in reqs], [r.sampling for r in reqs], use_tqdm=False)
+        total = time.perf_counter() - t0
+        return [self._generation(r, out, total) for r, out in zip(reqs, outs)]
 
     def generate(self, prompt: AssembledPrompt, mode: str | None = None, **kwargs: Any) -> Generation:
         """One prompt; see :meth:`generate_many`."""
         return self.generate_many([prompt], mode, **kwargs)[0]
 
+    def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int], mode: str, *,
+                              recompute_ratio: float | None = None) -> list[float]:
+        """Teacher-forced log-probabilities (nats) of ``continuation`` token ids right after ``prompt``.
+
+        One request over ``prompt + continuation`` in ``mode`` with vLLM prompt logprobs: the context
+        is served exactly as in a normal request of that mode (the connector loads/blends
+        ``[0, ctx_len)``; the tail and the continuation are prefilled over it). Two vLLM settings make
+        this work beside the connector: ``skip_reading_prefix_cache=False`` (with prompt logprobs vLLM
+        otherwise skips every cache hit, the connector's claimed tokens included) and
+        ``detokenize=False`` (rows of claimed tokens hold uninitialised ids that must not be decoded).
+
+        Raises:
+            ValueError: empty continuation, unknown mode.
+            RuntimeError: the continuation's first token was served from cache (not scored).
+        """
+        if not continuation:
+            raise ValueError("empty continuation: nothing to score")
+        extended = AssembledPrompt(list(prompt.token_ids) + list(continuation), prompt.segments, prompt.ctx_len,
+                                   prompt.lead_in_len)
+        req = self._request(extended, mode, max_tokens=1, recompute_ratio=recompute_ratio)
+        req.sampling.prompt_logprobs = 0
+        req.sampling.skip_reading_prefix_cache = False
+        req.sampling.detokenize = False
+        with self._lock:
+            out = self.llm.generate([req.inputs], [req.sampling], use_tqdm=False)[0]
+        n_prompt = len(prompt.token_ids)
+        if int(out.num_cached_tokens or 0) > n_prompt - 1:
+            raise RuntimeError(f"{out.num_cached_tokens} cached tokens cover the continuation's first position "
+                               f"({n_prompt}); its log-probability was not computed")
+        rows = out.prompt_logprobs[n_prompt:]
+        return [float(row[tok].logprob) for row, tok in zip(rows, continuation)]
+
     def stream(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
                recompute_ratio: float | None = None) -> Iterator[str | Generation]:
-        """Yield text pieces as they are decoded, then the final :class:`Generation`."""
+        """Yield text pieces as they are decoded, then the final :class:`Generation`.
+
+        A reader that stops early aborts the request in vLLM (its KV slots are freed).
+        """
         mode = mode or self.settings.engine.mode
-        rid, inputs, sp = self._request(prompt, mode, max_tokens, recompute_ratio, None, delta=True)
+        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, delta=True)
         engine = self.llm.llm_engine
         t0 = time.perf_counter()
         text, token_ids, last = [], [], None
         with self._lock:
-            req_id = engine.add_request(rid, inputs, sp)  # internal id = rid + random suffix
+            req_id = engine.add_request(req.rid, req.inputs, req.sampling)  # internal id = rid + random suffix
             finished = False
             try:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
-                        if out.request_id not in (rid, req_id):
+                        if out.request_id not in (req.rid, req_id):
                             continue
                         piece = out.outputs[0].text
                         token_ids.extend(out.outputs[0].token_ids)
@@ -270,8 +315,9 @@ class BlendEngine:
             finally:
                 if not finished:  # the reader stopped early: free the request's slots in vLLM
                     engine.abort_request([req_id], internal=True)
-                    self.llm.collective_rpc("ragcache_pop_stats", args=(rid,))
-            metrics = self._metrics(rid, mode, prompt, last, time.perf_counter() - t0, len(token_ids))
+        metrics = RequestMetrics.from_output(mode=mode, prompt_tokens=len(prompt.token_ids), output=last,
+                                             total_s=time.perf_counter() - t0, recompute_ratio=req.recompute_ratio)
+        metrics.output_tokens = len(token_ids)
         yield Generation("".join(text), token_ids, metrics)
 
     # ---- store -----------------------------------------------------------------------------
@@ -279,22 +325,17 @@ class BlendEngine:
     def store_stats(self) -> dict[str, Any]:
         """Per-tier stats of the worker's KV store (see ragcache.kvstore.TieredStore.stats)."""
         with self._lock:
-            return self.llm.collective_rpc("ragcache_store_stats")[0]
+            return self.llm.collective_rpc(Rpc.STORE_STATS)[0]
 
     def stored_tiers(self, chunks: Sequence[Chunk]) -> list[str | None]:
         """For each chunk, the highest tier holding its KV, or None."""
         with self._lock:
-            return self.llm.collective_rpc("ragcache_store_contains",
-                                           args=([self.prompts.key(c) for c in chunks],))[0]
+            return self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=([self.prompts.key(c) for c in chunks],))[0]
 
     def forget(self, chunks: Sequence[Chunk]) -> int:
         """Delete the stored KV of ``chunks`` from every tier; returns how many entries were removed."""
         with self._lock:
-            return self.llm.collective_rpc("ragcache_store_delete", args=([self.prompts.key(c) for c in chunks],))[0]
-
-    def clear_store(self) -> None:
-        with self._lock:
-            self.llm.collective_rpc("ragcache_store_clear")
+            return self.llm.collective_rpc(Rpc.STORE_DELETE, args=([self.prompts.key(c) for c in chunks],))[0]
 
     def close(self) -> None:
         """Shut the engine core (and its worker processes) down; the engine is unusable afterwards."""

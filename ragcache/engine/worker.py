@@ -11,15 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from ragcache.blend import blend_kv, compute_kv, reuse_kv
 from ragcache.config import StoreSettings
+from ragcache.engine.messages import ContextStats, LoadRequest
 from ragcache.engine.ops import VLLMLlamaOps
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
+from ragcache.prompt import lead_in_for
 
 log = logging.getLogger(__name__)
 
@@ -60,66 +61,78 @@ class WorkerRuntime:
                       num_layers=self.ops.num_layers, num_kv_heads=self.ops.num_kv_heads,
                       head_dim=self.ops.head_dim, dtype=self.ops.dtype)
         self.store = TieredStore.from_settings(StoreSettings(**store_settings), spec=spec, device=self.ops.device)
-        self.stats: "OrderedDict[str, dict[str, Any]]" = OrderedDict()
         self.lock = threading.Lock()
 
     # ---- chunk KV -------------------------------------------------------------------------
 
-    def compute_unit(self, lead_in: list[int], unit: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV of ``unit`` placed right after ``lead_in``: pre-RoPE K and V, [L, len(unit), Hkv, D]."""
-        ids = torch.tensor(lead_in + unit, dtype=torch.long, device=self.ops.device)
+    def compute_segment(self, head_ids: list[int], start: int, unit: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of ``unit`` computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`).
+
+        Returns pre-RoPE K and V, each ``[L, len(unit), Hkv, D]`` in the model's dtype on its device.
+        """
+        lead_in = lead_in_for(start, head_ids)
+        ids = torch.tensor(lead_in + list(unit), dtype=torch.long, device=self.ops.device)
         positions = torch.arange(len(ids), device=self.ops.device)
         return compute_kv(self.ops, ids, positions, keep_from=len(lead_in))
 
-    def precompute(self, lead_in: list[int], items: list[list[Any]]) -> dict[str, Any]:
-        """Compute and store the KV of every ``[key, unit_ids]`` not stored yet.
+    def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int]) -> _MemoryHandle:
+        k, v = self.compute_segment(head_ids, start, unit)
+        self.store.put(key, k, v, start_position=len(lead_in_for(start, head_ids)))
+        return _MemoryHandle(k, v)
 
-        ``lead_in`` is the canonical lead-in (the prompt head); an item whose unit *is* the head
-        is passed with ``lead_in=[]``. Returns counts and seconds.
+    def precompute(self, head_ids: list[int], items: list[list[Any]]) -> dict[str, Any]:
+        """Compute and store the KV of every ``[key, start, unit_ids]`` not stored yet.
+
+        ``start`` is the segment's canonical start (0 for the head, ``len(head_ids)`` for a chunk).
+        Returns ``{"computed", "skipped", "tokens", "seconds"}`` (tokens of the computed units,
+        seconds of worker time).
         """
         t0 = time.perf_counter()
         computed = skipped = tokens = 0
         with self.lock:
-            for key, unit in items:
+            for key, start, unit in items:
                 if self.store.contains(key):
                     skipped += 1
                     continue
-                k, v = self.compute_unit(lead_in, list(unit))
-                self.store.put(key, k, v, start_position=len(lead_in))
+                self._compute_and_store(key, head_ids, int(start), list(unit))
                 computed += 1
                 tokens += len(unit)
         return {"computed": computed, "skipped": skipped, "tokens": tokens, "seconds": time.perf_counter() - t0}
 
     # ---- per request ----------------------------------------------------------------------
 
-    def load_request(self, load: Any, block_size: int) -> None:
+    def load_request(self, load: LoadRequest, block_size: int) -> ContextStats:
         """Write the final K/V of the context ``[0, ctx_len)`` of one request into vLLM's paged cache.
 
         Segments whose KV is missing (never ingested, evicted, corrupt) are computed now at their
         canonical place and stored, so the request succeeds and later requests hit.
+
+        Returns:
+            what was done, with timings (see :class:`ragcache.engine.messages.ContextStats`).
         """
         p = load.params
         t0 = time.perf_counter()
         device = self.ops.device
         token_ids = load.token_ids
-        lead_in = token_ids[: int(p["lead_in_len"])]
+        head_ids = token_ids[: p.lead_in_len]
+        segments = p.segments
         handles, tiers = [], []
-        computed_tokens = 0
+        missing_tokens = 0
+        missing_s = 0.0
         with self.lock:
-            for key, start, length in p["segments"]:
-                handle = self.store.open(key)
+            for seg in segments:
+                handle = self.store.open(seg.key)
                 if handle is None:
-                    unit = token_ids[start:start + length]
-                    lead = [] if start == 0 else lead_in
-                    k, v = self.compute_unit(lead, unit)
-                    self.store.put(key, k, v, start_position=len(lead))
-                    handle = _MemoryHandle(k, v)
-                    computed_tokens += length
+                    t_miss = time.perf_counter()
+                    handle = self._compute_and_store(seg.key, head_ids, seg.start,
+                                                     token_ids[seg.start:seg.start + seg.length])
+                    missing_s += time.perf_counter() - t_miss
+                    missing_tokens += seg.length
                 handles.append(handle)
                 tiers.append(handle.tier)
-        open_s = time.perf_counter() - t0
+        open_s = time.perf_counter() - t0 - missing_s
 
-        n = int(p["ctx_len"])
+        n = p.ctx_len
         positions = torch.arange(n, device=device)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
         pos = torch.arange(n)
@@ -130,12 +143,12 @@ class WorkerRuntime:
                 return handles[j].layer(i)
             except (CorruptEntryError, TierError, OSError) as exc:
                 # the entry went bad (or its tier away) mid-read: compute it now, never serve it
-                key, start, length = p["segments"][j]
-                log.warning("chunk KV %s unreadable at layer %d (%s); recomputing it", key, i, exc)
+                seg = segments[j]
+                log.warning("chunk KV %s unreadable at layer %d (%s); recomputing it", seg.key, i, exc)
                 handles[j].close()
-                k, v = self.compute_unit([] if start == 0 else lead_in, token_ids[start:start + length])
-                self.store.put(key, k, v, start_position=0 if start == 0 else len(lead_in))
-                handles[j], tiers[j] = _MemoryHandle(k, v), COMPUTED
+                handles[j] = self._compute_and_store(seg.key, head_ids, seg.start,
+                                                     token_ids[seg.start:seg.start + seg.length])
+                tiers[j] = COMPUTED
                 return handles[j].layer(i)
 
         loaded: set[int] = set()
@@ -149,51 +162,38 @@ class WorkerRuntime:
             layer = self.attn_layers[i]
             layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slot_mapping)
 
-        mode = p.get("mode", "blend")
-        overlap = bool(p.get("pipeline_overlap", True))
         ids = torch.tensor(token_ids[:n], dtype=torch.long, device=device)
-        if mode == "reuse":
-            result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=overlap)
+        if p.mode == "reuse":
+            result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=p.pipeline_overlap)
         else:
             result = blend_kv(
                 self.ops, ids, positions, load_layer,
-                recompute_ratio=float(p.get("recompute_ratio", 0.15)),
-                check_layer=int(p.get("check_layer", 1)),
-                deviation=p.get("deviation", "value"),
-                on_layer=write_layer, prefetch=overlap,
+                recompute_ratio=p.recompute_ratio, check_layer=p.check_layer, deviation=p.deviation,
+                on_layer=write_layer, prefetch=p.pipeline_overlap,
             )
         recomputed = int(result.num_recomputed)
         # blend does not load layers below the check layer; a handle promotes its entry to the top
         # memory tier only once every layer was read, so read the rest (one layer: cheap)
+        t_rest = time.perf_counter()
         for i in sorted(set(range(self.ops.num_layers)) - loaded):
             for j in range(len(handles)):
                 layer_of(j, i)
         for h in handles:
             h.close()
-        total_s = time.perf_counter() - t0
-        load_s = open_s + result.load_s
-        tier_counts: dict[str, int] = {}
-        for t in tiers[1:]:  # the head is not a retrieved chunk
-            tier_counts[t] = tier_counts.get(t, 0) + 1
-        record = {
-            "mode": mode,
-            "ctx_len": n,
-            "reused_tokens": n - recomputed,
-            "recomputed_tokens": recomputed,
-            "missing_computed_tokens": computed_tokens,
-            "load_s": load_s,
-            "blend_s": total_s,
-            "chunk_tiers": tiers[1:],
-            "tier_hits": tier_counts,
-        }
-        rid = p.get("rid") or load.req_id
-        self.stats[rid] = record
-        while len(self.stats) > 10000:
-            self.stats.popitem(last=False)
+        promote_s = time.perf_counter() - t_rest
+        return ContextStats(
+            ctx_tokens=n, reused_tokens=n - recomputed, recomputed_tokens=recomputed,
+            missing_computed_tokens=missing_tokens, chunk_tiers=tiers[1:], head_tier=tiers[0],
+            load_s=open_s + result.load_s, compute_s=missing_s + result.compute_s, write_s=result.on_layer_s,
+            worker_s=time.perf_counter() - t0,
+            stages={"open_s": open_s, "missing_compute_s": missing_s, "load_wait_s": result.load_s,
+                    "compute_s": result.compute_s, "cache_write_s": result.on_layer_s, "promote_s": promote_s},
+        )
 
 
 class RagcacheWorkerExtension:
-    """Methods added to vLLM's worker (``worker_extension_cls``); called via ``LLM.collective_rpc``.
+    """Methods added to vLLM's worker (``worker_extension_cls``); called via ``LLM.collective_rpc``
+    with the names in :class:`ragcache.engine.messages.Rpc`.
 
     ``self`` is the vLLM worker: ``self.model_runner.model`` is the loaded model.
     """
@@ -207,25 +207,18 @@ class RagcacheWorkerExtension:
         self._ragcache = runtime
         return str(runtime.ops.device)
 
-    def ragcache_precompute(self, lead_in: list[int], items: list[list[Any]]) -> dict[str, Any]:
-        return self._ragcache.precompute(lead_in, items)
-
-    def ragcache_pop_stats(self, rid: str) -> dict[str, Any] | None:
-        return self._ragcache.stats.pop(rid, None)
+    def ragcache_precompute(self, head_ids: list[int], items: list[list[Any]]) -> dict[str, Any]:
+        """See :meth:`WorkerRuntime.precompute`."""
+        return self._ragcache.precompute(head_ids, items)
 
     def ragcache_store_stats(self) -> dict[str, Any]:
+        """Per-tier stats of the worker's store (``TieredStore.stats``)."""
         return self._ragcache.store.stats()
 
     def ragcache_store_contains(self, keys: list[str]) -> list[str | None]:
+        """For each key, the highest tier holding it, or None."""
         return [self._ragcache.store.contains(k) for k in keys]
 
     def ragcache_store_delete(self, keys: list[str]) -> int:
+        """Delete the keys from every tier; returns how many were present."""
         return sum(bool(self._ragcache.store.delete(k)) for k in keys)
-
-    def ragcache_store_clear(self) -> None:
-        self._ragcache.store.clear()
-
-    def ragcache_model_info(self) -> dict[str, Any]:
-        ops = self._ragcache.ops
-        return {"num_layers": ops.num_layers, "num_heads": ops.num_heads, "num_kv_heads": ops.num_kv_heads,
-                "head_dim": ops.head_dim, "dtype": str(ops.dtype), "device": str(ops.device)}

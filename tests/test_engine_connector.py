@@ -1,0 +1,137 @@
+"""The engine's typed seam and the connector's scheduler half, without a model.
+
+The scheduler half of RagcacheConnector is plain bookkeeping over vLLM's request and scheduler
+objects; here those are minimal stand-ins carrying only the attributes the connector reads (the
+full path through a real engine is covered by tests/test_engine_blend.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ragcache.config import BlendSettings
+from ragcache.engine.connector import RagcacheConnector, RagcacheConnectorMetadata, RagcacheWorkerMetadata
+from ragcache.engine.messages import (
+    TRANSFER_KEY,
+    BlendParams,
+    ContextStats,
+    LoadRequest,
+    RequestMetrics,
+    Rpc,
+    SegmentRef,
+)
+from ragcache.engine.worker import RagcacheWorkerExtension
+
+SEGMENTS = (SegmentRef("head", 0, 10), SegmentRef("c1", 10, 20), SegmentRef("c2", 30, 15))
+
+
+def params(mode="blend", **kw) -> BlendParams:
+    return BlendParams.from_settings(BlendSettings(), mode=mode, ctx_len=45, lead_in_len=10, segments=SEGMENTS, **kw)
+
+
+def request(req_id: str, p: BlendParams | None, n_prompt: int = 60):
+    kv = {TRANSFER_KEY: p.to_dict()} if p is not None else None
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=kv, num_prompt_tokens=n_prompt,
+                           prompt_token_ids=list(range(n_prompt)))
+
+
+@pytest.fixture
+def scheduler_side():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(), cache_config=SimpleNamespace(block_size=16))
+    return RagcacheConnector(config, KVConnectorRole.SCHEDULER, SimpleNamespace())
+
+
+def schedule(conn, *reqs):
+    """Allocate and schedule ``reqs`` as new requests in one step; returns the step's metadata."""
+    for r in reqs:
+        n, is_async = conn.get_num_new_matched_tokens(r, 0)
+        assert is_async is False
+        conn.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), n)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=([7, 8, 9],)) for r in reqs],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]),
+    )
+    return conn.build_connector_meta(out)
+
+
+def test_blend_params_round_trip_through_plain_data():
+    p = params(recompute_ratio=0.3)
+    d = p.to_dict()
+    assert d["segments"] == [["head", 0, 10], ["c1", 10, 20], ["c2", 30, 15]]
+    assert BlendParams.from_dict(d) == p and p.recompute_ratio == 0.3
+    assert params().recompute_ratio == BlendSettings().recompute_ratio  # the default lives in config
+    with pytest.raises(ValueError, match="malformed"):
+        BlendParams.from_dict({k: v for k, v in d.items() if k != "ctx_len"})
+    with pytest.raises(ValueError, match="modes"):
+        params(mode="full")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        params(recompute_ratio=1.5)
+
+
+def test_metrics_round_trip_and_read_the_worker_stats_from_the_output():
+    stats = ContextStats(ctx_tokens=45, reused_tokens=38, recomputed_tokens=7, chunk_tiers=["cpu", "disk"],
+                         head_tier="cpu", worker_s=0.25, stages={"compute_s": 0.2})
+    out = SimpleNamespace(metrics=SimpleNamespace(first_token_latency=0.5), num_cached_tokens=45,
+                          outputs=[SimpleNamespace(token_ids=[1, 2, 3])],
+                          kv_transfer_params={TRANSFER_KEY: stats.to_dict()})
+    m = RequestMetrics.from_output(mode="blend", prompt_tokens=60, output=out, total_s=1.0, recompute_ratio=0.15)
+    assert (m.ttft_s, m.num_cached_tokens, m.output_tokens, m.reused_tokens, m.worker_s) == (0.5, 45, 3, 38, 0.25)
+    assert m.tier_hits == {"cpu": 1, "disk": 1} and m.to_dict()["tier_hits"] == {"cpu": 1, "disk": 1}
+    assert RequestMetrics.from_dict(m.to_dict()) == m
+    full = RequestMetrics.from_output(mode="full", prompt_tokens=60, output=None, total_s=1.0, recompute_ratio=0.15)
+    assert full.recompute_ratio is None and full.reused_tokens == 0 and full.chunk_tiers == []
+
+
+def test_every_rpc_name_is_a_worker_extension_method():
+    for name in Rpc.ALL:
+        assert callable(getattr(RagcacheWorkerExtension, name)), name
+
+
+def test_scheduler_claims_the_context_and_leaves_the_tail(scheduler_side):
+    conn = scheduler_side
+    assert conn.get_num_new_matched_tokens(request("a", params()), 0) == (45, False)
+    assert conn.get_num_new_matched_tokens(request("a", params()), 16) == (29, False)  # after a local hit
+    assert conn.get_num_new_matched_tokens(request("b", params(), n_prompt=45), 0) == (44, False)  # one left
+    assert conn.get_num_new_matched_tokens(request("c", None), 0) == (0, False)
+
+
+def test_loads_carry_the_typed_params_and_the_whole_prompt(scheduler_side):
+    meta = schedule(scheduler_side, request("a", params(recompute_ratio=0.05)), request("plain", None))
+    assert isinstance(meta, RagcacheConnectorMetadata) and len(meta.loads) == 1
+    load = meta.loads[0]
+    assert isinstance(load, LoadRequest) and load.req_id == "a" and load.block_ids == [7, 8, 9]
+    assert load.params == params(recompute_ratio=0.05) and load.token_ids == list(range(60))
+    assert schedule(scheduler_side).loads == []  # nothing pending any more
+
+
+@pytest.mark.parametrize("finish_first", [False, True])
+def test_worker_stats_come_back_with_the_finished_request(scheduler_side, finish_first):
+    conn = scheduler_side
+    req = request("a", params())
+    schedule(conn, req)
+    stats = ContextStats(ctx_tokens=45, reused_tokens=40, recomputed_tokens=5, chunk_tiers=["cpu", "cpu"])
+    output = SimpleNamespace(kv_connector_worker_meta=RagcacheWorkerMetadata(stats={"a": stats.to_dict()}))
+    if finish_first:  # finished in the step that loaded it: vLLM reads the worker metadata afterwards
+        _, returned = conn.request_finished(req, [7])
+        assert returned == {TRANSFER_KEY: {}}
+        conn.update_connector_output(output)
+    else:
+        conn.update_connector_output(output)
+        _, returned = conn.request_finished(req, [7])
+    assert ContextStats.from_dict(returned[TRANSFER_KEY]) == stats
+    assert not conn._stats and not conn._awaiting and not conn._loading  # nothing left behind
+
+
+def test_a_request_that_never_loaded_returns_no_stats(scheduler_side):
+    assert scheduler_side.request_finished(request("plain", None), []) == (False, None)
+    assert scheduler_side.request_finished(request("aborted", params()), []) == (False, None)
+
+
+def test_worker_metadata_aggregates_across_workers():
+    a = RagcacheWorkerMetadata(stats={"x": {"ctx_tokens": 1}})
+    b = RagcacheWorkerMetadata(stats={"y": {"ctx_tokens": 2}})
+    assert a.aggregate(b).stats == {"x": {"ctx_tokens": 1}, "y": {"ctx_tokens": 2}}

@@ -1,0 +1,88 @@
+"""Prompt assembly (ragcache.prompt) with the real SmolLM2 tokenizer: spans, keys, the placement rule, limits."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from ragcache.chunks import Chunk, chunk_id_for
+from ragcache.config import PromptSettings, Settings
+from ragcache.models import resolve_llm
+from ragcache.prompt import PromptBuilder, PromptTooLongError, lead_in_for
+
+TEXTS = ["Velmora is the capital of Zorbia.", "The Amber Hall has 212 seats and a copper roof.",
+         "Kelmet is a stew of lentils, smoked fish and saffron."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    s = Settings.load()
+    return AutoTokenizer.from_pretrained(str(resolve_llm(s.models.model, s.models.cache_dir).path))
+
+
+@pytest.fixture(scope="module")
+def chunks(tokenizer):
+    return [Chunk(chunk_id_for(t), f"doc{i}", "", 0, t, tuple(tokenizer(t, add_special_tokens=False)["input_ids"]))
+            for i, t in enumerate(TEXTS)]
+
+
+def builder(tokenizer, max_len=None, fingerprint="fp0", **prompt):
+    return PromptBuilder(tokenizer, PromptSettings(**prompt), fingerprint, max_len=max_len)
+
+
+def test_segments_cover_the_context_contiguously_and_the_tail_follows(tokenizer, chunks):
+    b = builder(tokenizer)
+    p = b.build("Where does the parliament meet?", chunks)
+    assert p.segments[0] == b.head and p.segments[0].start == 0 and p.lead_in_len == len(b.head_ids)
+    pos = 0
+    for seg in p.segments:
+        assert seg.start == pos
+        pos += seg.length
+    assert pos == p.ctx_len and p.tail_len == len(p.token_ids) - p.ctx_len > 0
+    for seg, chunk in zip(p.segments[1:], chunks):
+        assert seg.chunk_id == chunk.chunk_id
+        assert p.token_ids[seg.start:seg.start + seg.length] == b.unit_ids(chunk)
+    assert p.token_ids[p.ctx_len:] == b.tail_ids("Where does the parliament meet?")
+    assert "parliament" in tokenizer.decode(p.token_ids[p.ctx_len:])
+
+
+def test_a_chunk_has_the_same_key_and_tokens_at_any_position(tokenizer, chunks):
+    b = builder(tokenizer)
+    forward = b.build("q?", chunks)
+    backward = b.build("q?", chunks[::-1])
+    keys_f = {s.chunk_id: s.key for s in forward.segments[1:]}
+    keys_b = {s.chunk_id: s.key for s in backward.segments[1:]}
+    assert keys_f == keys_b and len(set(keys_f.values())) == len(chunks)
+    assert forward.segments[1].start != backward.segments[3].start  # chunk 0 moved, same key
+
+
+def test_placement_rule_puts_the_head_at_zero_and_every_chunk_right_after_it(tokenizer, chunks):
+    b = builder(tokenizer)
+    assert lead_in_for(0, b.head_ids) == []
+    assert lead_in_for(len(b.head_ids), b.head_ids) == b.head_ids
+    assert lead_in_for(1234, b.head_ids) == b.head_ids
+    seg = b.canonical_segment(chunks[1])
+    assert (seg.key, seg.start, seg.length) == (b.key(chunks[1]), len(b.head_ids), len(b.unit_ids(chunks[1])))
+    # the canonical place is where the chunk sits when it comes first
+    first = b.build("q?", chunks[1:2]).segments[1]
+    assert (first.start, first.key) == (seg.start, seg.key)
+
+
+def test_keys_change_with_the_model_and_the_system_prompt(tokenizer, chunks):
+    base = builder(tokenizer)
+    other_model = builder(tokenizer, fingerprint="fp1")
+    other_system = builder(tokenizer, system_prompt="Answer in French.")
+    for other in (other_model, other_system):
+        assert other.key(chunks[0]) != base.key(chunks[0])
+        assert other.head_key != base.head_key
+    assert other_model.head_ids == base.head_ids and other_system.head_ids != base.head_ids
+
+
+def test_empty_question_and_too_long_prompt_are_refused_with_the_fix(tokenizer, chunks):
+    b = builder(tokenizer, max_len=64)
+    for q in ("", "   "):
+        with pytest.raises(ValueError, match="empty"):
+            b.build(q, chunks)
+    with pytest.raises(PromptTooLongError, match=r"max_model_len.*top_k"):
+        b.build("Where?", chunks)
+    assert b.build("Where?", chunks, max_len=4096).ctx_len > 0  # a per-call limit overrides
