@@ -2,9 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ragcache-installed
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
-export TOKENIZERS_PARALLELISM := false
+# (the offline defaults HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE are set by `import ragcache` itself)
 
 .PHONY: setup demo test test-unit ui bench clean-cache
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from app.cli import HelpFormatter
+from app.help import HelpFormatter
 from ragcache.config import MODES
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from app.cli import HelpFormatter
+from app.help import HelpFormatter
 from ragcache.config import MODES
 
 _FMT = HelpFormatter

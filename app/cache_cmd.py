@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from app.cli import HelpFormatter
+from app.help import HelpFormatter
 
 if TYPE_CHECKING:
     from ragcache.config import Settings

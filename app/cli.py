@@ -1,34 +1,22 @@
 """`ragcache` command line: subcommands named after what users do.
 
 Each command group lives in its own module under app/ and exposes ``register(subparsers)``;
-this file only assembles them. Errors that users can fix print one line saying what to do and
-exit with status 2.
+this file only assembles them (listed in :data:`COMMANDS`). Errors that users can fix print one
+line saying what to do and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from app import ask_cmd, bench_cmd, cache_cmd, demo_cmd, ingest_cmd, setup_cmd
+from app.help import HelpFormatter
 
 #: modules under app/ that add subcommands, in --help order
-COMMAND_MODULES = ["app.setup_cmd", "app.ingest_cmd", "app.ask_cmd", "app.demo_cmd", "app.cache_cmd",
-                   "app.bench_cmd"]
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with each flag's default, except where there is none or the help text states it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+COMMANDS = (setup_cmd, ingest_cmd, ask_cmd, demo_cmd, cache_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default=None, help="settings TOML file (default: ./settings.toml)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue  # command group not built yet
-            raise
+    for module in COMMANDS:
         module.register(sub)
     return parser
 

@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from app.cli import HelpFormatter
+from app.help import HelpFormatter
 
 #: stdlib modules whose pydoc pages form the demo corpus
 DEMO_MODULES = ["json", "itertools", "functools", "shutil", "csv", "heapq", "bisect", "textwrap", "statistics"]

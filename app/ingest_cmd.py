@@ -7,6 +7,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from app.help import HelpFormatter
+
 if TYPE_CHECKING:
     from ragcache.config import Settings
     from ragcache.ingest import KVHook
@@ -20,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ingest", help="index files and folders (txt, md, html, pdf, json/jsonl QA sets)",
         description="Chunk files into LLM-token chunks, embed them and add them to an index. "
         "Re-running adds only new or changed files.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (recursive)")
     p.add_argument("--index", default="default", metavar="NAME",

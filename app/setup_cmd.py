@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from app.help import HelpFormatter
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("setup", help="provision the LLM and embedding model (run once)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ragcache.config import Settings
-    from ragcache.models import resolve_embedding_model, resolve_llm
+    from ragcache.models import main
 
-    settings = Settings.load(args.settings)
-    llm = resolve_llm(settings.models.model, settings.models.cache_dir)
-    emb = resolve_embedding_model(settings.models.embedding_model)
-    print(f"LLM:       {llm.path} (fingerprint {llm.fingerprint}, {'converted now' if llm.converted else 'reused'})")
-    print(f"embedding: {emb}")
+    main(args.settings)
     return 0

@@ -1,8 +1,7 @@
 """The persisted chunk index: its folder, FAISS store, manifest, loading and atomic replacement.
 
 Owns: what an index folder holds and how it is read and replaced; the conversion between
-llama-index nodes and :class:`ragcache.chunks.Chunk`; the shared loaders of the LLM tokenizer (which
-sizes chunks) and the embedding model. Used by :mod:`ragcache.ingest` (writes) and
+llama-index nodes and :class:`ragcache.chunks.Chunk`. Used by :mod:`ragcache.ingest` (writes) and
 :mod:`ragcache.retrieval` (reads). Must not import vLLM, nor ``app/`` or ``ui/``, nor anything above
 it in ragcache (pipeline, engine).
 
@@ -81,9 +80,12 @@ def resolve_index_path(name: str | os.PathLike[str], index_dir: str | os.PathLik
     return Path(index_dir).expanduser() / raw
 
 
+_PREVIOUS_SUFFIX = ".previous"
+
+
 def previous_path(path: Path) -> Path:
     """Where the previous version of ``path`` sits while :func:`swap_in` runs."""
-    return path.parent / f".{path.name}.previous"
+    return path.parent / f".{path.name}{_PREVIOUS_SUFFIX}"
 
 
 def staging_prefix(path: Path) -> str:
@@ -104,6 +106,39 @@ def readable_path(path: Path) -> Path | None:
     if not path.exists() and _is_complete(prev):
         return prev
     return None
+
+
+def list_indexes(index_dir: str | os.PathLike[str]) -> list[str]:
+    """Names of the complete indexes under ``index_dir`` (``ingest.index_dir``), sorted.
+
+    An index being swapped in right now (only its previous version is on disk) is listed under
+    its own name; staging folders are not.
+    """
+    root = Path(index_dir).expanduser()
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    names: set[str] = set()
+    for entry in entries:
+        name = entry.name
+        if name.startswith(".") and name.endswith(_PREVIOUS_SUFFIX):
+            name = name[1:-len(_PREVIOUS_SUFFIX)]
+        elif name.startswith("."):
+            continue
+        if readable_path(root / name) is not None:
+            names.add(name)
+    return sorted(names)
+
+
+def index_version(path: Path) -> int:
+    """A number that changes whenever the index at ``path`` is replaced (its manifest's mtime in
+    ns); 0 when there is no index."""
+    readable = readable_path(path)
+    try:
+        return (readable / MANIFEST).stat().st_mtime_ns if readable is not None else 0
+    except OSError:
+        return 0
 
 
 def recover(path: Path) -> None:
@@ -304,64 +339,6 @@ def new_faiss_store(dim: int) -> Any:
     return deletable_faiss_store_cls()(faiss_index=faiss.IndexIDMap2(faiss.IndexFlatIP(dim)))
 
 
-# ------------------------------------------------------------------------------ model loaders
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """The LLM tokenizer that sizes chunks and fixes their token ids.
-
-    Attributes:
-        tokenizer: a transformers tokenizer. fingerprint: the LLM's fingerprint (models.resolve_llm).
-    """
-
-    tokenizer: Any
-    fingerprint: str
-
-    def encode(self, text: str) -> list[int]:
-        """LLM token ids of ``text`` without special tokens (no BOS/EOS)."""
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-
-@lru_cache(maxsize=4)
-def _load_tokenizer(path: str, fingerprint: str) -> TokenizerInfo:
-    from transformers import AutoTokenizer
-
-    return TokenizerInfo(AutoTokenizer.from_pretrained(path), fingerprint)
-
-
-def load_tokenizer(settings: "Settings") -> TokenizerInfo:
-    """The configured LLM's tokenizer (cached per process).
-
-    Raises:
-        ModelNotFoundError: the ``models.model`` setting names no available model.
-    """
-    from ragcache.models import resolve_llm
-
-    llm = resolve_llm(settings.models.model, settings.models.cache_dir)
-    return _load_tokenizer(str(llm.path), llm.fingerprint)
-
-
-@lru_cache(maxsize=4)
-def _load_embed_model(path: str) -> "BaseEmbedding":
-    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-
-    # normalize=True: unit vectors, so FAISS inner product is cosine similarity
-    return HuggingFaceEmbedding(model_name=path, device="cpu", normalize=True)
-
-
-def load_embed_model(settings: "Settings") -> "BaseEmbedding":
-    """llama-index HuggingFaceEmbedding over the configured sentence-transformers folder, on CPU
-    (cached per process).
-
-    Raises:
-        ModelNotFoundError: the ``models.embedding_model`` setting names no available model.
-    """
-    from ragcache.models import resolve_embedding_model
-
-    return _load_embed_model(str(resolve_embedding_model(settings.models.embedding_model)))
-
-
 # ---------------------------------------------------------------------------- node <-> chunk
 
 
@@ -440,6 +417,8 @@ class Index:
             ModelNotFoundError: the embedding model is not available.
         """
         from llama_index.core import StorageContext, load_index_from_storage
+
+        from ragcache.models import load_embed_model
 
         folder = resolve_index_path(path, settings.ingest.index_dir)
         readable = readable_path(folder)

@@ -42,16 +42,14 @@ from ragcache.index import (
     Index,
     IndexMismatchError,
     Manifest,
-    TokenizerInfo,
     chunk_to_node,
-    load_embed_model,
-    load_tokenizer,
     readable_path,
     recover,
     resolve_index_path,
     staging_prefix,
     swap_in,
 )
+from ragcache.models import TokenizerInfo, load_embed_model, load_tokenizer
 
 if TYPE_CHECKING:
     from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -396,7 +394,7 @@ class Ingestor:
 
     # ---- chunking
     def _count(self, text: str) -> list[int]:
-        return self.tokenizer.tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+        return self.tokenizer.encode(text)
 
     def split(self, text: str) -> list[str]:
         """Sentence-aware pieces of ``text``, each at most ``ingest.chunk_size`` LLM tokens."""

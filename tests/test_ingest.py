@@ -40,7 +40,7 @@ def _isolated(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def models():
     """The LLM tokenizer and the embedding model, loaded once for the module."""
-    from ragcache.index import load_embed_model, load_tokenizer
+    from ragcache.models import load_embed_model, load_tokenizer
 
     s = Settings.load()
     return load_tokenizer(s), load_embed_model(s)

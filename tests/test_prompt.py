@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.config import PromptSettings, Settings
-from ragcache.models import resolve_llm
+from ragcache.models import encode, resolve_llm
 from ragcache.prompt import PromptBuilder, PromptTooLongError, lead_in_for
 
 TEXTS = ["Velmora is the capital of Zorbia.", "The Amber Hall has 212 seats and a copper roof.",
@@ -22,8 +22,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def chunks(tokenizer):
-    return [Chunk(chunk_id_for(t), f"doc{i}", "", 0, t, tuple(tokenizer(t, add_special_tokens=False)["input_ids"]))
-            for i, t in enumerate(TEXTS)]
+    return [Chunk(chunk_id_for(t), f"doc{i}", "", 0, t, tuple(encode(tokenizer, t))) for i, t in enumerate(TEXTS)]
 
 
 def builder(tokenizer, max_len=None, fingerprint="fp0", **prompt):

@@ -46,7 +46,7 @@ def hotpot():
 @pytest.fixture(scope="module")
 def retriever(hotpot, tmp_path_factory):
     """An index of all passages of the first HotpotQA records (~50 chunks), built once."""
-    from ragcache.index import load_embed_model, load_tokenizer
+    from ragcache.models import load_embed_model, load_tokenizer
 
     root = tmp_path_factory.mktemp("retrieval")
     (root / "qa.json").write_text(json.dumps(hotpot))
@@ -71,7 +71,7 @@ def test_gold_passage_is_in_top5_for_hotpotqa_questions(hotpot, retriever):
 
 
 def test_retrieved_chunks_carry_the_token_ids_fixed_at_ingest(hotpot, retriever):
-    from ragcache.index import load_tokenizer
+    from ragcache.models import load_tokenizer
 
     tok = load_tokenizer(Settings.load())
     for r in retriever.retrieve(hotpot[0]["question"]):

@@ -95,39 +95,23 @@ def index_dir(settings: Settings) -> Path:
 
 def index_path(settings: Settings, index: str) -> Path:
     """Folder of the index named ``index`` (always under ``ingest.index_dir``; absolute)."""
-    return (index_dir(settings) / index).absolute()
+    from ragcache.index import resolve_index_path
+
+    return resolve_index_path(index, index_dir(settings)).absolute()
 
 
 def index_version(settings: Settings, index: str) -> int:
-    """mtime (ns) of the index's manifest; 0 when there is no index yet."""
-    from ragcache.index import MANIFEST, readable_path
+    """Changes whenever the index is replaced (see :func:`ragcache.index.index_version`); 0: none."""
+    from ragcache.index import index_version as version
 
-    path = readable_path(index_path(settings, index))
-    try:
-        return (path / MANIFEST).stat().st_mtime_ns if path is not None else 0
-    except OSError:
-        return 0
+    return version(index_path(settings, index))
 
 
 def list_indexes(settings: Settings) -> list[str]:
-    """Names of the folders under ``ingest.index_dir`` that hold a complete index, sorted."""
-    from ragcache.index import readable_path
+    """Names of the complete indexes under ``ingest.index_dir``, sorted."""
+    from ragcache.index import list_indexes as names
 
-    root = index_dir(settings)
-    names: set[str] = set()
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return []
-    for entry in entries:
-        name = entry.name
-        if name.startswith(".") and name.endswith(".previous"):
-            name = name[1:-len(".previous")]  # an ingest is swapping this index in right now
-        elif name.startswith("."):
-            continue
-        if readable_path(root / name) is not None:
-            names.add(name)
-    return sorted(names)
+    return names(index_dir(settings))
 
 
 def check_index_name(name: str) -> str | None:

@@ -19,6 +19,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 from pydantic import ConfigDict, Field, PrivateAttr
 
+from ragcache.models import encode
 from ragcache.pipeline import Answer, RAGPipeline
 from ragcache.prompt import AssembledPrompt
 
@@ -92,7 +93,7 @@ class RagcacheLLM(CustomLLM):
                            model_name=str(eng.llm_info.path.name), is_chat_model=False)
 
     def _prompt(self, prompt: str) -> AssembledPrompt:
-        ids = list(self._engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        ids = encode(self._engine.tokenizer, prompt)
         return AssembledPrompt(token_ids=ids, segments=[], ctx_len=0, lead_in_len=0)
 
     @llm_completion_callback()
