@@ -174,7 +174,8 @@ class CachedContext:
     chunk_starts: list[int]
 
     def load_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_pre[layer], self.v[layer]
+        """Copies (the blend writes recomputed rows into what it loads)."""
+        return self.k_pre[layer].clone(), self.v[layer].clone()
 
 
 def cached_context(ops: HFLlamaOps, lead_in: list[int], chunks: list[list[int]]) -> CachedContext:

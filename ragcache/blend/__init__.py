@@ -11,10 +11,23 @@ from ragcache.blend.attention import causal_attention, expand_kv_heads
 from ragcache.blend.forward import BlendResult, LoadLayer, OnLayer, blend_kv, compute_kv, reuse_kv
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
-from ragcache.blend.select import hkvd_budget, select_hkvd
+from ragcache.blend.select import (
+    SELECTIONS,
+    Selection,
+    deviation_scores,
+    hkvd_budget,
+    question_scores,
+    select_hkvd,
+    select_tokens,
+)
 
 __all__ = [
+    "SELECTIONS",
     "BlendResult",
+    "Selection",
+    "deviation_scores",
+    "question_scores",
+    "select_tokens",
     "DecoderOps",
     "LoadLayer",
     "OnLayer",

@@ -20,20 +20,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ragcache.blend.attention import causal_attention
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
-from ragcache.blend.select import check_forced, hkvd_budget, select_hkvd
+from ragcache.blend.select import (
+    Selection,
+    check_mask,
+    deviation_scores,
+    hkvd_budget,
+    question_scores,
+    select_tokens,
+)
 
 LoadLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """``load_layer(layer) -> (k_pre [N, Hkv, D], v [N, Hkv, D])``: one layer of the cached context KV,
-K before RoPE, in prompt order. May return tensors on another device or dtype (they are moved)."""
+K before RoPE, in prompt order. May return tensors on another device or dtype (they are moved).
+The blend writes recomputed rows into the returned V in place: return tensors nobody else reads
+(e.g. a fresh ``torch.cat`` of the chunks' layers), not views of a cache."""
 
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 """``on_layer(layer, k [N, Hkv, D], v [N, Hkv, D])``: the final K (post-RoPE) and V of every context
@@ -55,6 +64,13 @@ class BlendResult:
             behind compute).
         compute_s: seconds of the blend's own compute (wall time minus ``load_s`` and ``on_layer_s``).
         on_layer_s: seconds spent inside the ``on_layer`` callbacks (e.g. writing a paged cache).
+        stages: seconds per stage (blend): ``full_layers_s`` (every token through the layers up to
+            the check layer's QKV), ``select_s`` (scores and selection), ``selective_attention_s``
+            and ``selective_proj_mlp_s`` (the selected tokens' attention, and their projections,
+            RoPE and MLP, from the check layer on), ``move_keys_s`` (RoPE of the reused K to the new
+            positions), ``merge_s`` (writing the recomputed rows into the layer's K/V),
+            ``load_wait_s`` (= load_s) and ``cache_write_s`` (= on_layer_s). On an accelerator
+            the stage times include only the launch unless kernels finish within the stage.
     """
 
     selected: torch.LongTensor
@@ -63,6 +79,7 @@ class BlendResult:
     load_s: float
     compute_s: float
     on_layer_s: float = 0.0
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 class _LayerLoader:
@@ -128,6 +145,25 @@ class _LayerLoader:
             self._submit_next()
         self.wait_s += time.perf_counter() - start
         return kv
+
+
+class _Stages:
+    """Seconds per named stage: ``with stages("name"): ...`` adds the block's wall time."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._name: str | None = None
+        self._t0 = 0.0
+
+    def __call__(self, name: str) -> "_Stages":
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds[self._name] = self.seconds.get(self._name, 0.0) + time.perf_counter() - self._t0
 
 
 class _Timer:
@@ -219,27 +255,35 @@ def blend_kv(
     recompute_ratio: float,
     check_layer: int,
     deviation: str,
+    selection: Selection | None = None,
+    tail_ids: torch.LongTensor | None = None,
+    segment_starts: Sequence[int] = (0,),
+    exact: torch.Tensor | None = None,
     forced: torch.Tensor | None = None,
     on_layer: OnLayer,
     prefetch: bool = True,
 ) -> BlendResult:
-    """CacheBlend: fuse the cached KV of the context tokens, recomputing only the HKVD tokens.
+    """CacheBlend: fuse the cached KV of the context tokens, recomputing only a selected share.
 
     Procedure (CacheBlend §4.2-4.3):
 
     1. Layers ``0 .. check_layer - 1``: a plain prefill of all N tokens (cached KV is not loaded).
-    2. Layer ``check_layer``: fresh Q/K/V of all N tokens; the fresh V (or K, with
-       ``deviation="key"``, against the cached K rotated to ``positions``) is compared with the
-       cached one and the HKVD tokens are selected by ``select_hkvd`` (``recompute_ratio`` of N,
-       plus every ``forced`` token). Only the selected tokens' attention and MLP are computed.
+       With ``tail_ids`` (the question tail that follows the context), the tail goes along, so
+       its queries see the exact context of these layers.
+    2. Layer ``check_layer``: fresh Q/K/V of all N tokens; the tokens to recompute are chosen by
+       :func:`~ragcache.blend.select.select_tokens` under ``selection``: by KV deviation (the fresh
+       V, or K with ``deviation="key"``, against the cached one), by the attention the tail's
+       queries give each context token (averaged over layers ``0 .. check_layer``), or a hybrid.
+       Only the selected tokens' attention and MLP are computed.
     3. Layers ``check_layer + 1 ..``: only the selected tokens go forward. K = cached K moved to
        ``positions`` with the selected rows replaced by their fresh K, V likewise; the selected
        queries attend over all N keys with the exact causal mask by position.
 
-    ``on_layer`` receives, for every layer, the final K (post-RoPE) and V of all N tokens: fresh
-    for layers ``<= check_layer``, fused afterwards. With ``recompute_ratio=1.0`` these equal
-    ``compute_kv``'s output rotated to ``positions`` (up to float rounding); with ratio 0 and no
-    forced tokens, the layers after the check layer equal ``reuse_kv``'s.
+    ``on_layer`` receives, for every layer, the final K (post-RoPE) and V of all N context tokens:
+    fresh for layers ``<= check_layer``, fused afterwards (the tail's KV is never emitted: the
+    engine prefills the tail itself). With ``recompute_ratio=1.0`` these equal ``compute_kv``'s
+    output rotated to ``positions`` (up to float rounding); with ratio 0 and no forced tokens, the
+    layers after the check layer equal ``reuse_kv``'s.
 
     Args:
         ops: the model's per-layer callables.
@@ -248,82 +292,133 @@ def blend_kv(
         load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])`` cached KV of the context
             (rows of forced tokens are ignored and may hold anything finite). Called once per
             layer from ``check_layer`` on, in order; with ``prefetch`` from a background thread.
+            The blend may write into the returned tensors: return tensors the caller owns.
         recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
-        check_layer: the layer where HKVD tokens are selected, in ``[0, num_layers)``.
+        check_layer: the layer where the tokens are selected, in ``[0, num_layers)``.
         deviation: ``"value"`` (as in the paper) or ``"key"``: which of the check layer's cached and
             fresh KV are compared.
-        (The defaults of these three live in one place: ``ragcache.config.BlendSettings``.)
+        selection: the selection strategy (default: deviation only, CacheBlend's).
+        tail_ids: ``[T]`` int64 ids of the tokens after the context (the question and the
+            assistant-turn opening), at positions ``positions[-1] + 1 ..``; needed by
+            question-aware selection, ignored otherwise.
+        segment_starts: first index of each cached segment in the context (ascending, from 0).
+        exact: ``[N]`` bool, tokens whose cached KV is already exact (the prompt head, a chunk at
+            its canonical place): recomputed only when the budget exceeds every other token.
         forced: ``[N]`` bool, True for tokens with no cached KV (always recomputed), or None.
+        (The defaults of ratio, check layer, deviation and selection live in one place:
+        ``ragcache.config.BlendSettings``.)
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None``, see above.
         prefetch: load layer i+1 in a background thread while layer i computes (the
             ``pipeline_overlap`` setting).
 
     Returns:
-        ``BlendResult`` with the selected indices and the load / compute / on_layer seconds.
+        ``BlendResult`` with the selected indices, the load / compute / on_layer seconds and the
+        seconds per stage.
 
     Raises:
-        ValueError: on empty or mismatched ``token_ids`` / ``positions`` / ``forced``, a ratio
-            outside ``[0, 1]``, a ``check_layer`` outside ``[0, num_layers)``, an unknown
-            ``deviation``, or ``load_layer`` returning tensors of the wrong shape.
+        ValueError: on empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``,
+            a ratio outside ``[0, 1]``, a ``check_layer`` outside ``[0, num_layers)``, an unknown
+            ``deviation``, a question-aware selection without ``tail_ids``, or ``load_layer``
+            returning tensors of the wrong shape.
     """
     num_tokens = _check_positions(token_ids, positions)
     num_layers = ops.num_layers
-    hkvd_budget(recompute_ratio, num_tokens)  # validates the ratio
+    budget = hkvd_budget(recompute_ratio, num_tokens)  # validates the ratio
     if not 0 <= check_layer < num_layers:
         raise ValueError(f"check_layer must be in [0, {num_layers}), got {check_layer}")
     if deviation not in DEVIATIONS:
         raise ValueError(f"deviation must be one of {DEVIATIONS}, got {deviation!r}")
-    check_forced(forced, num_tokens)
+    selection = selection or Selection("deviation")
+    check_mask(forced, num_tokens, "forced")
+    check_mask(exact, num_tokens, "exact")
+    use_tail = selection.needs_question
+    if use_tail and (tail_ids is None or tail_ids.dim() != 1 or tail_ids.shape[0] == 0):
+        raise ValueError(f"selection {selection.strategy!r} needs the question tail's token ids (tail_ids)")
 
     start = time.perf_counter()
     emit = _Timer(on_layer)
+    clock = _Stages()
     layers_to_load = range(check_layer, num_layers)
     with torch.inference_mode(), _LayerLoader(ops, load_layer, layers_to_load, num_tokens, prefetch) as loader:
         token_ids = token_ids.to(ops.device)
         positions = positions.to(ops.device)
-        hidden = ops.embed(token_ids)  # [N, hidden]
+        n_ctx = num_tokens
+        all_ids, all_pos = token_ids, positions
+        if use_tail:
+            tail_ids = tail_ids.to(ops.device)
+            tail_pos = positions[-1] + 1 + torch.arange(tail_ids.shape[0], device=ops.device)
+            all_ids, all_pos = torch.cat([token_ids, tail_ids]), torch.cat([positions, tail_pos])
+        hidden = ops.embed(all_ids)  # [N(+T), hidden]
+        attention_to_ctx = None  # [N] question scores summed over the layers seen so far
 
-        # 1. Before the check layer: plain prefill of all tokens.
+        def question_layer(q: torch.Tensor, k: torch.Tensor) -> None:
+            nonlocal attention_to_ctx
+            s = question_scores(q[n_ctx:], all_pos[n_ctx:], k, all_pos, n_ctx, ops.scaling)
+            attention_to_ctx = s if attention_to_ctx is None else attention_to_ctx + s
+
+        # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
         for layer in range(check_layer):
-            q, k, v = ops.qkv(layer, hidden)  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
-            q, k = ops.rope(layer, positions, q, k)
-            emit(layer, k, v)
-            attn = causal_attention(q, positions, k, v, positions, ops.scaling)  # [N, Hq, D]
-            hidden = ops.finish_layer(layer, hidden, attn)  # [N, hidden]
+            with clock("full_layers_s"):
+                q, k, v = ops.qkv(layer, hidden)  # [N(+T), Hq, D], [N(+T), Hkv, D], [N(+T), Hkv, D]
+                q, k = ops.rope(layer, all_pos, q, k)
+            emit(layer, k[:n_ctx], v[:n_ctx])
+            with clock("full_layers_s"):
+                if use_tail:
+                    question_layer(q, k)
+                attn = causal_attention(q, all_pos, k, v, all_pos, ops.scaling)  # [N(+T), Hq, D]
+                hidden = ops.finish_layer(layer, hidden, attn)  # [N(+T), hidden]
 
-        # 2. Check layer: fresh K/V of all tokens, HKVD selection, then only the selected go on.
+        # 2. Check layer: fresh K/V of all tokens, selection, then only the selected go on.
         k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
-        q, k, v = ops.qkv(check_layer, hidden)
-        q, k = ops.rope(check_layer, positions, q, k)
-        emit(check_layer, k, v)
-        if deviation == "value":
-            selected = select_hkvd(v_cached, v, recompute_ratio, forced)  # [n]
-        else:
-            k_cached = move_keys(ops, check_layer, k_pre_cached, positions)  # [N, Hkv, D]
-            selected = select_hkvd(k_cached, k, recompute_ratio, forced)  # [n]
+        with clock("full_layers_s"):
+            q, k, v = ops.qkv(check_layer, hidden)
+            q, k = ops.rope(check_layer, all_pos, q, k)
+        emit(check_layer, k[:n_ctx], v[:n_ctx])
+        with clock("select_s"):
+            scores = {}
+            if use_tail:
+                question_layer(q, k)
+                scores["question"] = attention_to_ctx / (check_layer + 1)
+            if selection.needs_deviation:
+                if deviation == "value":
+                    scores["deviation"] = deviation_scores(v_cached, v[:n_ctx])
+                else:
+                    k_cached = move_keys(ops, check_layer, k_pre_cached, positions)  # [N, Hkv, D]
+                    scores["deviation"] = deviation_scores(k_cached, k[:n_ctx])
+            selected = select_tokens(budget, selection, forced=forced, exact=exact,
+                                     segment_starts=segment_starts, **scores)  # [n]
+        q, k, v, hidden = q[:n_ctx], k[:n_ctx], v[:n_ctx], hidden[:n_ctx]
         num_selected = selected.shape[0]
         selected_positions = positions[selected]  # [n]
         if num_selected > 0 and check_layer < num_layers - 1:
-            attn = causal_attention(q[selected], selected_positions, k, v, positions, ops.scaling)  # [n, Hq, D]
-            hidden = ops.finish_layer(check_layer, hidden[selected], attn)  # [n, hidden]
+            with clock("selective_attention_s"):
+                attn = causal_attention(q[selected], selected_positions, k, v, positions, ops.scaling)  # [n, Hq, D]
+            with clock("selective_proj_mlp_s"):
+                hidden = ops.finish_layer(check_layer, hidden[selected], attn)  # [n, hidden]
 
         # 3. After the check layer: cached KV at the new positions, selected rows recomputed.
         for layer in range(check_layer + 1, num_layers):
-            k_pre_cached, v_cached = loader.get(layer)  # [N, Hkv, D] each
-            k_all = move_keys(ops, layer, k_pre_cached, positions)  # [N, Hkv, D]
-            v_all = v_cached
+            k_pre_cached, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
+            with clock("move_keys_s"):
+                k_all = move_keys(ops, layer, k_pre_cached, positions)  # [N, Hkv, D]
             if num_selected > 0:
-                q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
-                q, k = ops.rope(layer, selected_positions, q, k)
-                k_all.index_copy_(0, selected, k)
-                v_all = v_cached.clone().index_copy_(0, selected, v)  # [N, Hkv, D]
+                with clock("selective_proj_mlp_s"):
+                    q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
+                    q, k = ops.rope(layer, selected_positions, q, k)
+                with clock("merge_s"):
+                    k_all.index_copy_(0, selected, k)
+                    v_all.index_copy_(0, selected, v)
                 if layer < num_layers - 1:
-                    attn = causal_attention(q, selected_positions, k_all, v_all, positions, ops.scaling)  # [n, Hq, D]
-                    hidden = ops.finish_layer(layer, hidden, attn)  # [n, hidden]
+                    with clock("selective_attention_s"):
+                        attn = causal_attention(q, selected_positions, k_all, v_all, positions, ops.scaling)
+                    with clock("selective_proj_mlp_s"):
+                        hidden = ops.finish_layer(layer, hidden, attn)  # [n, hidden]
             emit(layer, k_all, v_all)
         _synchronize(ops.device)
 
     elapsed = time.perf_counter() - start
+    stages = clock.seconds
+    stages.update(load_wait_s=loader.wait_s, cache_write_s=emit.seconds)
     return BlendResult(
         selected=selected,
         num_recomputed=num_selected,
@@ -331,6 +426,7 @@ def blend_kv(
         load_s=loader.wait_s,
         compute_s=elapsed - loader.wait_s - emit.seconds,
         on_layer_s=emit.seconds,
+        stages=stages,
     )
 
 

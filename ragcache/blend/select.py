@@ -1,19 +1,79 @@
-"""Selecting the HKVD (high-KV-deviation) tokens to recompute.
+"""Selecting the tokens to recompute: the HKVD tokens of CacheBlend, or the question's tokens.
 
-Owns: ``select_hkvd`` and ``hkvd_budget``. At the check layer the blend has, for every context
-token, both the reused KV (computed per chunk, without the other chunks in view) and the freshly
-computed KV (with full cross-chunk attention). The tokens whose reused KV deviates most are the
-ones whose recompute restores cross-chunk attention best (CacheBlend, Yao et al., EuroSys'25,
-§4.3 "Selecting which tokens to recompute"; the deviation is the squared L2 distance, on V by
-default).
+Owns: the recompute budget (:func:`hkvd_budget`), the per-token scores (KV deviation, attention
+from the question) and :func:`select_tokens`, which turns scores into an exact budget of token
+indices under one of three strategies (:class:`Selection`):
+
+``deviation``
+    CacheBlend (Yao et al., EuroSys'25, §4.3 "Selecting which tokens to recompute"): at the check
+    layer the blend has, for every context token, both the reused KV (computed per chunk, without
+    the other chunks in view) and the fresh KV (with full cross-chunk attention); the tokens whose
+    reused KV deviates most (squared L2, on V by default) are recomputed.
+``question``
+    Question-aware selection in the spirit of ProphetKV (ICML'26, "crowding-out" of
+    question-relevant tokens by globally salient ones) and A3: the question tail goes through the
+    layers up to the check layer together with the context, and each context token is scored by
+    the attention it receives from the tail's queries (softmax weights averaged over heads and
+    tail tokens, and over those layers).
+``hybrid``
+    Both signals mixed by rank (``question_weight``), plus the first ``chunk_head_tokens`` tokens
+    of every chunk whose KV moved (EPIC, Hu et al. 2024: a chunk's first tokens carry the attention
+    sink its reused KV was computed with), with a cap on any one chunk's share of the budget.
+
+Invariants of every strategy: the budget is exact (``min(ceil(ratio * N), N - forced)`` tokens
+plus the forced ones); tokens with no cached KV (``forced``) are always selected; tokens whose
+cached KV is already exact (``exact``: the prompt head and a chunk at its canonical place) are
+taken only when nothing else is left, so ratio 1.0 still selects every token.
 Must not import vLLM, transformers, or anything above blend/ in ragcache.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+SELECTIONS = ("deviation", "question", "hybrid")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How the tokens to recompute are chosen (defaults live in ``ragcache.config.BlendSettings``).
+
+    Attributes:
+        strategy: ``"deviation"``, ``"question"`` or ``"hybrid"`` (see the module docstring).
+        chunk_head_tokens: hybrid: the first k tokens of every moved chunk are always in the set.
+        question_weight: hybrid: weight of the question-attention rank against the deviation rank,
+            in [0, 1] (0 = deviation only, 1 = question only).
+        max_chunk_share: hybrid: no chunk takes more than this share of the budget, in (0, 1].
+    """
+
+    strategy: str
+    chunk_head_tokens: int = 0
+    question_weight: float = 0.5
+    max_chunk_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.strategy!r}")
+        if self.chunk_head_tokens < 0:
+            raise ValueError(f"chunk_head_tokens must be >= 0, got {self.chunk_head_tokens}")
+        if not 0.0 <= self.question_weight <= 1.0:
+            raise ValueError(f"question_weight must be in [0, 1], got {self.question_weight}")
+        if not 0.0 < self.max_chunk_share <= 1.0:
+            raise ValueError(f"max_chunk_share must be in (0, 1], got {self.max_chunk_share}")
+
+    @property
+    def needs_question(self) -> bool:
+        """True when the question tail's attention is part of the score."""
+        return self.strategy == "question" or (self.strategy == "hybrid" and self.question_weight > 0)
+
+    @property
+    def needs_deviation(self) -> bool:
+        """True when the KV deviation at the check layer is part of the score."""
+        return self.strategy == "deviation" or (self.strategy == "hybrid" and self.question_weight < 1)
 
 
 def hkvd_budget(ratio: float, num_tokens: int) -> int:
@@ -27,12 +87,186 @@ def hkvd_budget(ratio: float, num_tokens: int) -> int:
     return min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
 
 
-def check_forced(forced: torch.Tensor | None, num_tokens: int) -> None:
-    """Raise ValueError unless ``forced`` is None or a bool tensor of shape ``[num_tokens]``."""
-    if forced is not None and (forced.shape != (num_tokens,) or forced.dtype != torch.bool):
+def check_mask(mask: torch.Tensor | None, num_tokens: int, name: str = "forced") -> None:
+    """Raise ValueError unless ``mask`` is None or a bool tensor of shape ``[num_tokens]``."""
+    if mask is not None and (mask.shape != (num_tokens,) or mask.dtype != torch.bool):
         raise ValueError(
-            f"forced must be a bool tensor of shape ({num_tokens},), got {forced.dtype} {tuple(forced.shape)}"
+            f"{name} must be a bool tensor of shape ({num_tokens},), got {mask.dtype} {tuple(mask.shape)}"
         )
+
+
+def deviation_scores(reused: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """Squared L2 deviation per token, ``sum((fresh - reused) ** 2)`` over heads and dims.
+
+    Args:
+        reused: ``[N, Hkv, D]`` K or V as loaded from the cache (K rotated to ``fresh``'s positions).
+        fresh: ``[N, Hkv, D]`` the same layer's K or V computed with the whole context in view.
+
+    Returns:
+        ``[N]`` float32 on ``fresh``'s device.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    if reused.shape != fresh.shape or fresh.dim() < 1:
+        raise ValueError(f"reused {tuple(reused.shape)} and fresh {tuple(fresh.shape)} differ in shape")
+    return (fresh.float() - reused.to(fresh.device).float()).pow(2).flatten(1).sum(dim=1)
+
+
+def question_scores(q_tail: torch.Tensor, tail_positions: torch.LongTensor, k: torch.Tensor,
+                    k_positions: torch.LongTensor, num_context: int, scaling: float) -> torch.Tensor:
+    """Attention each context token receives from the question tail's queries, in [0, 1].
+
+    Softmax weights of every tail query over every key it may see (the whole context and the tail
+    up to itself, causal by position), averaged over query heads and tail tokens.
+
+    Args:
+        q_tail: ``[T, Hq, D]`` post-RoPE queries of the tail tokens.
+        tail_positions: ``[T]`` int64 positions of the tail tokens.
+        k: ``[N + T, Hkv, D]`` post-RoPE keys of the context followed by the tail.
+        k_positions: ``[N + T]`` int64 positions of those keys.
+        num_context: N, the number of context keys (the scores returned are theirs).
+        scaling: softmax scale.
+
+    Returns:
+        ``[N]`` float32 scores on ``q_tail``'s device.
+    """
+    num_heads, num_kv_heads = q_tail.shape[1], k.shape[1]
+    keys = k.float().repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [Hq, N+T, D]
+    query = q_tail.float().transpose(0, 1)  # [Hq, T, D]
+    logits = torch.matmul(query, keys.transpose(1, 2)) * scaling  # [Hq, T, N+T]
+    visible = k_positions.unsqueeze(0) <= tail_positions.unsqueeze(1)  # [T, N+T]
+    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)  # [Hq, T, N+T]
+    return weights[:, :, :num_context].mean(dim=(0, 1))  # [N]
+
+
+def _ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Scores mapped to their rank in [0, 1] (the smallest 0, the largest 1); ties keep one order."""
+    n = scores.shape[0]
+    ranks = torch.empty(n, dtype=torch.float32, device=scores.device)
+    ranks[torch.argsort(scores, stable=True)] = torch.arange(n, device=scores.device, dtype=torch.float32)
+    return ranks / max(n - 1, 1)
+
+
+def _chunk_ids(num_tokens: int, segment_starts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[N]`` int64: the index of the segment each token belongs to."""
+    starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
+    return torch.searchsorted(starts, torch.arange(num_tokens, device=device), right=True) - 1
+
+
+def select_tokens(
+    budget: int,
+    selection: Selection,
+    *,
+    deviation: torch.Tensor | None = None,
+    question: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+    exact: torch.Tensor | None = None,
+    segment_starts: Sequence[int] = (0,),
+) -> torch.LongTensor:
+    """Indices of the tokens to recompute: ``budget`` chosen ones plus every forced token.
+
+    Args:
+        budget: tokens to choose (``hkvd_budget(ratio, N)``); capped at the non-forced tokens.
+        selection: the strategy and its knobs.
+        deviation: ``[N]`` KV deviation per token (:func:`deviation_scores`); needed unless the
+            strategy is ``question``.
+        question: ``[N]`` attention from the question (:func:`question_scores`); needed for
+            ``question`` and for ``hybrid`` with ``question_weight > 0``.
+        forced: ``[N]`` bool, tokens with no cached KV: always selected, outside the budget.
+        exact: ``[N]`` bool, tokens whose cached KV already equals the fresh KV: chosen last.
+        segment_starts: first index of every segment (chunk) of the context, ascending, starting
+            at 0; used by ``hybrid`` (chunk heads and the per-chunk cap).
+
+    Returns:
+        ``[n]`` int64 indices, ascending; ``n = min(budget, N - num_forced) + num_forced``.
+
+    Raises:
+        ValueError: a score the strategy needs is missing, or shapes disagree.
+    """
+    scores = deviation if deviation is not None else question
+    if scores is None:
+        raise ValueError("select_tokens needs deviation or question scores")
+    num_tokens = scores.shape[0]
+    device = scores.device
+    for name, s in (("deviation", deviation), ("question", question)):
+        if s is not None and s.shape != (num_tokens,):
+            raise ValueError(f"{name} scores {tuple(s.shape)} do not match {num_tokens} tokens")
+    if selection.needs_deviation and deviation is None:
+        raise ValueError(f"selection {selection.strategy!r} needs deviation scores")
+    if selection.needs_question and question is None:
+        raise ValueError(f"selection {selection.strategy!r} needs the question's attention scores")
+    check_mask(forced, num_tokens, "forced")
+    check_mask(exact, num_tokens, "exact")
+    forced = torch.zeros(num_tokens, dtype=torch.bool, device=device) if forced is None else forced.to(device)
+    exact = torch.zeros(num_tokens, dtype=torch.bool, device=device) if exact is None else exact.to(device)
+
+    if selection.strategy == "deviation":
+        score = deviation.float()
+    elif selection.strategy == "question":
+        score = question.float()
+    else:
+        w = selection.question_weight
+        score = torch.zeros(num_tokens, dtype=torch.float32, device=device)
+        if w < 1:
+            score += (1 - w) * _ranks(deviation.float())
+        if w > 0:
+            score += w * _ranks(question.float())
+    # priority: forced tokens are added apart; exact tokens come after every other candidate
+    candidates = ~forced
+    budget = min(budget, int(candidates.sum()))
+    chosen = forced.clone()
+    if budget <= 0:
+        return chosen.nonzero().squeeze(1)
+    # every score is >= 0: exact tokens rank below all others, forced (and already chosen) never
+    priority = score.clone()
+    priority[exact] = -1.0
+    priority[forced] = float("-inf")
+
+    if selection.strategy == "hybrid":
+        chunk = _chunk_ids(num_tokens, segment_starts, device)  # [N]
+        movable = candidates & ~exact
+        k = selection.chunk_head_tokens
+        if k > 0:
+            starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
+            offset = torch.arange(num_tokens, device=device) - starts[chunk]
+            heads = movable & (offset < k)
+            if int(heads.sum()) > budget:  # more chunk heads than budget: the lowest offsets first
+                order = torch.argsort(offset.float().masked_fill(~heads, float("inf")), stable=True)[:budget]
+                heads = torch.zeros_like(heads)
+                heads[order] = True
+            chosen |= heads
+            budget -= int(heads.sum())
+            priority[heads] = float("-inf")
+        if budget > 0 and selection.max_chunk_share < 1.0:
+            cap = max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))
+            taken = torch.bincount(chunk[chosen & ~forced], minlength=int(chunk.max()) + 1).tolist()
+            chunk_of = chunk.tolist()
+            # walk candidates best first, skipping chunks at their cap; exact ones only at the end
+            order = torch.argsort(priority, descending=True, stable=True)
+            open_ = (priority > float("-inf")).tolist()
+            picked: list[int] = []
+            skipped: list[int] = []
+            for idx in order.tolist():
+                if not open_[idx]:
+                    continue
+                c = chunk_of[idx]
+                if taken[c] < cap:
+                    picked.append(idx)
+                    taken[c] += 1
+                    if len(picked) == budget:
+                        break
+                else:
+                    skipped.append(idx)
+            if len(picked) < budget:  # every chunk at its cap: fill from the skipped, best first
+                picked += skipped[: budget - len(picked)]
+            chosen[torch.tensor(picked, dtype=torch.long, device=device)] = True
+            return chosen.nonzero().squeeze(1)
+
+    if budget > 0:
+        top = torch.topk(priority, budget, sorted=False).indices
+        chosen[top] = True
+    return chosen.nonzero().squeeze(1)
 
 
 def select_hkvd(
@@ -41,12 +275,11 @@ def select_hkvd(
     ratio: float,
     forced: torch.Tensor | None = None,
 ) -> torch.LongTensor:
-    """Indices of the tokens to recompute: the largest KV deviations plus every forced token.
+    """CacheBlend's HKVD tokens: the ``ceil(ratio * N)`` largest KV deviations plus every forced token.
 
-    The deviation of token t is ``sum((fresh[t] - reused[t]) ** 2)`` over heads and dims, in float32.
-    The ``ceil(ratio * N)`` tokens with the largest deviation are taken among the tokens that are
-    not forced (a forced token has no cached KV, so its "reused" row is a placeholder and must not
-    use up the budget); then all forced tokens are added. Ties are broken by ``torch.topk``.
+    The deviation of token t is ``sum((fresh[t] - reused[t]) ** 2)`` over heads and dims, in float32
+    (:func:`deviation_scores`); the budget is taken among the tokens that are not forced (a forced
+    token has no cached KV, so its "reused" row is a placeholder and must not use up the budget).
 
     Args:
         reused: ``[N, Hkv, D]`` K or V of the context tokens as loaded from the cache (K rotated to
@@ -63,20 +296,6 @@ def select_hkvd(
         ValueError: if the shapes of ``reused``, ``fresh`` and ``forced`` disagree or ``ratio`` is
             outside ``[0, 1]``.
     """
-    if reused.shape != fresh.shape or fresh.dim() < 1:
-        raise ValueError(f"reused {tuple(reused.shape)} and fresh {tuple(fresh.shape)} differ in shape")
-    num_tokens = fresh.shape[0]
-    budget = hkvd_budget(ratio, num_tokens)
-    check_forced(forced, num_tokens)
-
-    reused = reused.to(fresh.device)
-    deviation = (fresh.float() - reused.float()).pow(2).flatten(1).sum(dim=1)  # [N]
-    chosen = torch.zeros(num_tokens, dtype=torch.bool, device=fresh.device)  # [N]
-    if forced is not None:
-        forced = forced.to(fresh.device)
-        deviation = deviation.masked_fill(forced, float("-inf"))
-        budget = min(budget, num_tokens - int(forced.sum()))
-        chosen |= forced
-    if budget > 0:
-        chosen[torch.topk(deviation, budget, sorted=False).indices] = True
-    return chosen.nonzero().squeeze(1)  # [n], ascending
+    deviation = deviation_scores(reused, fresh)
+    return select_tokens(hkvd_budget(ratio, deviation.shape[0]), Selection("deviation"),
+                         deviation=deviation, forced=forced)
