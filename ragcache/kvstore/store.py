@@ -68,7 +68,7 @@ log = logging.getLogger("ragcache.kvstore")
 GB = 10**9  # settings sizes are decimal gigabytes
 T = TypeVar("T")
 _WARN_EVERY_SEC = 60.0
-_DISK_RESCAN_SEC = 30.0
+_RESCAN_SEC = 30.0  # a bounded persistent tier over capacity rescans at most this often
 
 
 class _Down(Exception):
@@ -261,10 +261,10 @@ class TieredStore:
         self._top = next((i for i, s in enumerate(self._slots) if s.tier.memory), None)
         self._async_copy = self.device.type != "cpu"
         for pos, slot in enumerate(self._slots):
-            if isinstance(slot.tier, DiskTier):
-                self._rescan(pos)
-            elif isinstance(slot.tier, RedisTier):
-                self._probe(pos)
+            if not slot.tier.memory:
+                self._probe(pos)  # an unreachable tier is marked down before the first lookup
+                if slot.up:
+                    self._rescan(pos)  # a bounded one learns what it already holds
         self._stop = threading.Event()
         self._logger: threading.Thread | None = None
         if hit_rate_log_interval:
@@ -685,20 +685,23 @@ class TieredStore:
     def _probe(self, pos: int) -> None:
         slot = self._slots[pos]
         try:
-            self._call(slot, slot.tier.ping)  # type: ignore[attr-defined]
-        except (_Down, TierError):
+            self._call(slot, slot.tier.ping)
+        except (_Down, TierError, OSError):
             pass
 
     def _rescan(self, pos: int) -> None:
-        """Rebuild a disk tier's index from its folder (LRU order = file mtime), keeping the
-        recorded access counts of files still present."""
+        """Rebuild a bounded persistent tier's index from ``scan`` (disk: LRU order = file mtime),
+        keeping the recorded access counts of entries still present. Other processes may have
+        added or removed entries since the last scan."""
         slot = self._slots[pos]
         if slot.index is None:
             return
         try:
-            files = slot.tier.scan()  # type: ignore[attr-defined]
-        except OSError as exc:
-            self._warn(slot, "scan", f"{slot.name} tier: cannot scan folder ({exc})")
+            files = self._call(slot, slot.tier.scan)
+        except _Down:
+            return
+        except (TierError, OSError) as exc:
+            self._warn(slot, "scan", f"{slot.name} tier: cannot scan ({exc})")
             return
         with self._lock:
             old = slot.index
@@ -811,7 +814,7 @@ class TieredStore:
                 slot.counters.bytes_written += written
                 victims = (slot.index.pop_victims(slot.capacity, protect=item.key)
                            if slot.capacity is not None else [])
-                evicted = [(slot.tier.pop(v.key), v) for v in victims]  # type: ignore[attr-defined]
+                evicted = [(slot.tier.pop(v.key), v) for v in victims]
                 slot.counters.evictions += len(victims)
             for victim_item, victim in evicted:
                 if victim_item is not None:
@@ -823,16 +826,16 @@ class TieredStore:
         stale = False
         with self._lock:
             slot.counters.bytes_written += written
-            if slot.index is not None:
+            if slot.index is not None and slot.capacity is not None:
                 slot.index.add(item.key, written, freq)
-                over = slot.index.used_bytes > slot.capacity  # type: ignore[operator]
-                stale = over and time.monotonic() - slot.last_scan > _DISK_RESCAN_SEC
-        if stale and isinstance(slot.tier, DiskTier):
-            self._rescan(pos)  # other processes may have added or removed files
+                over = slot.index.used_bytes > slot.capacity
+                stale = over and time.monotonic() - slot.last_scan > _RESCAN_SEC
+        if stale:
+            self._rescan(pos)  # other processes may have added or removed entries
         victims: list[Victim] = []
         with self._lock:
-            if slot.index is not None:
-                victims = slot.index.pop_victims(slot.capacity, protect=item.key)  # type: ignore[arg-type]
+            if slot.index is not None and slot.capacity is not None:
+                victims = slot.index.pop_victims(slot.capacity, protect=item.key)
         self._drop_persistent(pos, victims)
         return True
 
