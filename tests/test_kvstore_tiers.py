@@ -296,19 +296,3 @@ def test_put_rejects_wrong_shapes_and_bad_keys(tmp_path):
         store.put("../etc/passwd", k, v, 0)
     with pytest.raises(ValueError):
         store.put("a", k, v, -1)
-
-
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_iter_layers_yields_every_layer_in_order_and_then_promotes(tmp_path, prefetch):
-    store = TieredStore(SPEC, [(CpuTier(), 1), (DiskTier(tmp_path / "kv"), 10**9)])
-    k, v = make_kv()
-    store.put("a", k, v, 0)  # too big for the 1-byte cpu tier: disk only
-    with store.open("a") as h:
-        layers = list(h.iter_layers(prefetch=prefetch))
-    assert len(layers) == SPEC.num_layers
-    assert all(torch.equal(kl, k[i]) and torch.equal(vl, v[i]) for i, (kl, vl) in enumerate(layers))
-    big = TieredStore(SPEC, [(CpuTier(), 10**9), (DiskTier(tmp_path / "kv"), 10**9)])
-    with big.open("a") as h:
-        for _ in h.iter_layers(prefetch=prefetch):
-            pass
-    assert big.contains("a") == "cpu"
