@@ -17,7 +17,8 @@ import vLLM, nor anything above it in ragcache (engine, pipeline, app).
 Modules: ``entry`` (KVSpec, KVMeta, KVEntry, errors), ``format`` (safetensors layout, checksums),
 ``tier`` (the Tier protocol), ``memory``/``cpu``/``device``/``disk``/``remote`` (one per medium),
 ``policy`` (LRU/LFU bookkeeping), ``guard`` (back-off of an unreachable tier), ``stats`` (counters,
-hit-rate line and log), ``verify`` (checking the persistent tiers), ``handle`` (KVHandle),
+hit-rate line and log), ``slot`` (one tier's index, counters and single-tier steps), ``verify``
+(checking the persistent tiers), ``handle`` (KVHandle), ``configure`` (tiers from settings),
 ``store`` (TieredStore: placement, lookup, promotion, eviction, demotion).
 """
 

@@ -2,11 +2,13 @@
 
 Owns: where an entry goes on ``put`` (write-through), where ``get``/``open`` look and what they
 promote, capacities and eviction (LRU/LFU), demotion of evicted entries, foreign/corrupt handling.
-Built from: the tiers, plain media (:mod:`~ragcache.kvstore.tier`); one availability guard per
-tier (:mod:`~ragcache.kvstore.guard`: back-off of an unreachable tier); the counters and hit-rate
-log (:mod:`~ragcache.kvstore.stats`); verification (:mod:`~ragcache.kvstore.verify`); the handles
-``open`` returns (:mod:`~ragcache.kvstore.handle`). Must not import vLLM, nor anything above
-kvstore.
+Built from: the tiers, plain media known only through the Tier protocol
+(:mod:`~ragcache.kvstore.tier`; which ones a settings section asks for:
+:mod:`~ragcache.kvstore.configure`); per tier a slot with its index, counters and single-tier
+steps (:mod:`~ragcache.kvstore.slot`) and an availability guard (:mod:`~ragcache.kvstore.guard`:
+back-off of an unreachable tier); the counters and hit-rate log (:mod:`~ragcache.kvstore.stats`);
+verification (:mod:`~ragcache.kvstore.verify`); the handles ``open`` returns
+(:mod:`~ragcache.kvstore.handle`). Must not import vLLM, nor anything above kvstore.
 
 Policy in one place:
 
@@ -25,28 +27,23 @@ Policy in one place:
   grows from ``remote_backoff_sec`` to ``remote_backoff_max_sec``. No storage failure raises out
   of ``get``/``put``/``contains``/``open``/``delete``.
 
-Thread safety: one re-entrant lock guards the policy state, the memory tiers and the counters
-(each guard has its own); disk and Redis I/O runs outside it. Several processes may share the disk folder and Redis; the
-disk capacity is enforced by each process on the files it knows (rescanned when it must evict),
-so with several writers it is approximate.
+Thread safety: one re-entrant lock, shared by the slots, guards the policy state, the memory tiers
+and the counters (each guard has its own); disk and Redis I/O runs outside it. Several processes
+may share the disk folder and Redis; the disk capacity is enforced by each process on the files it
+knows (rescanned when it must evict), so with several writers it is approximate.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
-import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from ragcache.config import StoreSettings
-from ragcache.kvstore.cpu import CpuTier
-from ragcache.kvstore.device import DeviceTier
-from ragcache.kvstore.disk import DiskTier
+from ragcache.kvstore.configure import GB, tiers_from_settings
 from ragcache.kvstore.entry import (
     DTYPES,
     CorruptEntryError,
@@ -56,39 +53,21 @@ from ragcache.kvstore.entry import (
     KVSpec,
     StoredKV,
     TierError,
-    TierUnavailableError,
     check_key,
     dtype_name,
 )
 from ragcache.kvstore.format import EntryReader, checksums
 from ragcache.kvstore.guard import TierDown, TierGuard
 from ragcache.kvstore.handle import KVHandle
-from ragcache.kvstore.policy import EvictionIndex, Victim
-from ragcache.kvstore.remote import RedisTier
-from ragcache.kvstore.stats import HitRateLog, TierCounters, hit_rate_line, stats_row
-from ragcache.kvstore.tier import Tier, TierUsage
+from ragcache.kvstore.policy import Victim
+from ragcache.kvstore.slot import TierSlot
+from ragcache.kvstore.stats import HitRateLog, hit_rate_line, stats_row
+from ragcache.kvstore.tier import Tier
 from ragcache.kvstore.verify import verify_tier
 
-log = logging.getLogger("ragcache.kvstore")
+__all__ = ["GB", "TieredStore"]
 
-GB = 10**9  # settings sizes are decimal gigabytes
 _RESCAN_SEC = 30.0  # a bounded persistent tier over capacity rescans at most this often
-
-
-@dataclass
-class _Slot:
-    """One tier in the store with its policy state (guarded by the store's lock)."""
-
-    tier: Tier
-    capacity: int | None  # bytes; None = unbounded (remote: sized by Redis itself)
-    index: EvictionIndex | None  # bounded and memory tiers
-    guard: TierGuard
-    counters: TierCounters = field(default_factory=TierCounters)
-    last_scan: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return self.tier.name
 
 
 class TieredStore:
@@ -128,21 +107,20 @@ class TieredStore:
             raise ValueError(f"kv_dtype must be 'model', 'float16' or 'bfloat16', got {kv_dtype!r}")
         self.kv_dtype = kv_dtype
         self._lock = threading.RLock()
-        self._slots: list[_Slot] = []
-        for tier, capacity in tiers:
-            bounded = capacity is not None
-            self._slots.append(_Slot(tier, int(capacity) if bounded else None,
-                                     EvictionIndex(eviction_policy) if bounded or tier.memory else None,
-                                     TierGuard(tier.name, remote_backoff_sec, remote_backoff_max_sec)))
+        self._slots = [
+            TierSlot(tier, None if capacity is None else int(capacity), eviction_policy,
+                     TierGuard(tier.name, remote_backoff_sec, remote_backoff_max_sec), self._lock)
+            for tier, capacity in tiers
+        ]
         names = [s.name for s in self._slots]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self._top = next((i for i, s in enumerate(self._slots) if s.tier.memory), None)
-        for pos, slot in enumerate(self._slots):
+        for slot in self._slots:
             if not slot.tier.memory:
-                self._probe(pos)  # an unreachable tier is marked down before the first lookup
+                slot.probe()  # an unreachable tier is marked down before the first lookup
                 if slot.guard.up:
-                    self._rescan(pos)  # a bounded one learns what it already holds
+                    slot.rescan()  # a bounded one learns what it already holds
         self._logger = HitRateLog(self.hit_rate_line, hit_rate_log_interval) if hit_rate_log_interval else None
 
     # ------------------------------------------------------------------ construction
@@ -153,10 +131,9 @@ class TieredStore:
     ) -> "TieredStore":
         """Store configured by ``settings`` (``ragcache.config.StoreSettings``).
 
-        Tiers: ``device`` when ``device`` is not the CPU and ``gpu_kv_pool_gb`` > 0; ``cpu`` when
-        ``cpu_kv_pool_gb`` > 0 (pinned when ``device`` is CUDA); ``disk`` at ``ssd_cache_dir``
-        when ``ssd_cache_max_gb`` > 0; ``remote`` when ``remote_url`` is set. Sizes are GB = 1e9
-        bytes. A disk folder that cannot be created turns the disk tier off with a warning.
+        Tiers as :func:`ragcache.kvstore.configure.tiers_from_settings` picks them: ``device``,
+        ``cpu``, ``disk`` and ``remote`` by ``gpu_kv_pool_gb``, ``cpu_kv_pool_gb``,
+        ``ssd_cache_max_gb`` (GB = 1e9 bytes) and ``remote_url``.
 
         Args:
             settings: the ``store`` section of :class:`ragcache.config.Settings`.
@@ -165,18 +142,7 @@ class TieredStore:
             kwargs: passed to :class:`TieredStore` (e.g. ``remote_backoff_sec``).
         """
         device = torch.device(device)
-        tiers: list[tuple[Tier, int | None]] = []
-        if device.type != "cpu" and settings.gpu_kv_pool_gb > 0:
-            tiers.append((DeviceTier(device), int(settings.gpu_kv_pool_gb * GB)))
-        if settings.cpu_kv_pool_gb > 0:
-            tiers.append((CpuTier(pin_memory=device.type == "cuda"), int(settings.cpu_kv_pool_gb * GB)))
-        if settings.ssd_cache_max_gb > 0:
-            try:
-                tiers.append((DiskTier(settings.ssd_cache_dir), int(settings.ssd_cache_max_gb * GB)))
-            except OSError as exc:
-                log.warning("disk tier off: cannot use %s (%s); set store.ssd_cache_dir", settings.ssd_cache_dir, exc)
-        if settings.remote_url:
-            tiers.append((RedisTier(settings.remote_url), None))
+        tiers = tiers_from_settings(settings, device)
         interval = settings.log_interval_sec if settings.enable_hit_rate_log else None
         kwargs.setdefault("hit_rate_log_interval", interval)
         return cls(spec, tiers, device=device, eviction_policy=settings.eviction_policy,
@@ -257,14 +223,14 @@ class TieredStore:
             try:
                 kv = reader.read_all()
             except CorruptEntryError as exc:
-                self.discard_corrupt(pos, key, exc, count_miss=True)
+                self._slots[pos].discard_corrupt(key, exc, count_miss=True)
                 continue
             except OSError as exc:
-                self._read_failed(pos, key, exc)
+                self._slots[pos].read_failed(key, exc)
                 continue
             finally:
                 reader.close()
-            self._on_hit(pos, key, reader.stored_bytes, reader.meta.nbytes)
+            self._slots[pos].record_hit(key, reader.stored_bytes, reader.meta.nbytes)
             item = StoredKV(key, reader.meta, kv)
             entry = KVEntry(
                 key,
@@ -290,8 +256,8 @@ class TieredStore:
         if found is None:
             return None
         pos, reader = found
-        self._on_hit(pos, key, reader.stored_bytes, 0)
         slot = self._slots[pos]
+        slot.record_hit(key, reader.stored_bytes, 0)
         return KVHandle(self, pos, reader, slot.name, slot.tier.memory)
 
     def contains(self, key: str) -> str | None:
@@ -302,7 +268,7 @@ class TieredStore:
             ValueError: bad key.
         """
         check_key(key)
-        for pos, slot in enumerate(self._slots):
+        for slot in self._slots:
             if not slot.guard.available():
                 continue
             if slot.tier.memory:
@@ -315,7 +281,7 @@ class TieredStore:
             except TierDown:
                 continue
             except CorruptEntryError as exc:
-                self.discard_corrupt(pos, key, exc)
+                slot.discard_corrupt(key, exc)
                 continue
             except (ForeignEntryError, TierError, OSError):
                 continue
@@ -332,7 +298,7 @@ class TieredStore:
         check_key(key)
         removed = False
         for slot in self._slots:
-            removed |= self._delete_from(slot, key)
+            removed |= slot.delete(key)
         return removed
 
     def clear(self) -> None:
@@ -368,15 +334,7 @@ class TieredStore:
         """
         out: dict[str, dict[str, Any]] = {}
         for slot in self._slots:
-            usage = TierUsage(0, 0)
-            if slot.tier.memory:
-                with self._lock:
-                    usage = slot.tier.usage()
-            elif slot.guard.up or slot.guard.available():
-                try:
-                    usage = slot.guard.call(slot.tier.usage)
-                except (TierDown, TierError, OSError):
-                    pass
+            usage = slot.usage()
             with self._lock:
                 out[slot.name] = stats_row(slot.counters, usage, slot.capacity, slot.guard.up)
         return out
@@ -397,8 +355,8 @@ class TieredStore:
             (see :func:`ragcache.kvstore.verify.verify_tier`).
         """
         return {
-            slot.name: verify_tier(slot.tier, slot.guard, self.spec, functools.partial(self.discard_corrupt, pos))
-            for pos, slot in enumerate(self._slots)
+            slot.name: verify_tier(slot.tier, slot.guard, self.spec, slot.discard_corrupt)
+            for slot in self._slots
             if not slot.tier.memory
         }
 
@@ -432,15 +390,12 @@ class TieredStore:
 
     def record_read(self, pos: int, nbytes: int) -> None:
         """Count ``nbytes`` read from tier ``pos`` (a handle's layer)."""
-        self._count(pos, bytes_read=nbytes)
+        self._slots[pos].count(bytes_read=nbytes)
 
-    def discard_corrupt(self, pos: int, key: str, exc: CorruptEntryError, count_miss: bool = False) -> None:
-        """Log, count (``corrupt``, and a miss when ``count_miss``) and delete the damaged entry
-        ``key`` of tier ``pos``."""
-        slot = self._slots[pos]
-        log.warning("%s tier: %s; deleted, treated as a miss", slot.name, exc)
-        self._count(pos, corrupt=1, misses=1 if count_miss else 0)
-        self._delete_from(slot, key)
+    def discard_corrupt(self, pos: int, key: str, exc: CorruptEntryError) -> None:
+        """Log, count (``corrupt``, no miss: the hit was counted at ``open``) and delete the
+        damaged entry ``key`` of tier ``pos``."""
+        self._slots[pos].discard_corrupt(key, exc)
 
     def promote(self, pos: int, item: StoredKV) -> None:
         """Copy (persistent source) or move (memory source) ``item``, found in tier ``pos``, into
@@ -461,47 +416,14 @@ class TieredStore:
             raise RuntimeError("this TieredStore was opened without a KVSpec (administration only)")
         return self.spec
 
-    def _count(self, pos: int, **deltas: int) -> None:
-        with self._lock:
-            self._slots[pos].counters.add(**deltas)
-
-    def _probe(self, pos: int) -> None:
-        slot = self._slots[pos]
-        try:
-            slot.guard.call(slot.tier.ping)
-        except (TierDown, TierError, OSError):
-            pass
-
-    def _rescan(self, pos: int) -> None:
-        """Rebuild a bounded persistent tier's index from ``scan`` (disk: LRU order = file mtime),
-        keeping the recorded access counts of entries still present. Other processes may have
-        added or removed entries since the last scan."""
-        slot = self._slots[pos]
-        if slot.index is None:
-            return
-        try:
-            files = slot.guard.call(slot.tier.scan)
-        except TierDown:
-            return
-        except (TierError, OSError) as exc:
-            slot.guard.warn("scan", f"{slot.name} tier: cannot scan ({exc})")
-            return
-        with self._lock:
-            old = slot.index
-            fresh = EvictionIndex(self.eviction_policy)
-            for f in files:
-                fresh.add(f.key, f.size, max(1, old.freq(f.key)))
-            slot.index = fresh
-            slot.last_scan = time.monotonic()
-
     def _lookup(self, key: str) -> Iterator[tuple[int, EntryReader]]:
         """The lookup loop of ``get`` and ``open``: top-down, every available tier that holds a
         usable entry under ``key`` (header valid, this spec's model and layout), as
         ``(tier position, open reader)``.
 
         Misses, foreign and damaged entries found on the way are counted (and damaged ones
-        deleted) here; the caller counts the hit (``_on_hit``) or the failure of its own read,
-        closes the reader, and stops at the first entry it keeps.
+        deleted) here; the caller counts the hit (``TierSlot.record_hit``) or the failure of its
+        own read, closes the reader, and stops at the first entry it keeps.
 
         Raises (at the first ``next``):
             ValueError: bad key.  RuntimeError: the store was opened without a spec.
@@ -510,77 +432,9 @@ class TieredStore:
         check_key(key)
         for pos, slot in enumerate(self._slots):
             if slot.guard.available():
-                reader = self._open_checked(pos, key, spec)
+                reader = slot.open_checked(key, spec)
                 if reader is not None:
                     yield pos, reader
-
-    def _open_checked(self, pos: int, key: str, spec: KVSpec) -> EntryReader | None:
-        """Open ``key`` in tier ``pos``; count and return None for absent, foreign or damaged."""
-        slot = self._slots[pos]
-        try:
-            if slot.tier.memory:
-                with self._lock:
-                    reader = slot.tier.open(key)
-            else:
-                reader = slot.guard.call(slot.tier.open, key)
-        except TierDown:
-            return None
-        except CorruptEntryError as exc:
-            self.discard_corrupt(pos, key, exc, count_miss=True)
-            return None
-        except ForeignEntryError:
-            self._count(pos, misses=1, foreign=1)
-            return None
-        except (TierError, OSError) as exc:
-            self._read_failed(pos, key, exc)
-            return None
-        if reader is None:
-            self._count(pos, misses=1)
-            return None
-        reason = spec.mismatch(reader.meta)
-        if reason is not None:
-            reader.close()
-            log.debug("%s tier: entry %r is foreign (%s)", slot.name, key, reason)
-            self._count(pos, misses=1, foreign=1)
-            return None
-        return reader
-
-    def _read_failed(self, pos: int, key: str, exc: Exception) -> None:
-        slot = self._slots[pos]
-        slot.guard.warn("read", f"{slot.name} tier: reading {key!r} failed ({exc}); treated as a miss")
-        self._count(pos, misses=1)
-
-    def _on_hit(self, pos: int, key: str, stored_bytes: int, nbytes_read: int) -> None:
-        slot = self._slots[pos]
-        with self._lock:
-            slot.counters.hits += 1
-            slot.counters.bytes_read += nbytes_read
-            if slot.index is not None:
-                if key in slot.index:
-                    slot.index.touch(key)
-                elif not slot.tier.memory:
-                    slot.index.add(key, stored_bytes, 1)  # written by another process
-        if not slot.tier.memory:
-            slot.tier.touch(key)
-
-    def _delete_from(self, slot: _Slot, key: str) -> bool:
-        if slot.tier.memory:
-            with self._lock:
-                if slot.index is not None:
-                    slot.index.remove(key)
-                return slot.tier.delete(key)
-        with self._lock:
-            if slot.index is not None:
-                slot.index.remove(key)
-        if not slot.guard.available():
-            return False
-        try:
-            return bool(slot.guard.call(slot.tier.delete, key))
-        except TierDown:
-            return False
-        except (TierError, OSError) as exc:
-            slot.guard.warn("delete", f"{slot.name} tier: deleting {key!r} failed ({exc})")
-            return False
 
     def _insert(self, pos: int, item: StoredKV, freq: int) -> bool:
         """Put ``item`` into tier ``pos``, evict over capacity, demote the victims. True if stored."""
@@ -616,7 +470,7 @@ class TieredStore:
                 over = slot.index.used_bytes > slot.capacity
                 stale = over and time.monotonic() - slot.last_scan > _RESCAN_SEC
         if stale:
-            self._rescan(pos)  # other processes may have added or removed entries
+            slot.rescan()  # other processes may have added or removed entries
         victims: list[Victim] = []
         with self._lock:
             if slot.index is not None and slot.capacity is not None:
@@ -639,7 +493,7 @@ class TieredStore:
             failure = exc
         except TierError as exc:
             failure = exc
-        self._count(pos, write_errors=1)
+        slot.count(write_errors=1)
         slot.guard.warn("write", f"{slot.name} tier: write of {item.key!r} failed ({failure}); skipped")
         return None
 
@@ -656,26 +510,19 @@ class TieredStore:
                 return None
             except OSError as again:
                 exc = again
-        self._count(pos, write_errors=1)
+        slot.count(write_errors=1)
         slot.guard.warn("full", f"{slot.name} tier full ({exc}); evicted {len(victims)} "
                         f"entries, write of {item.key!r} skipped")
         return None
-
-    def _already_in(self, pos: int, key: str) -> bool:
-        slot = self._slots[pos]
-        if slot.tier.memory:
-            with self._lock:
-                return slot.tier.contains(key)
-        try:
-            return bool(slot.guard.call(slot.tier.contains, key))
-        except (TierDown, TierError, OSError):
-            return True  # cannot tell: do not write
 
     def _demotion_target(self, pos: int, key: str) -> int | None:
         """Where ``key``, evicted from tier ``pos``, is demoted to: the next tier down when it is
         available and does not hold ``key`` already; else None."""
         below = pos + 1
-        if below >= len(self._slots) or not self._slots[below].guard.available() or self._already_in(below, key):
+        if below >= len(self._slots):
+            return None
+        slot = self._slots[below]
+        if not slot.guard.available() or slot.holds(key):
             return None
         return below
 
@@ -694,7 +541,7 @@ class TieredStore:
                 try:
                     item = slot.tier.get(victim.key)
                 except CorruptEntryError as exc:
-                    self.discard_corrupt(pos, victim.key, exc)
+                    slot.discard_corrupt(victim.key, exc)
                     continue
                 except (ForeignEntryError, TierError, OSError):
                     item = None
@@ -704,4 +551,4 @@ class TieredStore:
                 slot.tier.delete(victim.key)
             except (TierError, OSError) as exc:
                 slot.guard.warn("delete", f"{slot.name} tier: evicting {victim.key!r} failed ({exc})")
-            self._count(pos, evictions=1)
+            slot.count(evictions=1)
