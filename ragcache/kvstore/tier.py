@@ -1,8 +1,8 @@
 """The Tier protocol: what every storage medium (device, cpu, disk, remote) offers the store.
 
-Owns: :class:`Tier`, :class:`TierUsage`, :class:`EntryStat`. A tier is a plain medium: it stores, finds and deletes
-entries. It knows nothing about capacity, eviction order, promotion or hit rates; that policy lives
-in :class:`ragcache.kvstore.store.TieredStore`. Must not import vLLM.
+Owns: :class:`Tier`, :class:`TierUsage`, :class:`EntryStat`. A tier is a plain medium: it stores,
+finds and deletes entries. It knows nothing about capacity, eviction order, promotion or hit rates;
+that policy lives in :class:`ragcache.kvstore.store.TieredStore`. Must not import vLLM.
 
 Error contract for every method (the store relies on it):
 
