@@ -15,7 +15,7 @@ import torch
 from redis_server import free_port, start_redis
 
 from ragcache.config import StoreSettings
-from ragcache.kvstore import CpuTier, DiskTier, KVSpec, RedisTier, TieredStore
+from ragcache.kvstore import CpuTier, DiskTier, KVSpec, RedisTier, TieredStore, TierUnavailableError
 
 SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
               head_dim=8, dtype=torch.float32)
@@ -48,6 +48,39 @@ def test_round_trip_through_redis_is_exact(redis_server):
     assert store.contains("a") == "remote" and store.get("b") is None
     stats = store.stats()["remote"]
     assert stats["up"] and stats["entries"] == 1 and stats["hits"] == 2 and stats["capacity_bytes"] is None
+
+
+def test_redis_tier_pings_lists_its_keys_with_sizes_and_pops_one(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    client.set("unrelated", b"x")
+    remote = RedisTier(redis_server.url)
+    store = TieredStore(SPEC, [(remote, None)])
+    k, v = make_kv()
+    store.put("a", k, v, 0)
+    store.put("b", *make_kv(1), 0)
+    assert remote.ping() is True
+    listed = {e.key: e.size for e in remote.scan()}
+    assert listed == {"a": client.strlen("ragcache:kv:a"), "b": client.strlen("ragcache:kv:b")}
+    item = remote.pop("a")
+    assert item is not None and torch.equal(item.kv[:, 0], k) and torch.equal(item.kv[:, 1], v)
+    assert client.exists("ragcache:kv:a") == 0 and remote.pop("a") is None
+    assert [e.key for e in remote.scan()] == ["b"] and client.get("unrelated") == b"x"
+    redis_server.stop()
+    with pytest.raises(TierUnavailableError):
+        remote.ping()
+    with pytest.raises(TierUnavailableError):
+        remote.scan()
+
+
+def test_bounded_redis_tier_counts_the_entries_already_there(redis_server):
+    first = TieredStore(SPEC, [(RedisTier(redis_server.url), None)])
+    for key in ("a", "b"):
+        first.put(key, *make_kv(), 0)
+    size = redis.Redis.from_url(redis_server.url).strlen("ragcache:kv:a")
+    bounded = TieredStore(SPEC, [(RedisTier(redis_server.url), int(2.5 * size))])
+    bounded.put("c", *make_kv(), 0)  # a and b were found by scan at start: one of them makes room
+    stats = bounded.stats()["remote"]
+    assert stats["entries"] == 2 and stats["evictions"] == 1 and bounded.contains("c") == "remote"
 
 
 def test_value_in_redis_is_the_same_safetensors_bytes_as_the_disk_file(redis_server, tmp_path):

@@ -15,6 +15,7 @@ from ragcache.kvstore import (
     DiskTier,
     KVSpec,
     TieredStore,
+    TierUsage,
 )
 from ragcache.kvstore.format import FileEntryReader
 
@@ -32,11 +33,14 @@ def disk_store(path, spec: KVSpec = SPEC, **kw) -> TieredStore:
     return TieredStore(spec, [(DiskTier(path), 10**9)], **kw)
 
 
-@pytest.mark.parametrize("tier_factory", [
+EVERY_LOCAL_TIER = pytest.mark.parametrize("tier_factory", [
     lambda tmp: CpuTier(),
     lambda tmp: DeviceTier("cpu"),
     lambda tmp: DiskTier(tmp / "kv"),
 ], ids=["cpu", "device", "disk"])
+
+
+@EVERY_LOCAL_TIER
 def test_round_trip_returns_exactly_the_stored_tensors(tmp_path, tier_factory):
     tier = tier_factory(tmp_path)
     store = TieredStore(SPEC, [(tier, 10**9)])
@@ -51,6 +55,45 @@ def test_round_trip_returns_exactly_the_stored_tensors(tmp_path, tier_factory):
     assert len(entry.meta.checksums) == 2 * SPEC.num_layers
     assert store.contains("chunk-a") == tier.name
     assert store.get("chunk-b") is None
+
+
+@EVERY_LOCAL_TIER
+def test_every_tier_answers_ping_lists_its_entries_and_pops_one(tmp_path, tier_factory):
+    tier = tier_factory(tmp_path)
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    k, v = make_kv(tokens=5)
+    store.put("a", k, v, 0)
+    store.put("b", *make_kv(seed=1), 0)
+    assert tier.ping() is True
+    listed = {e.key: e.size for e in tier.scan()}
+    assert sorted(listed) == ["a", "b"]
+    assert all(size >= k.numel() * 2 * 4 for size in listed.values())  # K and V in fp32, plus any header
+    assert tier.usage() == TierUsage(2, sum(listed.values()))
+    item = tier.pop("a")
+    assert item is not None and item.key == "a" and item.meta.num_tokens == 5
+    assert torch.equal(item.kv[:, 0], k) and torch.equal(item.kv[:, 1], v)
+    assert not tier.contains("a") and [e.key for e in tier.scan()] == ["b"]
+    assert tier.pop("a") is None
+
+
+def test_disk_scan_lists_least_recently_used_first(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(tier, 10**9)])
+    for key in ("a", "b", "c"):
+        store.put(key, *make_kv(), 0)
+    for age, key in ((100, "a"), (300, "b"), (200, "c")):
+        os.utime(tier.path(key), (1e9 - age, 1e9 - age))
+    assert [e.key for e in tier.scan()] == ["b", "c", "a"]
+    assert [e.mtime for e in tier.scan()] == [1e9 - 300, 1e9 - 200, 1e9 - 100]
+
+
+def test_disk_pop_of_a_damaged_file_raises_and_keeps_it(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    TieredStore(SPEC, [(tier, 10**9)]).put("a", *make_kv(), 0)
+    os.truncate(tier.path("a"), 100)
+    with pytest.raises(CorruptEntryError):
+        tier.pop("a")
+    assert tier.path("a").exists()
 
 
 def test_returned_tensors_are_copies_so_in_place_rope_cannot_damage_the_cache(tmp_path):
@@ -253,19 +296,3 @@ def test_put_rejects_wrong_shapes_and_bad_keys(tmp_path):
         store.put("../etc/passwd", k, v, 0)
     with pytest.raises(ValueError):
         store.put("a", k, v, -1)
-
-
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_iter_layers_yields_every_layer_in_order_and_then_promotes(tmp_path, prefetch):
-    store = TieredStore(SPEC, [(CpuTier(), 1), (DiskTier(tmp_path / "kv"), 10**9)])
-    k, v = make_kv()
-    store.put("a", k, v, 0)  # too big for the 1-byte cpu tier: disk only
-    with store.open("a") as h:
-        layers = list(h.iter_layers(prefetch=prefetch))
-    assert len(layers) == SPEC.num_layers
-    assert all(torch.equal(kl, k[i]) and torch.equal(vl, v[i]) for i, (kl, vl) in enumerate(layers))
-    big = TieredStore(SPEC, [(CpuTier(), 10**9), (DiskTier(tmp_path / "kv"), 10**9)])
-    with big.open("a") as h:
-        for _ in h.iter_layers(prefetch=prefetch):
-            pass
-    assert big.contains("a") == "cpu"

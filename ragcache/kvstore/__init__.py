@@ -16,7 +16,10 @@ import vLLM, nor anything above it in ragcache (engine, pipeline, app).
 
 Modules: ``entry`` (KVSpec, KVMeta, KVEntry, errors), ``format`` (safetensors layout, checksums),
 ``tier`` (the Tier protocol), ``memory``/``cpu``/``device``/``disk``/``remote`` (one per medium),
-``policy`` (LRU/LFU bookkeeping), ``store`` (TieredStore: the policy and statistics).
+``policy`` (LRU/LFU bookkeeping), ``guard`` (back-off of an unreachable tier), ``stats`` (counters,
+hit-rate line and log), ``slot`` (one tier's index, counters and single-tier steps), ``verify``
+(checking the persistent tiers), ``handle`` (KVHandle), ``configure`` (tiers from settings),
+``store`` (TieredStore: placement, lookup, promotion, eviction, demotion).
 """
 
 from ragcache.kvstore.cpu import CpuTier
@@ -32,7 +35,8 @@ from ragcache.kvstore.entry import (
     TierUnavailableError,
 )
 from ragcache.kvstore.remote import RedisTier
-from ragcache.kvstore.store import GB, KVHandle, TieredStore
+from ragcache.kvstore.handle import KVHandle
+from ragcache.kvstore.store import GB, TieredStore
 from ragcache.kvstore.tier import Tier, TierUsage
 
 __all__ = [

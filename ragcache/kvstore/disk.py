@@ -1,6 +1,6 @@
 """The ``disk`` tier: one safetensors file per entry in a folder on local SSD.
 
-Owns: :class:`DiskTier` (file naming, atomic writes, scanning the folder at start). Capacity
+Owns: :class:`DiskTier` (file naming, atomic writes, scanning the folder). Capacity
 (``ssd_cache_max_gb``), eviction order and promotion are the store's. Must not import vLLM.
 
 Several processes may share the folder:
@@ -22,35 +22,19 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import quote, unquote
 
 from ragcache.kvstore.entry import KVMeta, StoredKV
 from ragcache.kvstore.format import FileEntryReader, byte_view, encode_header
-from ragcache.kvstore.tier import TierUsage
+from ragcache.kvstore.tier import EntryStat, TierUsage, get_then_delete
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_SEC = 3600.0  # temporary files older than this are leftovers of a crashed writer
-
-
-@dataclass(frozen=True)
-class DiskFile:
-    """One entry file found by :meth:`DiskTier.scan`.
-
-    Attributes:
-        key: entry key.
-        size: file size in bytes.
-        mtime: last access/modification time (seconds since the epoch).
-    """
-
-    key: str
-    size: int
-    mtime: float
 
 
 class DiskTier:
@@ -95,8 +79,16 @@ class DiskTier:
                 except OSError:
                     pass
 
-    def scan(self) -> list[DiskFile]:
-        """Every entry file with its size and mtime, oldest first (the LRU order at start)."""
+    def ping(self) -> bool:
+        """Always True: a local folder is reachable (failures show up as OSError on use)."""
+        return True
+
+    def scan(self) -> list[EntryStat]:
+        """Every entry file with its size and mtime, oldest first (the LRU order at start).
+
+        Raises:
+            OSError: the folder cannot be listed (a missing folder is empty).
+        """
         found = []
         try:
             entries = list(os.scandir(self.root))
@@ -110,7 +102,7 @@ class DiskTier:
                 st = e.stat()
             except FileNotFoundError:
                 continue  # deleted by another process meanwhile
-            found.append(DiskFile(key, st.st_size, st.st_mtime))
+            found.append(EntryStat(key, st.st_size, st.st_mtime))
         found.sort(key=lambda f: f.mtime)
         return found
 
@@ -181,6 +173,14 @@ class DiskTier:
         except FileNotFoundError:
             return False
 
+    def pop(self, key: str) -> StoredKV | None:
+        """Read the file (checksums verified), then delete it; None when there is none.
+
+        Raises:
+            CorruptEntryError / ForeignEntryError / OSError: as :meth:`open`; the file is kept.
+        """
+        return get_then_delete(self, key)
+
     def keys(self) -> Iterator[str]:
         return iter([f.key for f in self.scan()])
 
@@ -199,8 +199,7 @@ class DiskTier:
                     pass
 
     def usage(self) -> TierUsage:
-        files = self.scan()
-        return TierUsage(len(files), sum(f.size for f in files))
+        return TierUsage.of(self.scan())
 
     def touch(self, key: str) -> None:
         try:

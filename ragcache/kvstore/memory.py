@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from ragcache.kvstore.entry import KVMeta, StoredKV
-from ragcache.kvstore.tier import TierUsage
+from ragcache.kvstore.tier import EntryStat, TierUsage
 
 
 class MemoryReader:
@@ -75,6 +75,15 @@ class MemoryTier:
                 self.pin_memory = False
         return kv
 
+    def ping(self) -> bool:
+        """Always True: memory is always there."""
+        return True
+
+    def scan(self) -> list[EntryStat]:
+        """Every entry with its tensor bytes, in insertion order (no access times kept here)."""
+        with self._lock:
+            return [EntryStat(key, item.nbytes) for key, item in self._items.items()]
+
     def contains(self, key: str) -> bool:
         return key in self._items
 
@@ -102,7 +111,7 @@ class MemoryTier:
             return self._items.pop(key, None) is not None
 
     def pop(self, key: str) -> StoredKV | None:
-        """Remove and return the entry (used by the store to demote or promote it)."""
+        """Remove and return the entry (used by the store to demote an evicted one)."""
         with self._lock:
             return self._items.pop(key, None)
 
@@ -115,8 +124,7 @@ class MemoryTier:
             self._items.clear()
 
     def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(len(self._items), sum(i.nbytes for i in self._items.values()))
+        return TierUsage.of(self.scan())
 
     def touch(self, key: str) -> None:
         pass

@@ -22,7 +22,7 @@ from redis.retry import Retry
 
 from ragcache.kvstore.entry import KVMeta, StoredKV, TierError, TierUnavailableError
 from ragcache.kvstore.format import BytesEntryReader, encode, header_length, parse_header
-from ragcache.kvstore.tier import TierUsage
+from ragcache.kvstore.tier import EntryStat, TierUsage, get_then_delete
 
 T = TypeVar("T")
 DEFAULT_PREFIX = "ragcache:kv:"
@@ -114,8 +114,37 @@ class RedisTier:
     def delete(self, key: str) -> bool:
         return bool(self._call(lambda: self._r.delete(self._k(key))))
 
+    def pop(self, key: str) -> StoredKV | None:
+        """``GET`` then ``DEL`` (not atomic: a concurrent writer's newer value may be deleted too).
+
+        Raises:
+            CorruptEntryError / ForeignEntryError: the value is damaged / not ours; it is kept.
+            TierUnavailableError / TierError: as every command.
+        """
+        return get_then_delete(self, key)
+
     def _scan(self) -> list[bytes]:
         return self._call(lambda: list(self._r.scan_iter(match=self.prefix + "*", count=1000)))
+
+    def scan(self) -> list[EntryStat]:
+        """Every key under the prefix with its value size (``SCAN`` + pipelined ``STRLEN``), in
+        Redis' own order with mtime 0.0: Redis keeps its own recency (``maxmemory-policy``).
+
+        Raises:
+            TierUnavailableError / TierError: as every command.
+        """
+        names = self._scan()
+        if not names:
+            return []
+
+        def sizes() -> list[int]:
+            pipe = self._r.pipeline(transaction=False)
+            for name in names:
+                pipe.strlen(name)
+            return pipe.execute()
+
+        n = len(self.prefix)
+        return [EntryStat(name.decode()[n:], int(size)) for name, size in zip(names, self._call(sizes))]
 
     def keys(self) -> Iterator[str]:
         n = len(self.prefix)
@@ -128,15 +157,7 @@ class RedisTier:
             self._call(lambda: self._r.unlink(*batch))
 
     def usage(self) -> TierUsage:
-        names = self._scan()
-
-        def sizes() -> list[int]:
-            pipe = self._r.pipeline(transaction=False)
-            for name in names:
-                pipe.strlen(name)
-            return pipe.execute()
-
-        return TierUsage(len(names), sum(self._call(sizes)) if names else 0)
+        return TierUsage.of(self.scan())
 
     def touch(self, key: str) -> None:
         pass

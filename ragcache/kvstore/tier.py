@@ -1,8 +1,8 @@
 """The Tier protocol: what every storage medium (device, cpu, disk, remote) offers the store.
 
-Owns: :class:`Tier`, :class:`TierUsage`. A tier is a plain medium: it stores, finds and deletes
-entries. It knows nothing about capacity, eviction order, promotion or hit rates; that policy lives
-in :class:`ragcache.kvstore.store.TieredStore`. Must not import vLLM.
+Owns: :class:`Tier`, :class:`TierUsage`, :class:`EntryStat`. A tier is a plain medium: it stores,
+finds and deletes entries. It knows nothing about capacity, eviction order, promotion or hit rates;
+that policy lives in :class:`ragcache.kvstore.store.TieredStore`. Must not import vLLM.
 
 Error contract for every method (the store relies on it):
 
@@ -11,12 +11,15 @@ Error contract for every method (the store relies on it):
   deletes it); :class:`~ragcache.kvstore.entry.ForeignEntryError`: intact but not ours;
 - :class:`~ragcache.kvstore.entry.TierUnavailableError`: the medium cannot be reached right now;
 - :class:`OSError` from local files (e.g. ENOSPC on ``put``).
+
+``ping``, ``scan`` and ``pop`` exist on every tier, so the store treats all of them alike: a memory
+tier answers ``ping`` with True, ``scan`` lists its entries, ``pop`` removes and returns one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Iterable, Iterator, Protocol, runtime_checkable
 
 from ragcache.kvstore.entry import KVMeta, StoredKV
 from ragcache.kvstore.format import EntryReader
@@ -34,6 +37,28 @@ class TierUsage:
     entries: int
     bytes: int
 
+    @classmethod
+    def of(cls, stats: Iterable["EntryStat"]) -> "TierUsage":
+        """Usage summed over the entries a :meth:`Tier.scan` listed."""
+        sizes = [s.size for s in stats]
+        return cls(len(sizes), sum(sizes))
+
+
+@dataclass(frozen=True)
+class EntryStat:
+    """One stored entry as :meth:`Tier.scan` lists it (nothing is read or validated).
+
+    Attributes:
+        key: entry key.
+        size: bytes it occupies in the medium (file or value size; tensor bytes in memory).
+        mtime: last access time in seconds since the epoch where the medium keeps one (disk: the
+            file's mtime); 0.0 where it does not (memory, remote).
+    """
+
+    key: str
+    size: int
+    mtime: float = 0.0
+
 
 @runtime_checkable
 class Tier(Protocol):
@@ -46,6 +71,20 @@ class Tier(Protocol):
 
     name: str
     memory: bool
+
+    def ping(self) -> bool:
+        """True when the medium can be reached (always, for memory and disk).
+
+        Raises:
+            TierUnavailableError: it cannot (remote).
+        """
+        ...
+
+    def scan(self) -> list[EntryStat]:
+        """Every stored entry (any model) with its size, least recently used first where the
+        medium records access times (the order an eviction index is rebuilt in), else in the
+        medium's own order."""
+        ...
 
     def contains(self, key: str) -> bool:
         """Whether an entry is stored under ``key`` (not validated)."""
@@ -71,6 +110,11 @@ class Tier(Protocol):
         """Remove the entry; True when one was there."""
         ...
 
+    def pop(self, key: str) -> StoredKV | None:
+        """Remove the entry and return it (checksums verified); None = absent. On a persistent
+        tier a damaged entry raises CorruptEntryError and is left for the caller to delete."""
+        ...
+
     def keys(self) -> Iterator[str]:
         """Keys of all stored entries (any model)."""
         ...
@@ -90,3 +134,15 @@ class Tier(Protocol):
     def close(self) -> None:
         """Release connections/handles; the tier is not used afterwards."""
         ...
+
+
+def get_then_delete(tier: Tier, key: str) -> StoredKV | None:
+    """``pop`` for a medium without an atomic remove-and-return: ``get``, then ``delete`` when found.
+
+    Raises:
+        as ``tier.get`` / ``tier.delete``; nothing is deleted when ``get`` raises.
+    """
+    item = tier.get(key)
+    if item is not None:
+        tier.delete(key)
+    return item

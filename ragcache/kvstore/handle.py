@@ -1,0 +1,147 @@
+"""An open KV entry read layer by layer (what ``TieredStore.open`` returns), and the small
+interface it uses to report back to the store.
+
+Owns: :class:`KVHandle` (per-layer reads into the caller's dtype and device, the promotion buffer,
+promotion on close) and :class:`HandleOwner` (the store's side: counting, discarding a damaged
+entry, promotion). The handle knows nothing of the store's tiers, locks or counters. Reading layers
+ahead in a background thread is the blend's job (``ragcache.blend.forward``), not the handle's.
+Imports only the entry and format modules; must not import vLLM, the store, nor anything above
+kvstore.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ragcache.kvstore.entry import CorruptEntryError, KVMeta, StoredKV, TierError
+from ragcache.kvstore.format import EntryReader
+
+
+class HandleOwner(Protocol):
+    """What a :class:`KVHandle` needs from the store that opened it (``TieredStore`` implements it).
+
+    A tier is named by its position ``pos`` in the store, top-down.
+
+    Attributes:
+        device: where the handle returns tensors.
+        spec_dtype: dtype the handle returns tensors in.
+    """
+
+    device: torch.device
+
+    @property
+    def spec_dtype(self) -> torch.dtype: ...
+
+    def should_promote(self, pos: int, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` (storage dtype) read from tier ``pos`` is to be promoted
+        into the top memory tier once it was read completely."""
+        ...
+
+    def record_read(self, pos: int, nbytes: int) -> None:
+        """Count ``nbytes`` read from tier ``pos``."""
+        ...
+
+    def discard_corrupt(self, pos: int, key: str, exc: CorruptEntryError) -> None:
+        """A layer of ``key`` in tier ``pos`` failed its checksum: delete the entry and count it
+        (the hit was counted when the handle was opened, so no miss is counted)."""
+        ...
+
+    def promote(self, pos: int, item: StoredKV) -> None:
+        """Put ``item``, read completely from tier ``pos``, into the top memory tier."""
+        ...
+
+
+class KVHandle:
+    """An open entry for pipelined per-layer loading (``TieredStore.open``).
+
+    Args:
+        owner: the store that opened it.
+        pos: position of the tier serving it in the store.
+        reader: the tier's reader over the entry (header and metadata already validated).
+        tier: name of that tier.
+        from_memory: the tier is a memory tier (its layers are views of the stored tensor).
+
+    Attributes:
+        key: the entry's key.
+        tier: name of the tier serving it.
+        meta: its metadata (``meta.dtype`` is the storage dtype).
+
+    Read layers in any order with :meth:`layer`, then :meth:`close` (or use ``with``). When the
+    handle came from a tier below the top memory tier and every layer was read, ``close``
+    promotes the entry. Not thread-safe: one handle per consumer.
+    """
+
+    def __init__(self, owner: HandleOwner, pos: int, reader: EntryReader, tier: str, from_memory: bool) -> None:
+        self._owner = owner
+        self._pos = pos
+        self._reader: EntryReader | None = reader
+        self._from_memory = from_memory
+        self.key = reader.key
+        self.meta: KVMeta = reader.meta
+        self.tier = tier
+        self._read = [False] * self.meta.num_layers
+        self._promote = owner.should_promote(pos, self.meta.nbytes)
+        # a persistent tier's layers are read straight into the buffer promotion will keep
+        self._buf = (
+            torch.empty(self.meta.kv_shape, dtype=self.meta.torch_dtype)
+            if self._promote and not from_memory
+            else None
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.meta.num_layers
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer ``i``, each ``[num_tokens, num_kv_heads, head_dim]`` in the spec's dtype
+        on the store's device (the caller's own copies).
+
+        Raises:
+            CorruptEntryError: the layer failed its checksum; the entry has been deleted from
+                the tier and counted, and the handle cannot be used further (recompute the chunk).
+            TierError: the tier failed while reading (e.g. an I/O error).
+            IndexError: ``i`` out of range.
+            RuntimeError: the handle is closed.
+        """
+        if self._reader is None:
+            raise RuntimeError("KVHandle is closed")
+        owner = self._owner
+        out = self._buf[i] if self._buf is not None else None
+        try:
+            t = self._reader.read_layer(i, out)
+        except CorruptEntryError as exc:
+            owner.discard_corrupt(self._pos, self.key, exc)
+            self.close()
+            raise
+        except OSError as exc:
+            self.close()
+            raise TierError(f"reading layer {i} of {self.key!r} from {self.tier}: {exc}") from exc
+        self._read[i] = True
+        owner.record_read(self._pos, 2 * self.meta.tensor_nbytes)
+        # a memory tier's layer is a view of the stored entry, the promotion buffer is kept: copy those;
+        # a layer read into a fresh tensor is already the caller's own
+        owned = self._buf is None and not self._from_memory
+        kv = t.to(device=owner.device, dtype=owner.spec_dtype, copy=not owned,
+                  non_blocking=owner.device.type != "cpu")
+        return kv[0], kv[1]
+
+    def close(self) -> None:
+        """Release the reader; promote the entry if it was read completely. Idempotent."""
+        reader, self._reader = self._reader, None
+        if reader is None:
+            return
+        try:
+            if self._promote and all(self._read):
+                kv = self._buf if self._buf is not None else reader.read_all()
+                self._owner.promote(self._pos, StoredKV(self.key, self.meta, kv))
+        finally:
+            reader.close()
+            self._buf = None
+
+    def __enter__(self) -> "KVHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

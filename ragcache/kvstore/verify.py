@@ -1,0 +1,83 @@
+"""Verification of a persistent tier: read every stored entry in full, report it, and have the
+damaged ones removed (``TieredStore.verify``, ``ragcache cache verify``).
+
+Owns: :func:`verify_tier` and the shape of its report. The store decides what removing a damaged
+entry means (delete it, count it): it passes that in as ``discard``. Imports only the entry, format,
+tier and guard modules; must not import vLLM, the store, nor anything above kvstore.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVSpec, TierError
+from ragcache.kvstore.guard import TierDown, TierGuard
+from ragcache.kvstore.tier import Tier
+
+Outcome = Literal["ok", "foreign", "corrupt", "gone", "error", "down"]
+
+
+def verify_tier(
+    tier: Tier, guard: TierGuard, spec: KVSpec | None, discard: Callable[[str, CorruptEntryError], None]
+) -> dict[str, Any]:
+    """Check every entry of ``tier`` (header, size and every checksum).
+
+    Args:
+        tier: a persistent tier.
+        guard: its availability state; a tier that is down (or goes down meanwhile) is reported
+            with ``up`` False and not checked further.
+        spec: entries that disagree with it count as ``foreign``; None = every intact entry is ``ok``.
+        discard: called with the key and error of each damaged entry; expected to delete it.
+
+    Returns:
+        ``{"checked", "ok", "foreign", "corrupt", "removed": [keys], "up"}``: ``ok`` counts intact
+        entries of ``spec``, ``foreign`` intact entries of another model, layout or format,
+        ``corrupt`` the damaged ones (their keys in ``removed``). Entries that vanished meanwhile
+        or could not be read (logged) are not counted.
+    """
+    rep: dict[str, Any] = {"checked": 0, "ok": 0, "foreign": 0, "corrupt": 0, "removed": [], "up": True}
+    try:
+        keys = list(guard.call(tier.keys)) if guard.available() else None
+    except (TierDown, TierError, OSError):
+        keys = None
+    if keys is None:
+        rep["up"] = False
+        return rep
+    for key in keys:
+        outcome = _verify_one(tier, guard, spec, key, discard)
+        if outcome == "down":
+            rep["up"] = False
+            break
+        if outcome in ("ok", "foreign", "corrupt"):
+            rep["checked"] += 1
+            rep[outcome] += 1
+            if outcome == "corrupt":
+                rep["removed"].append(key)
+    return rep
+
+
+def _verify_one(
+    tier: Tier, guard: TierGuard, spec: KVSpec | None, key: str, discard: Callable[[str, CorruptEntryError], None]
+) -> Outcome:
+    """Check one stored entry; "corrupt" ones have been handed to ``discard``."""
+    try:
+        reader = guard.call(tier.open, key)
+        if reader is None:
+            return "gone"  # deleted meanwhile
+        try:
+            reader.read_all()
+        finally:
+            reader.close()
+    except TierDown:
+        return "down"
+    except ForeignEntryError:
+        return "foreign"
+    except CorruptEntryError as exc:
+        discard(key, exc)
+        return "corrupt"
+    except (TierError, OSError) as exc:
+        guard.warn("verify", f"{tier.name} tier: cannot check {key!r} ({exc})")
+        return "error"
+    if spec is not None and spec.mismatch(reader.meta) is not None:
+        return "foreign"
+    return "ok"
