@@ -61,7 +61,8 @@ class EngineSettings(_Section):
         2 * 1024**3, ge=16 * 1024**2, description="bytes of vLLM's paged KV cache"
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="model dtype; auto = float32 on CPU, bfloat16 on GPU"
+        "auto", description="model dtype; auto = bfloat16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, "
+        "float32 on other CPUs"
     )
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (start-up minutes on CPU)")
     in_process: bool = Field(
@@ -72,11 +73,19 @@ class EngineSettings(_Section):
 
 
 class BlendSettings(_Section):
-    """CacheBlend selective recompute (Yao et al., EuroSys'25)."""
+    """CacheBlend selective recompute (Yao et al., EuroSys'25) and how its tokens are selected."""
 
     recompute_ratio: float = Field(0.15, ge=0.0, le=1.0, description="share of context tokens recomputed")
-    check_layer: int = Field(1, ge=0, description="layer where HKVD tokens are selected")
+    check_layer: int = Field(1, ge=0, description="layer where the recomputed tokens are selected")
     deviation: Literal["value", "key"] = Field("value", description="KV deviation measured on V or K")
+    selection: Literal["deviation", "question", "hybrid"] = Field(
+        "deviation", description="how tokens are selected: KV deviation, question attention, or a hybrid")
+    chunk_head_tokens: int = Field(
+        0, ge=0, le=64, description="hybrid: the first k tokens of every moved chunk are always recomputed")
+    question_weight: float = Field(
+        0.5, ge=0.0, le=1.0, description="hybrid: weight of question attention against KV deviation")
+    max_chunk_share: float = Field(
+        1.0, gt=0.0, le=1.0, description="hybrid: largest share of the budget one chunk may take")
     pipeline_overlap: bool = Field(True, description="load layer i+1 while computing layer i")
 
 

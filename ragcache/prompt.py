@@ -48,6 +48,12 @@ def lead_in_for(start: int, head_ids: Sequence[int]) -> list[int]:
     return [] if start == 0 else list(head_ids)
 
 
+def is_canonical(start: int, head_ids: Sequence[int]) -> bool:
+    """Whether a segment starting at ``start`` sits where its KV was computed (the head at 0, or
+    the chunk right after the head): its cached KV is then exactly what a full prefill computes."""
+    return start == len(lead_in_for(start, head_ids))
+
+
 class PromptTooLongError(ValueError):
     """The assembled prompt does not fit the model's context (max_model_len)."""
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_ops import HFLlamaOps, LayerCollector, cached_context, hf_layer_kv, smollm2, tiny_llama
 
-from ragcache.blend import DecoderOps, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv
+from ragcache.blend import DecoderOps, Selection, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv
 from ragcache.config import BlendSettings
 
 
@@ -132,6 +132,51 @@ def test_blend_at_ratio_one_reproduces_full_prefill_multi_chunk_smollm2(smol):
     for layer in range(ops.num_layers):
         torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-4, rtol=1e-4)
+
+
+TAIL = torch.tensor([5, 77, 130, 9, 201])  # a question tail after the tiny context
+
+
+def context_layout(context):
+    """segment_starts and the exact mask (lead-in and first chunk) of a cached_context."""
+    starts = [0] + list(context.chunk_starts)
+    exact = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
+    exact[:context.chunk_starts[1]] = True
+    return starts, exact
+
+
+@pytest.mark.parametrize("strategy", ["question", "hybrid"])
+def test_every_selection_at_ratio_one_reproduces_full_prefill(tiny, tiny_context, strategy):
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    expected_k, expected_v = full_kv(ops, tiny_context)
+    sel = Selection(strategy, chunk_head_tokens=3, max_chunk_share=0.5)
+    result, got = run_blend(ops, tiny_context, recompute_ratio=1.0, selection=sel, tail_ids=TAIL,
+                            segment_starts=starts, exact=exact)
+    n = tiny_context.token_ids.shape[0]
+    assert result.selected.tolist() == list(range(n))
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["deviation", "question", "hybrid"])
+def test_selections_spend_the_exact_budget_outside_the_exact_tokens(tiny, tiny_context, strategy):
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    n = tiny_context.token_ids.shape[0]
+    result, _ = run_blend(ops, tiny_context, recompute_ratio=0.2, selection=Selection(strategy, chunk_head_tokens=2),
+                          tail_ids=TAIL, segment_starts=starts, exact=exact)
+    assert result.num_recomputed == hkvd_budget(0.2, n)
+    assert not exact[result.selected].any()
+    if strategy != "deviation":
+        assert result.stages["question_probe_s"] > 0
+
+
+def test_question_selection_needs_the_tail(tiny, tiny_context):
+    _, ops = tiny
+    with pytest.raises(ValueError, match="tail_ids"):
+        run_blend(ops, tiny_context, recompute_ratio=0.2, selection=Selection("question"))
 
 
 @pytest.mark.parametrize("check_layer", [0, 1, 2])

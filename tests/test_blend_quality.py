@@ -83,3 +83,37 @@ def test_blend_first_token_distribution_is_closer_to_full_prefill_than_reuse(smo
     print(f"\nKL(full || reuse) per prompt {[round(x, 4) for x in kl_reuse]}, mean {mean_reuse:.4f}")
     print(f"KL(full || blend r=0.15) per prompt {[round(x, 4) for x in kl_blend]}, mean {mean_blend:.4f}")
     assert mean_blend < mean_reuse
+
+
+def test_question_selection_spends_more_budget_on_the_chunk_the_question_asks_about(smol):
+    from ragcache.blend import Selection
+
+    model, ops, tokenizer = smol
+    texts = [
+        "The river Aster runs through the old town, past the fish market and the glass-blowers' quarter.",
+        "The Amber Hall, where the Zorbian parliament meets, has 212 seats and a copper roof built in 1788.",
+        "Winters in the northern valleys are long; shepherds move their flocks to the coast in October.",
+        "The national dish is kelmet, a stew of lentils, smoked fish and saffron served on holidays.",
+    ]
+    units = [tokenizer(t + "\n\n", add_special_tokens=False)["input_ids"] for t in texts]
+    length = min(len(u) for u in units)
+    units = [u[:length] for u in units]  # same length: a fair comparison of counts
+    lead_in = tokenizer(LEAD_IN, add_special_tokens=False)["input_ids"]
+    context = cached_context(ops, lead_in, units)
+    tail = tokenizer("Question: How many seats does the Amber Hall have?<|im_end|>\n<|im_start|>assistant\n",
+                     add_special_tokens=False)["input_ids"]
+    starts = [0] + context.chunk_starts
+    exact = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
+    exact[:context.chunk_starts[1]] = True  # lead-in and first chunk sit where they were computed
+    result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=0.15,
+                      check_layer=1, deviation="value", selection=Selection("question"), tail_ids=torch.tensor(tail),
+                      segment_starts=starts, exact=exact, on_layer=LayerCollector(ops.num_layers))
+    picked = result.selected.tolist()
+
+    def count(chunk: int) -> int:
+        lo = context.chunk_starts[chunk]
+        return sum(lo <= i < lo + length for i in picked)
+
+    asked, unrelated = count(1), [count(2), count(3)]
+    print(f"\nselected per chunk: asked-about {asked}, unrelated {unrelated}")
+    assert asked > max(unrelated)

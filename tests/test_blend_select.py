@@ -72,3 +72,91 @@ def test_rejects_ratio_outside_unit_interval_and_mismatched_shapes():
         select_hkvd(reused, fresh, 0.5, torch.tensor([1, 0]))
     with pytest.raises(ValueError):
         select_hkvd(reused, fresh, 0.5, torch.tensor([True, False, True]))
+
+
+# --- select_tokens: strategies, exact budgets, forced and exact tokens ---------------------------
+
+from ragcache.blend import Selection, question_scores, select_tokens  # noqa: E402
+
+
+def scores(values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("strategy", ["deviation", "question", "hybrid"])
+def test_every_strategy_spends_exactly_the_budget_plus_the_forced_tokens(strategy):
+    g = torch.Generator().manual_seed(1)
+    dev, q = torch.rand(40, generator=g), torch.rand(40, generator=g)
+    forced = torch.zeros(40, dtype=torch.bool)
+    forced[[3, 17]] = True
+    exact = torch.zeros(40, dtype=torch.bool)
+    exact[:5] = True
+    sel = Selection(strategy, chunk_head_tokens=2, max_chunk_share=0.5)
+    for budget in (0, 1, 6, 20, 38, 40):
+        got = select_tokens(budget, sel, deviation=dev, question=q, forced=forced, exact=exact,
+                            segment_starts=[0, 5, 15, 30])
+        assert got.tolist() == sorted(set(got.tolist()))
+        assert len(got) == min(budget, 38) + 2 and {3, 17} <= set(got.tolist())
+
+
+def test_exact_tokens_are_taken_only_when_nothing_else_is_left():
+    q = scores([9.0, 8.0, 0.1, 0.2, 0.3, 0.4])  # the two exact tokens get the most attention
+    exact = torch.tensor([True, True, False, False, False, False])
+    assert select_tokens(2, Selection("question"), question=q, exact=exact).tolist() == [4, 5]
+    assert select_tokens(5, Selection("question"), question=q, exact=exact).tolist() == [0, 2, 3, 4, 5]
+    assert select_tokens(6, Selection("question"), question=q, exact=exact).tolist() == list(range(6))
+
+
+def test_question_strategy_follows_the_question_scores_and_deviation_the_deviation():
+    dev = scores([5.0, 0.0, 4.0, 0.0, 0.0, 0.0])
+    q = scores([0.0, 0.9, 0.0, 0.8, 0.0, 0.0])
+    assert select_tokens(2, Selection("deviation"), deviation=dev, question=q).tolist() == [0, 2]
+    assert select_tokens(2, Selection("question"), deviation=dev, question=q).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="question"):
+        select_tokens(2, Selection("question"), deviation=dev)
+    with pytest.raises(ValueError, match="deviation"):
+        select_tokens(2, Selection("hybrid", question_weight=0.5), question=q)
+
+
+def test_hybrid_mixes_ranks_adds_chunk_heads_and_caps_a_chunk():
+    # two chunks of 6 tokens after a 2-token exact head
+    starts = [0, 2, 8]
+    exact = torch.zeros(14, dtype=torch.bool)
+    exact[:2] = True
+    dev = torch.zeros(14)
+    dev[10:14] = torch.tensor([4.0, 5.0, 6.0, 7.0])  # chunk 2's tail deviates most
+    q = torch.zeros(14)
+    q[4:8] = torch.tensor([0.4, 0.5, 0.6, 0.7])  # chunk 1's tail is what the question reads
+    heads = Selection("hybrid", chunk_head_tokens=1, question_weight=0.5)
+    got = select_tokens(4, heads, deviation=dev, question=q, exact=exact, segment_starts=starts).tolist()
+    assert {2, 8} <= set(got)  # the first token of each moved chunk
+    capped = Selection("hybrid", question_weight=0.0, max_chunk_share=0.5)
+    got = select_tokens(4, capped, deviation=dev, question=q, exact=exact, segment_starts=starts).tolist()
+    assert sum(1 for i in got if i >= 8) == 2  # chunk 2 alone would take all four
+    uncapped = select_tokens(4, Selection("deviation"), deviation=dev, exact=exact, segment_starts=starts)
+    assert uncapped.tolist() == [10, 11, 12, 13]
+
+
+def test_selection_rejects_unknown_strategies_and_bad_knobs():
+    for kwargs in ({"strategy": "attention"}, {"strategy": "hybrid", "chunk_head_tokens": -1},
+                   {"strategy": "hybrid", "question_weight": 1.5}, {"strategy": "hybrid", "max_chunk_share": 0.0}):
+        with pytest.raises(ValueError):
+            Selection(**kwargs)
+
+
+def test_question_scores_are_the_tail_queries_softmax_weights_on_the_context():
+    torch.manual_seed(0)
+    n, t, hq, hkv, d = 5, 2, 4, 2, 8
+    q = torch.randn(t, hq, d)
+    k = torch.randn(n + t, hkv, d)
+    pos = torch.arange(n + t)
+    got = question_scores(q, pos[n:], k, pos, n, d ** -0.5)
+    keys = k.repeat_interleave(hq // hkv, dim=1)  # [n+t, hq, d]
+    expected = torch.zeros(n)
+    for ti in range(t):
+        visible = n + ti + 1
+        for h in range(hq):
+            w = torch.softmax(keys[:visible, h] @ q[ti, h] * d ** -0.5, dim=0)
+            expected += w[:n]
+    torch.testing.assert_close(got, expected / (t * hq))
+    assert float(got.sum()) < 1.0  # part of the attention stays on the tail itself

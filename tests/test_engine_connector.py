@@ -68,8 +68,11 @@ def test_blend_params_round_trip_through_plain_data():
         BlendParams.from_dict({k: v for k, v in d.items() if k != "ctx_len"})
     with pytest.raises(ValueError, match="modes"):
         params(mode="full")
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    with pytest.raises(ValueError, match=r"recompute_ratio = 1.5: .*less than or equal to 1"):
         params(recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="selection = 'attention'"):
+        params(selection="attention")
+    assert params(selection="hybrid").selection == "hybrid"
 
 
 def test_metrics_round_trip_and_read_the_worker_stats_from_the_output():

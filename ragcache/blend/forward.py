@@ -272,9 +272,13 @@ def blend_kv(
        its queries see the exact context of these layers.
     2. Layer ``check_layer``: fresh Q/K/V of all N tokens; the tokens to recompute are chosen by
        :func:`~ragcache.blend.select.select_tokens` under ``selection``: by KV deviation (the fresh
-       V, or K with ``deviation="key"``, against the cached one), by the attention the tail's
-       queries give each context token (averaged over layers ``0 .. check_layer``), or a hybrid.
-       Only the selected tokens' attention and MLP are computed.
+       V, or K with ``deviation="key"``, against the cached one), by the attention the question
+       tail's queries give each context token, or a hybrid. For the question's attention the tail
+       goes on alone through every later layer over the reused KV (moved to its positions), a
+       probe as cheap as decoding T tokens; the scores are averaged over all layers (exact up to
+       the check layer, over reused KV after it), in the spirit of ProphetKV (ICML'26). The
+       layers the probe loaded are kept for step 3. Only the selected tokens' attention and MLP
+       are computed.
     3. Layers ``check_layer + 1 ..``: only the selected tokens go forward. K = cached K moved to
        ``positions`` with the selected rows replaced by their fresh K, V likewise; the selected
        queries attend over all N keys with the exact causal mask by position.
@@ -351,9 +355,11 @@ def blend_kv(
         hidden = ops.embed(all_ids)  # [N(+T), hidden]
         attention_to_ctx = None  # [N] question scores summed over the layers seen so far
 
-        def question_layer(q: torch.Tensor, k: torch.Tensor) -> None:
+        def question_layer(q_tail: torch.Tensor, keys: torch.Tensor) -> None:
+            """Add one layer's attention from the tail's queries ``[T, Hq, D]`` over ``keys``
+            ``[N + T, Hkv, D]`` to every context token's score."""
             nonlocal attention_to_ctx
-            s = question_scores(q[n_ctx:], all_pos[n_ctx:], k, all_pos, n_ctx, ops.scaling)
+            s = question_scores(q_tail, all_pos[n_ctx:], keys, all_pos, n_ctx, ops.scaling)
             attention_to_ctx = s if attention_to_ctx is None else attention_to_ctx + s
 
         # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
@@ -364,7 +370,7 @@ def blend_kv(
             emit(layer, k[:n_ctx], v[:n_ctx])
             with clock("full_layers_s"):
                 if use_tail:
-                    question_layer(q, k)
+                    question_layer(q[n_ctx:], k)
                 attn = causal_attention(q, all_pos, k, v, all_pos, ops.scaling)  # [N(+T), Hq, D]
                 hidden = ops.finish_layer(layer, hidden, attn)  # [N(+T), hidden]
 
@@ -374,11 +380,33 @@ def blend_kv(
             q, k, v = ops.qkv(check_layer, hidden)
             q, k = ops.rope(check_layer, all_pos, q, k)
         emit(check_layer, k[:n_ctx], v[:n_ctx])
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (moved K, V), probed ahead
+        scores = {}
+        if use_tail:
+            # The question probe (ProphetKV-style, fused over layers): the tail's queries go on
+            # through every later layer over the reused KV (moved to its positions); each context
+            # token is scored by the attention it receives, averaged over all layers.
+            with clock("question_probe_s"):
+                question_layer(q[n_ctx:], k)
+                hidden_tail = hidden[n_ctx:]
+                if check_layer < num_layers - 1:
+                    attn = causal_attention(q[n_ctx:], all_pos[n_ctx:], k, v, all_pos, ops.scaling)  # [T, Hq, D]
+                    hidden_tail = ops.finish_layer(check_layer, hidden_tail, attn)  # [T, hidden]
+            for layer in range(check_layer + 1, num_layers):
+                k_pre_cached, v_cached_l = loader.get(layer)
+                with clock("move_keys_s"):
+                    held[layer] = (move_keys(ops, layer, k_pre_cached, positions), v_cached_l)
+                with clock("question_probe_s"):
+                    q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+                    q_t, k_t = ops.rope(layer, all_pos[n_ctx:], q_t, k_t)
+                    keys = torch.cat([held[layer][0], k_t])  # [N+T, Hkv, D]
+                    question_layer(q_t, keys)
+                    if layer < num_layers - 1:
+                        attn = causal_attention(q_t, all_pos[n_ctx:], keys, torch.cat([v_cached_l, v_t]), all_pos,
+                                                ops.scaling)
+                        hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
+            scores["question"] = attention_to_ctx / num_layers
         with clock("select_s"):
-            scores = {}
-            if use_tail:
-                question_layer(q, k)
-                scores["question"] = attention_to_ctx / (check_layer + 1)
             if selection.needs_deviation:
                 if deviation == "value":
                     scores["deviation"] = deviation_scores(v_cached, v[:n_ctx])
@@ -398,9 +426,12 @@ def blend_kv(
 
         # 3. After the check layer: cached KV at the new positions, selected rows recomputed.
         for layer in range(check_layer + 1, num_layers):
-            k_pre_cached, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
-            with clock("move_keys_s"):
-                k_all = move_keys(ops, layer, k_pre_cached, positions)  # [N, Hkv, D]
+            if layer in held:
+                k_all, v_all = held.pop(layer)  # moved by the question probe
+            else:
+                k_pre_cached, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
+                with clock("move_keys_s"):
+                    k_all = move_keys(ops, layer, k_pre_cached, positions)  # [N, Hkv, D]
             if num_selected > 0:
                 with clock("selective_proj_mlp_s"):
                     q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
@@ -457,11 +488,14 @@ def reuse_kv(
     num_tokens = positions.shape[0]
     start = time.perf_counter()
     emit = _Timer(on_layer)
+    clock = _Stages()
     with torch.inference_mode(), _LayerLoader(ops, load_layer, range(ops.num_layers), num_tokens, prefetch) as loader:
         positions = positions.to(ops.device)
         for layer in range(ops.num_layers):
             k_pre_cached, v_cached = loader.get(layer)  # [N, Hkv, D] each
-            emit(layer, move_keys(ops, layer, k_pre_cached, positions), v_cached)
+            with clock("move_keys_s"):
+                k = move_keys(ops, layer, k_pre_cached, positions)
+            emit(layer, k, v_cached)
         _synchronize(ops.device)
         selected = torch.empty(0, dtype=torch.long, device=ops.device)
     elapsed = time.perf_counter() - start
@@ -472,4 +506,5 @@ def reuse_kv(
         load_s=loader.wait_s,
         compute_s=elapsed - loader.wait_s - emit.seconds,
         on_layer_s=emit.seconds,
+        stages={**clock.seconds, "load_wait_s": loader.wait_s, "cache_write_s": emit.seconds},
     )

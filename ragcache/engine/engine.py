@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sequence
 
 from ragcache.chunks import KV_LAYOUT_VERSION, Chunk
 from ragcache.config import MODES, Settings
+from ragcache.engine.dtype import resolve_dtype
 from ragcache.engine.messages import CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, Rpc, SegmentRef
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.prompt import AssembledPrompt, PromptBuilder
@@ -61,17 +62,6 @@ class _Request:
     sampling: Any  # vllm.SamplingParams
 
 
-def _default_dtype(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    try:
-        import torch
-
-        return "bfloat16" if torch.cuda.is_available() else "float32"
-    except Exception:  # pragma: no cover - torch always importable beside vLLM
-        return "float32"
-
-
 def _first_position(logprobs: Any) -> dict[int, float] | None:
     """``{token_id: logprob}`` of the first generated position, from vLLM flat or per-position logprobs."""
     if not logprobs:
@@ -97,6 +87,7 @@ class BlendEngine:
             (prompts longer than ``engine.max_model_len`` are refused there).
         tokenizer: the model's Hugging Face tokenizer.
         device: the device the model runs on (``str(torch.device)``), as vLLM loaded it.
+        dtype: the compute dtype and why (:class:`~ragcache.engine.dtype.DtypeChoice`).
         startup_s: seconds from creating vLLM to ready (warm-up included).
 
     Args:
@@ -122,9 +113,10 @@ class BlendEngine:
             kv_role="kv_both",
         )
         eng = settings.engine
+        self.dtype = resolve_dtype(eng.dtype)
         self.llm = LLM(
             model=str(self.llm_info.path),
-            dtype=_default_dtype(eng.dtype),
+            dtype=self.dtype.dtype,
             max_model_len=eng.max_model_len,
             kv_cache_memory_bytes=eng.kv_cache_memory_bytes,
             enforce_eager=eng.enforce_eager,
@@ -144,7 +136,8 @@ class BlendEngine:
         # one tiny blend request: the first one pays for lazy kernel and allocator set-up
         self.generate(self.prompts.build("warm up", []), "blend", max_tokens=1)
         self.startup_s = time.perf_counter() - t0
-        log.info("BlendEngine ready on %s in %.1f s", self.device, self.startup_s)
+        log.info("engine ready on %s in %.1f s; dtype %s (%s)", self.device, self.startup_s, self.dtype.dtype,
+                 self.dtype.reason)
 
     # ---- KV precompute ---------------------------------------------------------------------
 
@@ -182,8 +175,8 @@ class BlendEngine:
     # ---- requests --------------------------------------------------------------------------
 
     def _request(self, prompt: AssembledPrompt, mode: str, *, max_tokens: int | None = None,
-                 recompute_ratio: float | None = None, logprobs: int | None = None,
-                 delta: bool = False) -> _Request:
+                 recompute_ratio: float | None = None, selection: str | None = None,
+                 logprobs: int | None = None, delta: bool = False) -> _Request:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -196,7 +189,7 @@ class BlendEngine:
             params = BlendParams.from_settings(
                 self.settings.blend, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
                 segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
-                recompute_ratio=recompute_ratio,
+                recompute_ratio=recompute_ratio, selection=selection,
             )
             ratio = params.recompute_ratio if mode == "blend" else None
             extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}
@@ -228,13 +221,14 @@ class BlendEngine:
 
     def generate_many(self, prompts: Sequence[AssembledPrompt], mode: str | None = None, *,
                       max_tokens: int | None = None, recompute_ratio: float | None = None,
-                      logprobs: int | None = None) -> list[Generation]:
+                      selection: str | None = None, logprobs: int | None = None) -> list[Generation]:
         """Run several prompts as one batch (concurrent in vLLM); greedy decoding.
 
         Args:
             mode: full, prefix, reuse or blend (default ``engine.mode``).
             max_tokens: tokens to decode (default ``engine.max_tokens``).
             recompute_ratio: blend's ratio for these requests (default ``blend.recompute_ratio``).
+            selection: blend's token selection for these requests (default ``blend.selection``).
             logprobs: when set, the first generated token's top-``logprobs`` log-probabilities are
                 returned (-1 = the whole vocabulary), for quality measurements.
 
@@ -242,8 +236,8 @@ class BlendEngine:
             ValueError: unknown mode, or a ratio outside [0, 1].
         """
         mode = mode or self.settings.engine.mode
-        reqs = [self._request(p, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, logprobs=logprobs)
-                for p in prompts]
+        reqs = [self._request(p, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, selection=selection,
+                              logprobs=logprobs) for p in prompts]
         t0 = time.perf_counter()
         with self._lock:
             outs = self.llm.generate([r.inputs for r in reqs], [r.sampling for r in reqs], use_tqdm=False)
@@ -255,7 +249,7 @@ class BlendEngine:
         return self.generate_many([prompt], mode, **kwargs)[0]
 
     def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int], mode: str, *,
-                              recompute_ratio: float | None = None) -> list[float]:
+                              recompute_ratio: float | None = None, selection: str | None = None) -> list[float]:
         """Teacher-forced log-probabilities (nats) of ``continuation`` token ids right after ``prompt``.
 
         One request over ``prompt + continuation`` in ``mode`` with vLLM prompt logprobs: the context
@@ -273,7 +267,7 @@ class BlendEngine:
             raise ValueError("empty continuation: nothing to score")
         extended = AssembledPrompt(list(prompt.token_ids) + list(continuation), prompt.segments, prompt.ctx_len,
                                    prompt.lead_in_len)
-        req = self._request(extended, mode, max_tokens=1, recompute_ratio=recompute_ratio)
+        req = self._request(extended, mode, max_tokens=1, recompute_ratio=recompute_ratio, selection=selection)
         req.sampling.prompt_logprobs = 0
         req.sampling.skip_reading_prefix_cache = False
         req.sampling.detokenize = False
@@ -287,13 +281,14 @@ class BlendEngine:
         return [float(row[tok].logprob) for row, tok in zip(rows, continuation)]
 
     def stream(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
-               recompute_ratio: float | None = None) -> Iterator[str | Generation]:
+               recompute_ratio: float | None = None, selection: str | None = None) -> Iterator[str | Generation]:
         """Yield text pieces as they are decoded, then the final :class:`Generation`.
 
         A reader that stops early aborts the request in vLLM (its KV slots are freed).
         """
         mode = mode or self.settings.engine.mode
-        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, delta=True)
+        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, selection=selection,
+                            delta=True)
         engine = self.llm.llm_engine
         t0 = time.perf_counter()
         text, token_ids, last = [], [], None

@@ -14,7 +14,7 @@ Flow of one reuse/blend request::
     scheduler connector.request_finished  --ContextStats.to_dict()-->  RequestOutput.kv_transfer_params
     driver  --RequestMetrics.from_output(...)-->  Generation.metrics / Answer.metrics
 
-Imports only ragcache.config (no vLLM, no torch), so the pipeline, the UI and the tests can use
+Imports only ragcache.config and pydantic (no vLLM, no torch), so the pipeline, the UI and the tests can use
 these types without starting an engine.
 """
 
@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
+
+from pydantic import ValidationError
 
 from ragcache.config import BlendSettings
 
@@ -46,6 +48,11 @@ class Rpc:
     STORE_DELETE = "ragcache_store_delete"
 
     ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_DELETE)
+
+
+#: the [blend] settings every reuse/blend request carries
+_BLEND_KNOBS = {"recompute_ratio", "check_layer", "deviation", "selection", "chunk_head_tokens", "question_weight",
+                "max_chunk_share", "pipeline_overlap"}
 
 
 def _pick(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,8 +80,9 @@ class BlendParams:
             question tail) is prefilled by vLLM.
         lead_in_len: tokens of the prompt head; chunk KV is computed right after them.
         segments: the cached spans covering ``[0, ctx_len)`` in order; ``segments[0]`` is the head.
-        recompute_ratio, check_layer, deviation, pipeline_overlap: the ``[blend]`` settings in
-            force for this request (see :class:`ragcache.config.BlendSettings`).
+        recompute_ratio, check_layer, deviation, selection, chunk_head_tokens, question_weight,
+            max_chunk_share, pipeline_overlap: the ``[blend]`` settings in force for this request
+            (see :class:`ragcache.config.BlendSettings`).
     """
 
     mode: str
@@ -84,24 +92,35 @@ class BlendParams:
     recompute_ratio: float
     check_layer: int
     deviation: str
+    selection: str
+    chunk_head_tokens: int
+    question_weight: float
+    max_chunk_share: float
     pipeline_overlap: bool
 
     @classmethod
     def from_settings(cls, blend: BlendSettings, *, mode: str, ctx_len: int, lead_in_len: int,
-                      segments: tuple[SegmentRef, ...], recompute_ratio: float | None = None) -> "BlendParams":
-        """Parameters for one request from the ``[blend]`` settings, with an optional per-request ratio.
+                      segments: tuple[SegmentRef, ...], recompute_ratio: float | None = None,
+                      selection: str | None = None) -> "BlendParams":
+        """Parameters for one request from the ``[blend]`` settings, with optional per-request
+        ratio and selection strategy.
 
         Raises:
-            ValueError: ``mode`` is not reuse/blend, or ``recompute_ratio`` is outside [0, 1].
+            ValueError: ``mode`` is not reuse/blend, ``recompute_ratio`` is outside [0, 1], or
+                ``selection`` is not a known strategy.
         """
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
-        ratio = blend.recompute_ratio if recompute_ratio is None else float(recompute_ratio)
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"recompute ratio must be in [0, 1], got {ratio}")
+        # validated like the settings themselves (same ranges, same messages)
+        knobs = blend.model_copy(update={k: v for k, v in (("recompute_ratio", recompute_ratio),
+                                                           ("selection", selection)) if v is not None})
+        try:
+            knobs = BlendSettings.model_validate(knobs.model_dump())
+        except ValidationError as exc:
+            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}"
+                                       for e in exc.errors())) from None
         return cls(mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments),
-                   recompute_ratio=ratio, check_layer=blend.check_layer, deviation=blend.deviation,
-                   pipeline_overlap=blend.pipeline_overlap)
+                   **knobs.model_dump(include=_BLEND_KNOBS))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``kv_transfer_params[TRANSFER_KEY]`` (segments as ``[key, start, length]``)."""
@@ -121,7 +140,9 @@ class BlendParams:
                 mode=str(data["mode"]), ctx_len=int(data["ctx_len"]), lead_in_len=int(data["lead_in_len"]),
                 segments=tuple(SegmentRef(str(k), int(s), int(n)) for k, s, n in data["segments"]),
                 recompute_ratio=float(data["recompute_ratio"]), check_layer=int(data["check_layer"]),
-                deviation=str(data["deviation"]), pipeline_overlap=bool(data["pipeline_overlap"]),
+                deviation=str(data["deviation"]), selection=str(data["selection"]),
+                chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),
+                max_chunk_share=float(data["max_chunk_share"]), pipeline_overlap=bool(data["pipeline_overlap"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None

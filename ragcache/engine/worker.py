@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from ragcache.blend import blend_kv, compute_kv, reuse_kv
+from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv
 from ragcache.config import StoreSettings
 from ragcache.engine.messages import ContextStats, LoadRequest
 from ragcache.engine.ops import VLLMLlamaOps
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
-from ragcache.prompt import lead_in_for
+from ragcache.prompt import is_canonical, lead_in_for
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +166,17 @@ class WorkerRuntime:
         if p.mode == "reuse":
             result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=p.pipeline_overlap)
         else:
+            selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share)
+            exact = torch.zeros(n, dtype=torch.bool, device=device)
+            for seg in segments:
+                if is_canonical(seg.start, head_ids):
+                    exact[seg.start:seg.start + seg.length] = True
+            tail = token_ids[n:] if selection.needs_question else None
             result = blend_kv(
                 self.ops, ids, positions, load_layer,
                 recompute_ratio=p.recompute_ratio, check_layer=p.check_layer, deviation=p.deviation,
+                selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
+                tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
                 on_layer=write_layer, prefetch=p.pipeline_overlap,
             )
         recomputed = int(result.num_recomputed)
@@ -186,8 +194,7 @@ class WorkerRuntime:
             missing_computed_tokens=missing_tokens, chunk_tiers=tiers[1:], head_tier=tiers[0],
             load_s=open_s + result.load_s, compute_s=missing_s + result.compute_s, write_s=result.on_layer_s,
             worker_s=time.perf_counter() - t0,
-            stages={"open_s": open_s, "missing_compute_s": missing_s, "load_wait_s": result.load_s,
-                    "compute_s": result.compute_s, "cache_write_s": result.on_layer_s, "promote_s": promote_s},
+            stages={"open_s": open_s, "missing_compute_s": missing_s, **result.stages, "promote_s": promote_s},
         )
 
 
