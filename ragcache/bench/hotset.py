@@ -28,13 +28,10 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class HotQuestion:
-    """A hotset question: its own passages plus ``hot`` passages drawn from the shared hot pool."""
+class HotQuestion(QAExample):
+    """A hotset question: an example's question over its own passages plus ``hot`` passages drawn
+    from the shared hot pool (``passages`` holds both, own first)."""
 
-    index: int
-    question: str
-    answers: list[str]
-    passages: list[tuple[str, str]]
     hot: int
 
 

@@ -12,7 +12,7 @@ import math
 import re
 import string
 from collections import Counter
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
@@ -39,12 +39,11 @@ def exact_match(prediction: str, golds: str | Iterable[str]) -> float:
     return max((float(pred == normalize_answer(g)) for g in _golds(golds)), default=0.0)
 
 
-def token_f1(prediction: str, golds: str | Iterable[str]) -> float:
-    """SQuAD token F1 in [0, 1] on normalised tokens, the maximum over the gold answers.
-
-    F1 = 2PR / (P + R) over the multiset of shared tokens; an empty prediction or gold scores 1.0
-    only against an empty counterpart.
-    """
+def _best_f_measure(prediction: str, golds: str | Iterable[str],
+                    overlap: Callable[[list[str], list[str]], int]) -> float:
+    """The maximum over the gold answers of ``2 * overlap / (len(pred) + len(gold))`` (= 2PR / (P + R)
+    with P = overlap / len(pred), R = overlap / len(gold)) on normalised tokens; an empty prediction
+    or gold scores 1.0 only against an empty counterpart."""
     pred = _tokens(prediction)
     best = 0.0
     for gold in _golds(golds):
@@ -52,10 +51,23 @@ def token_f1(prediction: str, golds: str | Iterable[str]) -> float:
         if not pred or not ref:
             score = float(pred == ref)
         else:
-            same = sum((Counter(pred) & Counter(ref)).values())
-            score = 0.0 if same == 0 else 2 * same / (len(pred) + len(ref))  # = 2PR/(P+R)
+            shared = overlap(pred, ref)
+            score = 0.0 if shared == 0 else 2 * shared / (len(pred) + len(ref))
         best = max(best, score)
     return best
+
+
+def _shared_tokens(pred: list[str], ref: list[str]) -> int:
+    return sum((Counter(pred) & Counter(ref)).values())
+
+
+def token_f1(prediction: str, golds: str | Iterable[str]) -> float:
+    """SQuAD token F1 in [0, 1] on normalised tokens, the maximum over the gold answers.
+
+    F1 = 2PR / (P + R) over the multiset of shared tokens; an empty prediction or gold scores 1.0
+    only against an empty counterpart.
+    """
+    return _best_f_measure(prediction, golds, _shared_tokens)
 
 
 def lcs_length(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -76,17 +88,7 @@ def rouge_l(prediction: str, golds: str | Iterable[str]) -> float:
 
     P = LCS / len(prediction), R = LCS / len(gold), F = 2PR / (P + R).
     """
-    pred = _tokens(prediction)
-    best = 0.0
-    for gold in _golds(golds):
-        ref = _tokens(gold)
-        if not pred or not ref:
-            score = float(pred == ref)
-        else:
-            lcs = lcs_length(pred, ref)
-            score = 0.0 if lcs == 0 else 2 * lcs / (len(pred) + len(ref))  # = 2PR/(P+R)
-        best = max(best, score)
-    return best
+    return _best_f_measure(prediction, golds, lcs_length)
 
 
 def kl_divergence(p: Mapping[int, float], q: Mapping[int, float]) -> float:

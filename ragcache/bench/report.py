@@ -180,6 +180,17 @@ def _log_axis(axis: Any) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def _label(ax: Any, xlabel: str, ylabel: str, *, legend: bool = False, title: str | None = None) -> None:
+    """Axis labels and a light grid, and optionally the legend and a title."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend()
+    if title is not None:
+        ax.set_title(title)
+
+
 def _ttft_plot(plt: Any, result: Mapping[str, Any]) -> Any:
     """Quality (first-token KL, gold NLL) against median TTFT: the blend sweep and the other modes."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -196,9 +207,7 @@ def _ttft_plot(plt: Any, result: Mapping[str, Any]) -> Any:
             if s and s[key] is not None:
                 ax.plot([s["ttft_median_s"]], [s[key]], marker, color=color, markersize=8, label=name)
         _log_axis(ax.xaxis)
-        ax.set_xlabel("median TTFT (s, log scale)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
+        _label(ax, "median TTFT (s, log scale)", label)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"quality vs TTFT, n={result['n']} ({result['passages']} passages per prompt)")
     return fig
@@ -211,11 +220,8 @@ def _hotset_plot(plt: Any, result: Mapping[str, Any]) -> Any:
         ax.plot(range(1, result["n"] + 1), [q["results"][name]["ttft_s"] for q in result["questions"]], ".-",
                 label=name)
     _log_axis(ax.yaxis)
-    ax.set_xlabel("question in sequence")
-    ax.set_ylabel("TTFT (s, log scale)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("hotset: TTFT over the question sequence")
+    _label(ax, "question in sequence", "TTFT (s, log scale)", legend=True,
+           title="hotset: TTFT over the question sequence")
     return fig
 
 
@@ -225,11 +231,7 @@ def _throughput_plot(plt: Any, result: Mapping[str, Any]) -> Any:
     for m in dict.fromkeys(r["mode"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["mode"] == m]
         ax.plot([r["concurrency"] for r in rows], [r["requests_per_s"] for r in rows], "o-", label=m)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("requests/s")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("throughput: generate_many batches")
+    _label(ax, "concurrent requests", "requests/s", legend=True, title="throughput: generate_many batches")
     return fig
 
 

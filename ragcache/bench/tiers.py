@@ -149,12 +149,10 @@ def _tiers_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "served_by": sorted({t for r in sel for t in r["served_by"]}),
             })
     targets = {}
-    disk_on = next((s for s in summary if s["tier"] == "disk" and s["pipeline_overlap"]), None)
-    if disk_on:
-        targets["disk_vs_cpu"] = target(disk_on["vs_cpu_median"], TARGETS["disk_vs_cpu_ttft_max"], "max",
-                                        "median TTFT(disk)/TTFT(cpu), pipeline_overlap on, page cache warm")
-    cold_on = next((s for s in summary if s["tier"] == "disk-cold" and s["pipeline_overlap"]), None)
-    if cold_on:
-        targets["disk_cold_vs_cpu"] = target(cold_on["vs_cpu_median"], TARGETS["disk_vs_cpu_ttft_max"], "max",
-                                             "as disk_vs_cpu with the KV files dropped from the page cache")
+    for tier, name, note in (
+            ("disk", "disk_vs_cpu", "median TTFT(disk)/TTFT(cpu), pipeline_overlap on, page cache warm"),
+            ("disk-cold", "disk_cold_vs_cpu", "as disk_vs_cpu with the KV files dropped from the page cache")):
+        on = next((s for s in summary if s["tier"] == tier and s["pipeline_overlap"]), None)
+        if on:
+            targets[name] = target(on["vs_cpu_median"], TARGETS["disk_vs_cpu_ttft_max"], "max", note)
     return {"summary": summary, "targets": targets}
