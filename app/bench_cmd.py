@@ -1,6 +1,6 @@
 """`ragcache bench ttft|hotset|throughput|tiers|ingest` and `ragcache eval`: reproducible numbers.
 
-Thin flag parsing over ragcache.evaluation, where the runners, metrics, tables and plots live.
+Thin flag parsing over ragcache.bench, where the runners, metrics, tables and plots live.
 Every benchmark writes RESULT.json, RESULT.md (its tables) and, where it has one, RESULT.png, and
 prints the tables. The chunk KV of a run goes to a temporary folder (deleted afterwards) unless
 --kv-dir is given, so the user's KV cache is never touched and a configured Redis is not used.
@@ -165,21 +165,20 @@ def _say(msg: str) -> None:
 def _with_engine(args: argparse.Namespace, work: Callable[[Any], dict[str, Any]], *,
                  store: dict[str, Any] | None = None) -> int:
     """Settings with the KV in --kv-dir (or a temporary folder), one engine, ``work(engine)``, write, print."""
-    from ragcache import evaluation as ev
+    from ragcache.bench.environment import bench_settings, utc_now
     from ragcache.engine import BlendEngine
 
     kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
-    started = ev._now()
+    started = utc_now()
     engine = None
     try:
-        settings = ev.bench_settings(args.settings, kv_dir=kv_dir, store=store)
+        settings = bench_settings(args.settings, kv_dir=kv_dir, store=store)
         t0 = time.perf_counter()
         engine = BlendEngine(settings)
         start_s = time.perf_counter() - t0
         _say(f"engine ready in {start_s:.1f} s; chunk KV in {kv_dir}")
         result = work(engine)
-        ev.stamp(result, command=ev.command_line(), engine=engine, dataset=str(ev.resolve_dataset(args.dataset)),
-                 started=started)
+        _stamp(args, result, engine=engine, started=started)
         result["engine"]["start_wall_s"] = round(start_s, 1)
     finally:
         if engine is not None:
@@ -189,35 +188,44 @@ def _with_engine(args: argparse.Namespace, work: Callable[[Any], dict[str, Any]]
     return _finish(result, args.out)
 
 
+def _stamp(args: argparse.Namespace, result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """The command line, machine, dataset path (and ``engine``, ``started`` when given) at the head of ``result``."""
+    from ragcache.bench.datasets import resolve_dataset
+    from ragcache.bench.environment import command_line, stamp
+
+    return stamp(result, command=command_line(), dataset=str(resolve_dataset(args.dataset)), **kwargs)
+
+
 def _checkpoint(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
     """Write the partial result (JSON only, ``"partial": true``) after every example."""
-    from ragcache import evaluation as ev
+    from ragcache.bench.report import write_result
 
     def write(partial: dict[str, Any]) -> None:
-        ev.stamp(partial, command=ev.command_line(), dataset=str(ev.resolve_dataset(args.dataset)))
-        ev.write_result(partial, args.out, with_plot=False)
+        _stamp(args, partial)
+        write_result(partial, args.out, with_plot=False)
     return write
 
 
 def _finish(result: dict[str, Any], out: Path) -> int:
-    from ragcache import evaluation as ev
+    from ragcache.bench.report import render, write_result
 
-    paths = ev.write_result(result, out)
-    print(ev.render(result))
+    paths = write_result(result, out)
+    print(render(result))
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
 def _load(args: argparse.Namespace, n: int | None, offset: int = 0):
-    from ragcache import evaluation as ev
+    from ragcache.bench.datasets import load_qa
 
-    return ev.load_qa(args.dataset, n, offset)
+    return load_qa(args.dataset, n, offset)
 
 
 def _user_error(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Missing data files and invalid benchmark parameters print one line and exit 2."""
     def wrapped(args: argparse.Namespace) -> int:
-        from ragcache.evaluation import BenchConfigError, DatasetNotFoundError
+        from ragcache.bench.common import BenchConfigError
+        from ragcache.bench.datasets import DatasetNotFoundError
 
         try:
             return fn(args)
@@ -231,73 +239,75 @@ def _user_error(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
 
 @_user_error
 def run_ttft(args: argparse.Namespace) -> int:
-    from ragcache import evaluation as ev
+    from ragcache.bench.common import make_variants
+    from ragcache.bench.ttft import run_ttft as run
 
     examples = _load(args, args.n, args.offset)
-    ev.make_variants(args.modes, args.ratios, 0.15)  # validate flags before the engine starts
-    return _with_engine(args, lambda eng: ev.run_ttft(
+    make_variants(args.modes, args.ratios, 0.15)  # validate flags before the engine starts
+    return _with_engine(args, lambda eng: run(
         eng, examples, modes=args.modes, ratios=args.ratios, passages=args.passages, max_tokens=args.max_tokens,
         prefix_warmup=args.prefix_warmup, nll=not args.no_nll, progress=_say, checkpoint=_checkpoint(args)))
 
 
 @_user_error
 def run_eval(args: argparse.Namespace) -> int:
-    from ragcache import evaluation as ev
+    from ragcache.bench.ttft import run_eval as run
 
     examples = _load(args, args.n, args.offset)
     if args.out is None:
         args.out = Path(f"results/eval_{args.mode}.json")
-    return _with_engine(args, lambda eng: ev.run_eval(
+    return _with_engine(args, lambda eng: run(
         eng, examples, mode=args.mode, recompute_ratio=args.recompute_ratio, passages=args.passages,
         max_tokens=args.max_tokens, progress=_say))
 
 
 @_user_error
 def run_hotset(args: argparse.Namespace) -> int:
-    from ragcache import evaluation as ev
+    from ragcache.bench.hotset import build_hotset, run_hotset as run
 
-    questions = ev.build_hotset(_load(args, None), questions=args.questions, passages=args.passages,
-                                overlap=args.overlap, hot_pool=args.hot_pool, seed=args.seed)
-    return _with_engine(args, lambda eng: ev.run_hotset(eng, questions, modes=args.modes, max_tokens=args.max_tokens,
-                                                        window=args.window, progress=_say,
-                                                        checkpoint=_checkpoint(args)),
+    questions = build_hotset(_load(args, None), questions=args.questions, passages=args.passages,
+                             overlap=args.overlap, hot_pool=args.hot_pool, seed=args.seed)
+    return _with_engine(args, lambda eng: run(eng, questions, modes=args.modes, max_tokens=args.max_tokens,
+                                              window=args.window, progress=_say, checkpoint=_checkpoint(args)),
                         store={"cpu_kv_pool_gb": args.cpu_pool_gb})
 
 
 @_user_error
 def run_throughput(args: argparse.Namespace) -> int:
-    from ragcache import evaluation as ev
+    from ragcache.bench.throughput import run_throughput as run
 
     examples = _load(args, max(args.concurrency))
-    return _with_engine(args, lambda eng: ev.run_throughput(
+    return _with_engine(args, lambda eng: run(
         eng, examples, concurrency=args.concurrency, modes=args.modes, passages=args.passages,
         max_tokens=args.max_tokens, progress=_say))
 
 
 @_user_error
 def run_ingest(args: argparse.Namespace) -> int:
-    from ragcache import evaluation as ev
+    from ragcache.bench.ingest import run_ingest as run
 
     examples = _load(args, args.n)
-    return _with_engine(args, lambda eng: ev.run_ingest(eng, examples, passages=args.passages, progress=_say))
+    return _with_engine(args, lambda eng: run(eng, examples, passages=args.passages, progress=_say))
 
 
 @_user_error
 def run_tiers(args: argparse.Namespace) -> int:
-    from ragcache import evaluation as ev
+    from ragcache.bench.common import BenchConfigError
+    from ragcache.bench.environment import utc_now
+    from ragcache.bench.tiers import TIER_LAYOUTS, run_tiers as run
 
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    bad = [x for x in layouts if x not in ev.TIER_LAYOUTS]
+    bad = [x for x in layouts if x not in TIER_LAYOUTS]
     if bad or not layouts:
-        raise ev.BenchConfigError(f"--layouts must be some of {','.join(ev.TIER_LAYOUTS)}; got {args.layouts!r}")
+        raise BenchConfigError(f"--layouts must be some of {','.join(TIER_LAYOUTS)}; got {args.layouts!r}")
     examples = _load(args, args.n)
     kv_root = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-tiers-"))
-    started = ev._now()
+    started = utc_now()
     try:
-        result = ev.run_tiers(args.settings, examples, kv_root=kv_root, passages=args.passages,
-                              repeats=args.repeats, layouts=layouts, progress=_say)
+        result = run(args.settings, examples, kv_root=kv_root, passages=args.passages,
+                     repeats=args.repeats, layouts=layouts, progress=_say)
     finally:
         if args.kv_dir is None:
             shutil.rmtree(kv_root, ignore_errors=True)
-    ev.stamp(result, command=ev.command_line(), dataset=str(ev.resolve_dataset(args.dataset)), started=started)
+    _stamp(args, result, started=started)
     return _finish(result, args.out)

@@ -8,8 +8,8 @@ float32 and in float16, it times ``TieredStore.get`` (whole entry) and ``open`` 
 - ``cpu``: host RAM;
 - ``disk cold``: the entry file dropped from the page cache before every read (fsync +
   posix_fadvise DONTNEED), i.e. a real SSD read; ``disk warm``: served from the page cache;
-- ``remote``: Redis on loopback (a throwaway ``redis-server`` is started when one is installed,
-  or pass ``--redis-url``).
+- ``remote``: Redis on loopback (a throwaway ``redis-server`` from ragcache.bench.fixtures is
+  started when one is installed, or pass ``--redis-url``).
 
 The raw disk speed is ``dd`` reading a file of the same size in the same folder, after dropping it
 from the page cache, and with ``iflag=direct`` (O_DIRECT). MB = 10^6 bytes. The model dtype equals
@@ -26,7 +26,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,23 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ragcache.bench.fixtures import RedisServer, drop_page_cache  # noqa: E402
 from ragcache.kvstore import CpuTier, DiskTier, KVSpec, RedisTier, TieredStore  # noqa: E402
 
 MB = 1e6
-
-
-def drop_cache(path: Path) -> bool:
-    """Evict ``path`` from the page cache (works without root for clean pages)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return True
-    except (OSError, AttributeError):
-        return False
 
 
 def time_reads(fn, reads: int, before=None) -> tuple[float, float]:
@@ -98,7 +84,7 @@ def raw_disk(folder: Path, nbytes: int, reads: int) -> dict:
     out = {"bytes": nbytes}
     cold = []
     for _ in range(reads):
-        out["cache_dropped"] = drop_cache(path)
+        out["cache_dropped"] = drop_page_cache(path) == 1
         cold.append(dd_read(path, direct=False))
     direct = [dd_read(path, direct=True) for _ in range(reads)]
     warm = [dd_read(path, direct=False) for _ in range(reads)]
@@ -109,35 +95,6 @@ def raw_disk(folder: Path, nbytes: int, reads: int) -> dict:
     return out
 
 
-class ThrowawayRedis:
-    """redis-server on a free loopback port, no persistence; None-safe when not installed."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.proc = None
-        self.url = None
-        binary = shutil.which("redis-server")
-        if binary is None:
-            return
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                self.url = f"redis://127.0.0.1:{port}/0"
-                return
-            except OSError:
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def bench_dtype(dtype: torch.dtype, args, folder: Path, redis_url: str | None) -> list[dict]:
     spec = KVSpec("bench0000000000", 1, args.layers, args.heads, args.head_dim, dtype=dtype)
     shape = (args.layers, args.tokens, args.heads, args.head_dim)
@@ -145,7 +102,7 @@ def bench_dtype(dtype: torch.dtype, args, folder: Path, redis_url: str | None) -
     disk = DiskTier(folder / str(dtype).split(".")[-1])
     setups = [("cpu", TieredStore(spec, [(CpuTier(), 10**12)]), None)]
     disk_store = TieredStore(spec, [(disk, 10**12)])
-    setups.append(("disk cold", disk_store, lambda: drop_cache(disk.path("bench"))))
+    setups.append(("disk cold", disk_store, lambda: drop_page_cache(disk.path("bench"))))
     setups.append(("disk warm", disk_store, None))
     if redis_url:
         setups.append(("remote", TieredStore(spec, [(RedisTier(redis_url), None)]), None))
@@ -191,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     redis_url = None if args.no_redis else args.redis_url
     if not args.no_redis and redis_url is None:
-        server = ThrowawayRedis(folder)
-        redis_url = server.url
-        if redis_url is None:
-            print("note: redis-server not installed; remote tier not measured", file=sys.stderr)
+        try:
+            server = RedisServer(folder).start()
+            redis_url = server.url
+        except (FileNotFoundError, RuntimeError) as exc:
+            print(f"note: {exc}; remote tier not measured", file=sys.stderr)
     try:
         rows = []
         for dtype in (torch.float32, torch.float16):

@@ -36,8 +36,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from ragcache.bench.datasets import load_qa, resolve_dataset
     from ragcache.config import Settings
-    from ragcache.evaluation import load_qa, resolve_dataset
     from ragcache.models import resolve_llm
 
     settings = Settings.load()

@@ -1,7 +1,7 @@
 """The Redis tier against a real redis-server: round trip, sharing, damage, and Redis dying mid-run.
 
-Each test starts its own ``redis-server`` on a free loopback port (tests/redis_server.py) and
-kills it at the end; the tests skip only when no redis-server binary exists.
+Each test starts its own ``redis-server`` on a free loopback port (ragcache.bench.fixtures, through
+tests/redis_server.py) and kills it at the end; the tests skip only when no redis-server binary exists.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import time
 import pytest
 import redis
 import torch
-from redis_server import free_port, start_redis
+from redis_server import start_redis
 
+from ragcache.bench.fixtures import free_port
 from ragcache.config import StoreSettings
 from ragcache.kvstore import CpuTier, DiskTier, KVSpec, RedisTier, TieredStore, TierUnavailableError
 

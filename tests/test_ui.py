@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any, Callable
 
 import pytest
 
+from ragcache.bench.fixtures import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -222,12 +222,6 @@ def find_chromium() -> str | None:
         if path:
             return path
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:

@@ -1,0 +1,152 @@
+"""What several benchmark runners share: variants, their order, warm-ups, records and targets.
+
+Owns: :class:`Variant` (a way of answering, as data: a mode and, for ``blend``, its recompute
+ratio) and :func:`make_variants`; the rotated per-example order; the untimed warm-ups (engine
+start-up costs, vLLM's prefix cache for ``prefix``); gold-answer token ids; the per-request record
+(:class:`~ragcache.engine.messages.RequestMetrics` as plain data, plus the answer); the targets
+the results are judged by; the error for invalid benchmark parameters. Runners call the engine's
+public methods only. Imports ragcache.chunks/config; the engine only for type checking; never
+app/ or ui/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from ragcache.bench.metrics import rounded
+from ragcache.chunks import Chunk
+from ragcache.config import MODES
+
+if TYPE_CHECKING:
+    from ragcache.engine import BlendEngine, Generation
+
+#: progress lines of a runner (the CLI prints them to stderr)
+Progress = Callable[[str], None]
+#: receives the result so far (``"partial": True``) after every example
+Checkpoint = Callable[[dict[str, Any]], None]
+
+#: question of the untimed warm-up requests that fill vLLM's prefix cache for ``prefix`` mode
+WARMUP_QUESTION = "What are these documents about?"
+
+#: KL(full || mode) of the ``reuse`` mode is the yardstick of the blend quality target
+TARGETS = {
+    "blend_ttft_speedup_min": 4.0,      # blend (default ratio) TTFT >= 4x lower than full, MuSiQue
+    "blend_kl_vs_reuse_max": 0.5,       # blend first-token KL <= half of reuse's
+    "blend_nll_rel_max": 0.02,          # blend gold NLL within 2% of full's
+    "hotset_last_vs_first_min": 0.9,    # speedup of the last 10 questions >= 90% of the first 10
+    "disk_vs_cpu_ttft_max": 1.2,        # disk-tier blend TTFT <= 1.2x cpu-tier, pipeline_overlap on
+}
+
+
+class BenchConfigError(ValueError):
+    """A benchmark parameter is invalid (unknown mode, ratio outside [0, 1], too few examples...)."""
+
+
+def target(value: float | None, limit: float, kind: str, note: str) -> dict[str, Any]:
+    """A target record: ``kind`` is ``min`` (value >= limit), ``max`` (value <= limit) or
+    ``max_abs`` (|value| <= limit); ``met`` is None when the value could not be measured."""
+    checks = {"min": lambda v: v >= limit, "max": lambda v: v <= limit, "max_abs": lambda v: abs(v) <= limit}
+    return {"value": rounded(value, 4), kind: limit, "met": None if value is None else checks[kind](value),
+            "note": note}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A way of answering: a mode, and for ``blend`` its recompute ratio. ``name`` keys the results."""
+
+    name: str
+    mode: str
+    ratio: float | None = None
+
+
+def ratio_name(ratio: float) -> str:
+    """The variant name of blend at ``ratio``: ``blend@0.15``."""
+    return f"blend@{ratio:g}"
+
+
+def make_variants(modes: Sequence[str], ratios: Sequence[float], default_ratio: float) -> list[Variant]:
+    """``full`` first (the reference of every comparison), then the modes; ``blend`` expands to one
+    variant per ratio in ``ratios`` plus ``default_ratio``.
+
+    Raises:
+        BenchConfigError: an unknown mode or a ratio outside [0, 1].
+    """
+    for m in modes:
+        if m not in MODES:
+            raise BenchConfigError(f"unknown mode {m!r}; use some of {', '.join(MODES)}")
+    for r in [*ratios, default_ratio]:
+        if not 0.0 <= r <= 1.0:
+            raise BenchConfigError(f"recompute ratio {r} is outside [0, 1]")
+    out = [Variant("full", "full")]
+    for m in dict.fromkeys(modes):
+        if m == "full":
+            continue
+        if m == "blend":
+            out += [Variant(ratio_name(r), "blend", r) for r in sorted(set(ratios) | {default_ratio})]
+        else:
+            out.append(Variant(m, m))
+    return out
+
+
+def rotated(items: Sequence[Any], k: int) -> list[Any]:
+    """``items`` rotated left by ``k`` (mod length): example k asks the modes in this order."""
+    if not items:
+        return []
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def warm_up(engine: "BlendEngine", chunks: Sequence[Chunk], modes: Sequence[str] = ("full", "blend")) -> None:
+    """One untimed short request per mode: the first request after start-up pays one-time costs
+    (kernel set-up, allocations; seconds on CPU) that would otherwise land in one timed TTFT."""
+    prompt = engine.prompts.build(WARMUP_QUESTION, list(chunks)[:2])
+    for mode in dict.fromkeys(modes):
+        engine.generate(prompt, mode, max_tokens=2)
+    engine.reset_prefix_cache()
+
+
+def warm_prefix_cache(engine: "BlendEngine", chunks: Sequence[Chunk], how: str) -> None:
+    """Fill vLLM's prefix cache before a timed ``prefix`` request (the warm-up itself is not timed).
+
+    ``chunks``: each chunk once on its own right after the prompt head (what ingest gives blend),
+        so only the head and the prompt's first chunk can be exact-prefix hits;
+    ``context``: the same chunks in the same order with another question (the best case for
+        prefix caching: a repeated chunk set);
+    ``none``: nothing (``prefix`` then costs a full prefill).
+    """
+    if how == "none":
+        return
+    if how == "chunks":
+        prompts = [engine.prompts.build(WARMUP_QUESTION, [c]) for c in chunks]
+    elif how == "context":
+        prompts = [engine.prompts.build(WARMUP_QUESTION, list(chunks))]
+    else:
+        raise ValueError(f"unknown prefix warm-up {how!r}; use chunks, context or none")
+    engine.generate_many(prompts, "prefix", max_tokens=1)
+
+
+def answer_ids(engine: "BlendEngine", answer: str) -> list[int]:
+    """Token ids of a gold answer as the assistant would write it (no BOS, no end-of-turn)."""
+    return list(engine.tokenizer(answer.strip(), add_special_tokens=False)["input_ids"])
+
+
+def _rounded_floats(value: Any) -> Any:
+    if isinstance(value, float):
+        return rounded(value)
+    if isinstance(value, dict):
+        return {k: _rounded_floats(v) for k, v in value.items()}
+    return value
+
+
+def request_record(g: "Generation") -> dict[str, Any]:
+    """One request as result data: every field of its ``RequestMetrics.to_dict()`` (seconds rounded
+    to 4 decimals) and the ``answer`` text."""
+    rec = {k: _rounded_floats(v) for k, v in g.metrics.to_dict().items()}
+    rec["answer"] = g.text
+    return rec
+
+
+def speedup(full: "Generation", g: "Generation") -> float | None:
+    """TTFT(full) / TTFT(g) of two requests for the same prompt (None when g's TTFT is 0)."""
+    return rounded(full.metrics.ttft_s / g.metrics.ttft_s) if g.metrics.ttft_s > 0 else None

@@ -1,0 +1,111 @@
+"""QA data for the benchmarks: the MuSiQue / HotpotQA files and their passages as chunks.
+
+Owns: where the shared data lives, the short dataset names, reading ``{question, answers, ctxs}``
+JSON files into :class:`QAExample`, and turning passages into :class:`~ragcache.chunks.Chunk`
+objects with fixed token ids. Imports ragcache.chunks only; never the engine, app/ or ui/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ragcache.chunks import Chunk, chunk_id_for
+
+#: MuSiQue / HotpotQA files under the shared data folder, by short name
+DATASETS = {
+    "musique": "musique/musique_s.json",
+    "hotpotqa": "hotpotqa/hotpotqa_distractor_100.json",
+}
+
+#: the repository root (this file is ragcache/bench/datasets.py)
+_REPO = Path(__file__).resolve().parents[2]
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The QA file does not exist (the shared data lives in ../shared/data beside the repository)."""
+
+
+@dataclass
+class QAExample:
+    """One multi-passage QA example.
+
+    Attributes:
+        index: position in the file.
+        question: the question.
+        answers: gold answers (the first is the canonical one; the rest are aliases).
+        passages: ``(title, text)`` in the file's (retrieval) order.
+    """
+
+    index: int
+    question: str
+    answers: list[str]
+    passages: list[tuple[str, str]]
+
+
+def shared_data_dir() -> Path:
+    """``$RAGCACHE_DATA_DIR``, else ``../shared/data`` beside the repository (or the working directory)."""
+    env = os.environ.get("RAGCACHE_DATA_DIR")
+    if env:
+        return Path(env)
+    for base in (_REPO, Path.cwd()):
+        cand = base.parent / "shared" / "data"
+        if cand.is_dir():
+            return cand
+    return _REPO.parent / "shared" / "data"
+
+
+def resolve_dataset(name_or_path: str | os.PathLike[str]) -> Path:
+    """A dataset short name (``musique``, ``hotpotqa``) or a path, as an existing file.
+
+    Raises:
+        DatasetNotFoundError: no such file.
+    """
+    key = str(name_or_path)
+    path = shared_data_dir() / DATASETS[key] if key in DATASETS else Path(key).expanduser()
+    if not path.is_file():
+        raise DatasetNotFoundError(
+            f"dataset {path} not found: pass --dataset musique|hotpotqa (files under ../shared/data, "
+            f"or set RAGCACHE_DATA_DIR) or a JSON file of {{question, answers, ctxs:[{{title, text}}]}}")
+    return path
+
+
+def load_qa(path: str | os.PathLike[str], n: int | None = None, offset: int = 0) -> list[QAExample]:
+    """Read ``n`` examples from ``offset`` of a QA file: a JSON list of ``{question, answers, ctxs}``."""
+    data = json.loads(resolve_dataset(path).read_text(encoding="utf-8"))
+    stop = len(data) if n is None else min(len(data), offset + n)
+    out = []
+    for i in range(offset, stop):
+        ex = data[i]
+        out.append(QAExample(
+            index=i, question=ex["question"], answers=list(ex.get("answers") or []),
+            passages=[(c.get("title") or "", c["text"]) for c in ex["ctxs"]],
+        ))
+    return out
+
+
+def passage_text(title: str, text: str) -> str:
+    """A passage as chunk text: ``title\\ntext`` (just ``text`` when untitled, as in MuSiQue)."""
+    return f"{title}\n{text}" if title else text
+
+
+def make_chunks(tokenizer: Any, passages: Sequence[tuple[str, str]], source: str = "qa") -> list[Chunk]:
+    """One :class:`Chunk` per ``(title, text)`` passage, token ids fixed with ``tokenizer`` (no BOS)."""
+    chunks = []
+    for title, body in passages:
+        text = passage_text(title, body)
+        cid = chunk_id_for(text)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        chunks.append(Chunk(cid, f"{source}:{cid}", title, 0, text, tuple(ids)))
+    return chunks
+
+
+def distinct_chunks(chunks: Iterable[Chunk]) -> list[Chunk]:
+    """Each chunk once (the first with its chunk id), in order: what one ingest of many prompts computes."""
+    seen: dict[str, Chunk] = {}
+    for c in chunks:
+        seen.setdefault(c.chunk_id, c)
+    return list(seen.values())

@@ -1,0 +1,106 @@
+"""The run environment of a benchmark: its settings, and the context stamped on every result.
+
+Owns: settings for a benchmark (KV in a scratch folder, no Redis), the machine description (CPU,
+memory, library versions, load average), the engine description, the UTC time, the command
+line, and :func:`stamp`, which puts all of that at the head of a result. Imports ragcache.config;
+the engine only for type checking; never app/ or ui/.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ragcache.config import Settings
+
+if TYPE_CHECKING:
+    from ragcache.engine import BlendEngine
+
+
+def bench_settings(settings_file: str | os.PathLike[str] | None = None, *, kv_dir: str | os.PathLike[str],
+                   store: Mapping[str, Any] | None = None, engine: Mapping[str, Any] | None = None,
+                   blend: Mapping[str, Any] | None = None) -> Settings:
+    """Settings for a benchmark: the user's settings with the KV store in ``kv_dir`` and no Redis.
+
+    The chunk KV of a benchmark (gigabytes for MuSiQue) never lands in the user's cache folder,
+    and a configured shared Redis is left alone; ``store`` overrides win over both.
+    """
+    st = {"ssd_cache_dir": str(kv_dir), "remote_url": ""}
+    st.update(store or {})
+    overrides: dict[str, Any] = {"store": st}
+    if engine:
+        overrides["engine"] = dict(engine)
+    if blend:
+        overrides["blend"] = dict(blend)
+    return Settings.load(settings_file, **overrides)
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, memory, library versions and the load average: the context every result needs."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(), "python": platform.python_version(),
+        "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_gb"] = round(int(line.split()[1]) / 1e6, 1)
+                break
+    except OSError:
+        pass
+    try:
+        info["load_avg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    for mod in ("torch", "vllm", "transformers"):
+        try:
+            info[f"{mod}_version"] = __import__(mod).__version__
+        except Exception:  # pragma: no cover - reporting only
+            pass
+    return info
+
+
+def engine_info(engine: "BlendEngine") -> dict[str, Any]:
+    """Model, device, start-up time and the engine/blend/store settings a result was measured with."""
+    s = engine.settings
+    return {
+        "model": s.models.model, "device": getattr(engine, "device", None),
+        "startup_s": round(float(getattr(engine, "startup_s", 0.0)), 2),
+        "dtype": s.engine.dtype, "in_process": s.engine.in_process,
+        "recompute_ratio": s.blend.recompute_ratio, "check_layer": s.blend.check_layer,
+        "deviation": s.blend.deviation, "pipeline_overlap": s.blend.pipeline_overlap,
+        "store": {"cpu_kv_pool_gb": s.store.cpu_kv_pool_gb, "ssd_cache_max_gb": s.store.ssd_cache_max_gb,
+                  "remote": bool(s.store.remote_url), "kv_dtype": s.store.kv_dtype},
+    }
+
+
+def utc_now() -> str:
+    """The current UTC time, ISO 8601 to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    """The ``ragcache ...`` command that is running (for the result's ``command``)."""
+    return "ragcache " + " ".join(sys.argv[1:])
+
+
+def stamp(result: dict[str, Any], *, command: str, engine: "BlendEngine | None" = None,
+          dataset: str | None = None, started: str | None = None) -> dict[str, Any]:
+    """Add the command line, time, machine and engine settings to a result (in place) and return it."""
+    head = {"benchmark": result["benchmark"], "command": command, "started": started or utc_now(),
+            "finished": utc_now(), "dataset": dataset, "machine": machine_info()}
+    if engine is not None:
+        head["engine"] = engine_info(engine)
+    rest = {k: v for k, v in result.items() if k not in head}
+    result.clear()
+    result.update(head)
+    result.update(rest)
+    return result

@@ -1,0 +1,280 @@
+"""Presentation of benchmark results: text and markdown tables, plots, and the result files.
+
+Owns: the tables of each benchmark kind (``TABLES``) and its plot where it has one (``PLOTS``),
+the targets table, :func:`render` (every table as text or markdown) and :func:`write_result`
+(RESULT.json, RESULT.md, RESULT.png). Works on the plain result dicts the runners return: imports
+no runner, no engine, no vLLM; matplotlib only inside :func:`plot`; never app/ or ui/.
+
+A new benchmark kind adds one function to ``TABLES`` (and one to ``PLOTS`` if it has a plot).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+Table = tuple[str, list[str], list[list[Any]]]
+
+
+def _fmt(v: Any, nd: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 100 else f"{v:.{nd}f}"
+    return str(v)
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned table (numbers right-aligned)."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
+    for r in cells:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """The same table as GitHub markdown (a ``|`` inside a cell is escaped so it does not split it)."""
+    def cell(v: Any) -> str:
+        return _fmt(v).replace("|", "\\|")
+
+    out = ["| " + " | ".join(map(cell, headers)) + " |",
+           "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    out += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _pct(v: float | None) -> float | None:
+    return None if v is None else round(100.0 * v, 2)
+
+
+# ---- tables per benchmark kind -----------------------------------------------------------------
+
+
+def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
+    h = ["mode", "TTFT med (s)", "TTFT p90 (s)", "speedup", "KL vs full", "gold NLL", "NLL vs full %",
+         "F1", "Rouge-L", "agree EM", "agree Rouge-L", "recomputed %"]
+
+    def row(name: str, s: Mapping[str, Any]) -> list[Any]:
+        return [name, s["ttft_median_s"], s["ttft_p90_s"], s["speedup_median"], s["kl_mean"], s["gold_nll_mean"],
+                _pct(s["gold_nll_rel_full"]), s["f1_mean"], s["rouge_l_mean"], s["agree_em_mean"],
+                s["agree_rouge_l_mean"], _pct(s["recomputed_frac_mean"])]
+    main = [row(k if k != "blend" else f"blend (r={s['recompute_ratio']:g})", s) for k, s in result["modes"].items()]
+    sweep = [row(f"r={s['recompute_ratio']:g}", s) for s in result["sweep"]]
+    if "reuse" in result["modes"]:
+        sweep.insert(0, row("reuse", result["modes"]["reuse"]))
+    out = [(f"TTFT and quality by mode (n={result['n']}, {result['passages']} passages)", h, main)]
+    if len(result["sweep"]) > 1:
+        out.append(("recompute-ratio sweep (blend)", h, sweep))
+    return out
+
+
+def _eval_tables(result: Mapping[str, Any]) -> list[Table]:
+    h = ["mode", "n", "KL vs full", "gold NLL", "NLL vs full %", "F1", "Rouge-L", "EM", "agree EM",
+         "agree Rouge-L"]
+    rows = []
+    for name, s in (("full", result["full"]), (result["mode"], result["quality"])):
+        rows.append([name, s["n"], s["kl_mean"], s["gold_nll_mean"], _pct(s["gold_nll_rel_full"]), s["f1_mean"],
+                     s["rouge_l_mean"], s["em_mean"], s["agree_em_mean"], s["agree_rouge_l_mean"]])
+    return [(f"quality (n={result['n']})", h, rows)]
+
+
+def _hotset_tables(result: Mapping[str, Any]) -> list[Table]:
+    w = result["window"]
+    h = ["mode", "TTFT med (s)", "TTFT p90 (s)", "speedup", f"first-{w} speedup", f"last-{w} speedup",
+         "last/first", "agree Rouge-L"]
+    rows = [[k, s["ttft_median_s"], s["ttft_p90_s"], s["speedup_median"], s["speedup_first_median"],
+             s["speedup_last_median"], s["last_vs_first"], s["agree_rouge_l_mean"]]
+            for k, s in result["modes"].items()]
+    th = ["tier", "hits", "misses", "hit rate", "entries", "share of chunk loads"]
+    served = result.get("served_by_tier", {})
+    trows = [[k, t["hits"], t["misses"], t["hit_rate"], t["entries"], _pct(served.get(k, 0.0))]
+             for k, t in result["tier_hit_rates"].items()]
+    if served.get("computed"):
+        trows.append(["computed (miss)", None, None, None, None, _pct(served["computed"])])
+    return [(f"hotset (n={result['n']} questions, {result['passages']} passages, "
+             f"{_pct(result['overlap_seen_before_mean'])}% of each set seen before)", h, rows),
+            ("store hit rates over the sequence (lookups reaching each tier) and the tiers that served "
+             "reuse/blend chunk loads (%)", th, trows)]
+
+
+def _throughput_tables(result: Mapping[str, Any]) -> list[Table]:
+    h = ["C", "mode", "req/s", "prompt tok/s", "output tok/s", "TTFT med (s)", "wall (s)"]
+    rows = [[r["concurrency"], r["mode"], r["requests_per_s"], r["prompt_tokens_per_s"], r["output_tokens_per_s"],
+             r["ttft_median_s"], r["wall_s"]] for r in result["rows"]]
+    rh = ["C", "blend/full req/s"]
+    rr = [[r["concurrency"], r["blend_vs_full_requests_per_s"]] for r in result["blend_vs_full"]]
+    return [(f"throughput ({result['prompt_tokens_mean']:.0f}-token prompts)", h, rows),
+            ("blend over full", rh, rr)]
+
+
+def _tiers_tables(result: Mapping[str, Any]) -> list[Table]:
+    h = ["tier", "overlap", "n", "TTFT med (s)", "TTFT p90 (s)", "load (s)", "worker (s)", "vs cpu"]
+    rows = [[s["tier"], s["pipeline_overlap"], s["n"], s["ttft_median_s"], s["ttft_p90_s"], s["load_s_median"],
+             s["worker_s_median"], s["vs_cpu_median"]] for s in result["summary"]]
+    return [(f"blend TTFT by tier (n={result['n']}, full TTFT median {result['full_ttft_median_s']} s)", h, rows)]
+
+
+def _ingest_tables(result: Mapping[str, Any]) -> list[Table]:
+    h = ["path", "tokens/s", "seconds"]
+    rows = [["KV precompute (ragcache)", result["precompute"]["tokens_per_s"], result["precompute"]["seconds"]],
+            ["vLLM prefill, one chunk at a time", result["vllm_prefill_sequential"]["tokens_per_s"],
+             result["vllm_prefill_sequential"]["ttft_sum_s"]],
+            ["vLLM prefill, one batch", result["vllm_prefill_batch"]["tokens_per_s"],
+             result["vllm_prefill_batch"]["wall_s"]]]
+    return [(f"ingest ({result['chunks']} chunks, {result['unit_tokens']} tokens)", h, rows)]
+
+
+#: ``result["benchmark"]`` -> its tables
+TABLES: dict[str, Callable[[Mapping[str, Any]], list[Table]]] = {
+    "ttft": _ttft_tables, "eval": _eval_tables, "hotset": _hotset_tables, "throughput": _throughput_tables,
+    "tiers": _tiers_tables, "ingest": _ingest_tables,
+}
+
+
+def tables(result: Mapping[str, Any]) -> list[Table]:
+    """``(title, headers, rows)`` for a result of any benchmark."""
+    kind = result["benchmark"]
+    if kind not in TABLES:
+        raise ValueError(f"unknown benchmark {kind!r}")
+    return TABLES[kind](result)
+
+
+def targets_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]] | None:
+    """Headers and rows of a result's targets (value, limit, met, how measured); None without targets."""
+    t = result.get("targets") or {}
+    if not t:
+        return None
+    limit = {"min": "\u2265 {}", "max": "\u2264 {}", "max_abs": "|x| \u2264 {}"}
+    rows = [[k, v["value"], next(limit[kind].format(_fmt(v[kind])) for kind in limit if kind in v), v["met"], v["note"]]
+            for k, v in t.items()]
+    return ["target", "value", "limit", "met", "measured as"], rows
+
+
+def render(result: Mapping[str, Any], markdown: bool = False) -> str:
+    """All tables of a result (and its targets), as text or markdown."""
+    fn = markdown_table if markdown else text_table
+    parts = []
+    for title, h, rows in tables(result):
+        parts.append((f"**{title}**\n\n" if markdown else f"{title}\n") + fn(h, rows))
+    tt = targets_table(result)
+    if tt:
+        parts.append(("**targets**\n\n" if markdown else "targets\n") + fn(*tt))
+    return "\n\n".join(parts)
+
+
+# ---- plots per benchmark kind ------------------------------------------------------------------
+
+
+def _log_axis(axis: Any) -> None:
+    """Log scale with plain tick labels at 1, 2, 5 x 10^k."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.axes.set_xscale("log") if axis.axis_name == "x" else axis.axes.set_yscale("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _label(ax: Any, xlabel: str, ylabel: str, *, legend: bool = False, title: str | None = None) -> None:
+    """Axis labels and a light grid, and optionally the legend and a title."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend()
+    if title is not None:
+        ax.set_title(title)
+
+
+def _ttft_plot(plt: Any, result: Mapping[str, Any]) -> Any:
+    """Quality (first-token KL, gold NLL) against median TTFT: the blend sweep and the other modes."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "kl_mean", "first-token KL(full || mode), nats"),
+                           (axes[1], "gold_nll_mean", "gold-answer NLL, nats/token")):
+        sweep = [s for s in result["sweep"] if s[key] is not None]
+        ax.plot([s["ttft_median_s"] for s in sweep], [s[key] for s in sweep], "o-", color="tab:blue",
+                label="blend (recompute ratio)")
+        for s in sweep:
+            ax.annotate(f"{s['recompute_ratio']:g}", (s["ttft_median_s"], s[key]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+        for name, marker, color in (("full", "s", "black"), ("prefix", "^", "tab:green"), ("reuse", "x", "tab:red")):
+            s = result["modes"].get(name)
+            if s and s[key] is not None:
+                ax.plot([s["ttft_median_s"]], [s[key]], marker, color=color, markersize=8, label=name)
+        _log_axis(ax.xaxis)
+        _label(ax, "median TTFT (s, log scale)", label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"quality vs TTFT, n={result['n']} ({result['passages']} passages per prompt)")
+    return fig
+
+
+def _hotset_plot(plt: Any, result: Mapping[str, Any]) -> Any:
+    """TTFT of every mode over the question sequence."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for name in result["modes"]:
+        ax.plot(range(1, result["n"] + 1), [q["results"][name]["ttft_s"] for q in result["questions"]], ".-",
+                label=name)
+    _log_axis(ax.yaxis)
+    _label(ax, "question in sequence", "TTFT (s, log scale)", legend=True,
+           title="hotset: TTFT over the question sequence")
+    return fig
+
+
+def _throughput_plot(plt: Any, result: Mapping[str, Any]) -> Any:
+    """Requests/s against the batch size, one line per mode."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in dict.fromkeys(r["mode"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["mode"] == m]
+        ax.plot([r["concurrency"] for r in rows], [r["requests_per_s"] for r in rows], "o-", label=m)
+    _label(ax, "concurrent requests", "requests/s", legend=True, title="throughput: generate_many batches")
+    return fig
+
+
+#: ``result["benchmark"]`` -> its figure, drawn with ``matplotlib.pyplot``
+PLOTS: dict[str, Callable[[Any, Mapping[str, Any]], Any]] = {
+    "ttft": _ttft_plot, "hotset": _hotset_plot, "throughput": _throughput_plot,
+}
+
+
+def plot(result: Mapping[str, Any], path: Path) -> Path | None:
+    """A PNG for ttft (quality vs TTFT), hotset (TTFT over the sequence) and throughput; None otherwise."""
+    draw = PLOTS.get(result["benchmark"])
+    if draw is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = draw(plt, result)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+
+def write_result(result: dict[str, Any], out: Path, *, with_plot: bool = True) -> dict[str, Path]:
+    """Write ``out`` (JSON), ``out`` with .md (the tables) and, where there is one, .png (the plot)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out}
+    png = out.with_suffix(".png")
+    if with_plot and plot(result, png) is not None:
+        result["plot"] = png.name
+        paths["png"] = png
+    out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    md = out.with_suffix(".md")
+    header = (f"Measured {result.get('started', '')} on {result.get('machine', {}).get('cpu_count', '?')} cores "
+              f"({result.get('machine', {}).get('cpu_model', 'unknown CPU')}), load average at start "
+              f"{result.get('machine', {}).get('load_avg_1_5_15')}.\n\n")
+    md.write_text(header + render(result, markdown=True) + "\n", encoding="utf-8")
+    paths["md"] = md
+    return paths

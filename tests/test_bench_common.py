@@ -1,0 +1,45 @@
+"""ragcache.bench.common without a model: variants, rotated order, the per-request record."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ragcache.bench.common import BenchConfigError, make_variants, request_record, rotated, speedup
+from ragcache.engine import Generation, RequestMetrics
+
+
+def test_variants_put_full_first_and_expand_blend_per_ratio():
+    vs = make_variants(["blend", "reuse"], [0.3, 0.05], 0.15)
+    assert [v.name for v in vs] == ["full", "blend@0.05", "blend@0.15", "blend@0.3", "reuse"]
+    assert vs[2].ratio == 0.15 and vs[0].ratio is None
+    with pytest.raises(BenchConfigError):
+        make_variants(["fast"], [], 0.15)
+    with pytest.raises(BenchConfigError):
+        make_variants(["blend"], [1.5], 0.15)
+
+
+def test_rotated_order_changes_per_example():
+    assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert rotated([], 3) == []
+
+
+def test_request_record_holds_every_request_metric_rounded_and_the_answer():
+    m = RequestMetrics(mode="blend", ttft_s=0.123456789, total_s=1.5, load_s=0.01, worker_s=0.05, prompt_tokens=100,
+                       ctx_tokens=80, reused_tokens=70, recomputed_tokens=10, chunk_tiers=["cpu", "disk", "cpu"],
+                       stages={"rope_s": 0.0012345}, recompute_ratio=0.15, output_tokens=4)
+    rec = request_record(Generation("Paris", [1, 2], m))
+    assert {f.name for f in dataclasses.fields(RequestMetrics)} | {"tier_hits", "answer"} == set(rec)
+    assert rec["ttft_s"] == 0.1235 and rec["stages"] == {"rope_s": 0.0012} and rec["answer"] == "Paris"
+    assert rec["tier_hits"] == {"cpu": 2, "disk": 1} and rec["chunk_tiers"] == ["cpu", "disk", "cpu"]
+    assert rec["prompt_tokens"] == 100 and rec["recompute_ratio"] == 0.15
+
+
+def test_speedup_is_full_ttft_over_the_request_ttft():
+    def gen(ttft: float) -> Generation:
+        return Generation("", [], RequestMetrics(mode="full", ttft_s=ttft))
+
+    assert speedup(gen(2.0), gen(0.5)) == pytest.approx(4.0)
+    assert speedup(gen(2.0), gen(0.0)) is None

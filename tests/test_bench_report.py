@@ -1,0 +1,42 @@
+"""ragcache.bench.report without a model: tables, targets, plots and result files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragcache.bench.report import markdown_table, render, write_result
+from ragcache.bench.ttft import ttft_targets
+
+
+def _summary(name, mode, ratio, ttft, speedup, kl, nll, rel):
+    return {"variant": name, "mode": mode, "recompute_ratio": ratio, "n": 2, "ttft_median_s": ttft, "ttft_p90_s": ttft,
+            "ttft_mean_s": ttft, "speedup_median": speedup, "load_s_median": 0.0, "worker_s_median": 0.0,
+            "kl_mean": kl, "kl_median": kl, "gold_nll_mean": nll, "gold_nll_rel_full": rel, "f1_mean": 0.1,
+            "rouge_l_mean": 0.1, "em_mean": 0.0, "agree_em_mean": 1.0, "agree_rouge_l_mean": 1.0,
+            "agree_tokens_mean": 1.0, "recomputed_frac_mean": 0.15, "prompt_tokens_mean": 100.0}
+
+
+def test_ttft_targets_tables_and_plot(tmp_path):
+    modes = {"full": _summary("full", "full", None, 10.0, 1.0, 0.0, 2.0, 0.0),
+             "reuse": _summary("reuse", "reuse", None, 1.0, 10.0, 0.4, 2.2, 0.1),
+             "blend": _summary("blend@0.15", "blend", 0.15, 2.0, 5.0, 0.1, 2.02, 0.01)}
+    result = {"benchmark": "ttft", "n": 2, "passages": 3, "modes": modes,
+              "sweep": [_summary("blend@0.05", "blend", 0.05, 1.5, 6.6, 0.3, 2.1, 0.05), modes["blend"]],
+              "targets": ttft_targets(modes), "machine": {"cpu_count": 2}}
+    t = result["targets"]
+    assert t["blend_ttft_speedup"]["met"] and t["blend_kl_vs_reuse"]["value"] == pytest.approx(0.25)
+    assert t["blend_nll_within"]["met"] is True
+    text = render(result)
+    assert "blend (r=0.15)" in text and "recompute-ratio sweep" in text and "targets" in text
+    paths = write_result(result, tmp_path / "r.json")
+    assert json.loads(paths["json"].read_text())["plot"] == "r.png"
+    assert paths["png"].stat().st_size > 1000 and "| mode |" in paths["md"].read_text()
+
+
+def test_markdown_table_escapes_pipes_inside_cells():
+    md = markdown_table(["target", "limit"], [["KL(full||blend)", "|x| ≤ 0.02"]])
+    rows = md.splitlines()
+    assert rows[2] == "| KL(full\\|\\|blend) | \\|x\\| ≤ 0.02 |"
+    assert all(row.replace("\\|", "").count("|") == 3 for row in rows)
