@@ -26,19 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     s = actions.add_parser("stats", help="entries, occupancy and capacity of every tier",
                            formatter_class=HelpFormatter)
-    s.add_argument("--index", default="default", metavar="NAME",
-                   help="index whose chunks you are looking at (the store is shared by all indexes)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=run_stats)
 
     c = actions.add_parser("clear", help="delete every KV entry from every tier (disk folder and Redis too)",
                            formatter_class=HelpFormatter)
-    c.add_argument("--index", default="default", metavar="NAME", help="index name (printed only)")
     c.set_defaults(func=run_clear)
 
     v = actions.add_parser("verify", help="check every stored entry (header, size, checksums); remove bad ones",
                            formatter_class=HelpFormatter)
-    v.add_argument("--index", default="default", metavar="NAME", help="index name (printed only)")
     v.add_argument("--json", action="store_true", help="print JSON instead of a table")
     v.set_defaults(func=run_verify)
 
@@ -94,10 +90,9 @@ def run_stats(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if args.json:
-        print(json.dumps({"index": args.index, **_where(settings), "tiers": stats}, indent=2))
+        print(json.dumps({**_where(settings), "tiers": stats}, indent=2))
         return 0
-    print(f"index {args.index!r}: the KV store is shared by all indexes; "
-          f"disk folder {settings.store.ssd_cache_dir}")
+    print(f"the KV store (shared by all indexes); disk folder {settings.store.ssd_cache_dir}")
     if not stats:
         print("no tier is enabled (store.cpu_kv_pool_gb, ssd_cache_max_gb and remote_url are all off)")
         return 0
@@ -140,7 +135,7 @@ def run_verify(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if args.json:
-        print(json.dumps({"index": args.index, **_where(settings), "tiers": report}, indent=2))
+        print(json.dumps({**_where(settings), "tiers": report}, indent=2))
     else:
         if not report:
             print("no persistent tier is enabled (store.ssd_cache_max_gb = 0 and no remote_url)")

@@ -20,7 +20,8 @@ from ragcache.index import (
     previous_path,
     readable_path,
 )
-from ragcache.ingest import Ingestor, KVPrecomputeError, passage_doc_id
+from ragcache.ingest import Ingestor, KVPrecomputeError
+from ragcache.readers import passage_doc_id
 
 HOTPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa" / "hotpotqa_distractor_100.json"
 N_PASSAGES = 30

@@ -38,9 +38,9 @@ def setup(tmp_path):
 
 def test_cache_stats_json_reports_disk_occupancy_and_capacity(setup, capsys):
     settings, disk = setup
-    assert main(["--settings", str(settings), "cache", "stats", "--index", "docs", "--json"]) == 0
+    assert main(["--settings", str(settings), "cache", "stats", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["index"] == "docs" and list(out["tiers"]) == ["cpu", "disk"]
+    assert list(out["tiers"]) == ["cpu", "disk"]
     assert out["tiers"]["disk"]["entries"] == 4 and out["tiers"]["disk"]["capacity_bytes"] == 10**9
     assert out["tiers"]["disk"]["occupancy_bytes"] == sum(f.size for f in disk.scan())
 
