@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.help import HelpFormatter
-from ragcache.config import MODES
+from ragcache.bench.common import BENCH_MODES
+from ragcache.config import MODES, SELECTIONS
 
 _FMT = HelpFormatter
 
@@ -57,12 +58,19 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def _modes(text: str) -> list[str]:
-    vals = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [m for m in vals if m not in MODES]
-    if bad or not vals:
-        raise argparse.ArgumentTypeError(f"modes must be some of {','.join(MODES)}; got {text!r}")
-    return vals
+def _choices(allowed: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of ``allowed``, else a one-line error."""
+    def parse(text: str) -> list[str]:
+        vals = [x.strip() for x in text.split(",") if x.strip()]
+        if not vals or any(v not in allowed for v in vals):
+            raise argparse.ArgumentTypeError(f"{what} must be some of {','.join(allowed)}; got {text!r}")
+        return vals
+    return parse
+
+
+_modes = _choices(MODES, "modes")
+_bench_modes = _choices(BENCH_MODES, "modes")
+_selections = _choices(SELECTIONS, "selections")
 
 
 def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset: str = "musique") -> None:
@@ -89,9 +97,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--n", type=_positive, default=10, help="examples")
     t.add_argument("--offset", type=_non_negative, default=0, help="first example")
     t.add_argument("--passages", type=_positive, default=10, help="passages (chunks) per prompt, in the file's order")
-    t.add_argument("--modes", type=_modes, default=",".join(MODES), help="modes to compare (full is always run)")
+    t.add_argument("--modes", type=_bench_modes, default=",".join(BENCH_MODES),
+                   help="modes to compare (full is always run; plain = the same prompts through a plain vLLM "
+                   "engine without ragcache, in a child process)")
     t.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3,1",
                    help="recompute ratios of the blend sweep (blend.recompute_ratio is always included)")
+    t.add_argument("--selections", type=_selections, default=None,
+                   help="token-selection strategies of the blend sweep, e.g. deviation,question,hybrid "
+                   "(default: blend.selection)")
     t.add_argument("--max-tokens", type=_positive, default=32, help="tokens decoded per answer (greedy)")
     t.add_argument("--prefix-warmup", choices=["chunks", "context", "none"], default="chunks",
                    help="untimed warm-up before each prefix request: each chunk once after the head (chunks), "
@@ -243,10 +256,11 @@ def run_ttft(args: argparse.Namespace) -> int:
     from ragcache.bench.ttft import run_ttft as run
 
     examples = _load(args, args.n, args.offset)
-    make_variants(args.modes, args.ratios, 0.15)  # validate flags before the engine starts
+    make_variants(args.modes, args.ratios, 0.15, args.selections or ())  # validate before the engine starts
     return _with_engine(args, lambda eng: run(
-        eng, examples, modes=args.modes, ratios=args.ratios, passages=args.passages, max_tokens=args.max_tokens,
-        prefix_warmup=args.prefix_warmup, nll=not args.no_nll, progress=_say, checkpoint=_checkpoint(args)))
+        eng, examples, modes=args.modes, ratios=args.ratios, selections=args.selections or (),
+        passages=args.passages, max_tokens=args.max_tokens, prefix_warmup=args.prefix_warmup, nll=not args.no_nll,
+        progress=_say, checkpoint=_checkpoint(args)))
 
 
 @_user_error
@@ -263,7 +277,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 @_user_error
 def run_hotset(args: argparse.Namespace) -> int:
-    from ragcache.bench.hotset import build_hotset, run_hotset as run
+    from ragcache.bench.hotset import build_hotset
+    from ragcache.bench.hotset import run_hotset as run
 
     questions = build_hotset(_load(args, None), questions=args.questions, passages=args.passages,
                              overlap=args.overlap, hot_pool=args.hot_pool, seed=args.seed)
@@ -294,7 +309,8 @@ def run_ingest(args: argparse.Namespace) -> int:
 def run_tiers(args: argparse.Namespace) -> int:
     from ragcache.bench.common import BenchConfigError
     from ragcache.bench.environment import utc_now
-    from ragcache.bench.tiers import TIER_LAYOUTS, run_tiers as run
+    from ragcache.bench.tiers import TIER_LAYOUTS
+    from ragcache.bench.tiers import run_tiers as run
 
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     bad = [x for x in layouts if x not in TIER_LAYOUTS]

@@ -8,15 +8,14 @@ line saying what to do and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 
-from app import ask_cmd, bench_cmd, cache_cmd, demo_cmd, ingest_cmd, setup_cmd
+from app import ask_cmd, bench_cmd, cache_cmd, calibrate_cmd, demo_cmd, ingest_cmd, setup_cmd
 from app.help import HelpFormatter
+from app.output import configure_output
 
 #: modules under app/ that add subcommands, in --help order
-COMMANDS = (setup_cmd, ingest_cmd, ask_cmd, demo_cmd, cache_cmd, bench_cmd)
+COMMANDS = (setup_cmd, ingest_cmd, ask_cmd, calibrate_cmd, demo_cmd, cache_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_output(args.verbose)
+
     from ragcache.config import ConfigError
     from ragcache.index import IndexMismatchError, IndexNotFoundError
     from ragcache.models import ModelNotFoundError
@@ -43,17 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     user_errors = (ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, EmptyIndexError,
                    PromptTooLongError)
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    # vLLM logs to stdout by default: keep stdout for answers (and `--json` parseable); its
-    # start-up chatter is hidden unless -v
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

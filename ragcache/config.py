@@ -18,7 +18,7 @@ import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
@@ -33,6 +33,9 @@ DEFAULT_CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
+SelectionName = Literal["deviation", "question", "hybrid"]
+#: the token-selection strategies of ragcache.blend.select (a test checks the two lists agree)
+SELECTIONS: tuple[str, ...] = get_args(SelectionName)
 
 
 class ConfigError(ValueError):
@@ -75,10 +78,14 @@ class EngineSettings(_Section):
 class BlendSettings(_Section):
     """CacheBlend selective recompute (Yao et al., EuroSys'25) and how its tokens are selected."""
 
-    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0, description="share of context tokens recomputed")
+    recompute_ratio: float | Literal["auto"] = Field(
+        0.15, description="share of context tokens recomputed, in [0, 1], or 'auto': the index's calibrated ratio "
+        "(`ragcache calibrate`), else fallback_ratio")
+    fallback_ratio: float = Field(
+        0.15, ge=0.0, le=1.0, description="ratio used when recompute_ratio = 'auto' and the index has no calibration")
     check_layer: int = Field(1, ge=0, description="layer where the recomputed tokens are selected")
     deviation: Literal["value", "key"] = Field("value", description="KV deviation measured on V or K")
-    selection: Literal["deviation", "question", "hybrid"] = Field(
+    selection: SelectionName = Field(
         "deviation", description="how tokens are selected: KV deviation, question attention, or a hybrid")
     chunk_head_tokens: int = Field(
         0, ge=0, le=64, description="hybrid: the first k tokens of every moved chunk are always recomputed")
@@ -87,6 +94,24 @@ class BlendSettings(_Section):
     max_chunk_share: float = Field(
         1.0, gt=0.0, le=1.0, description="hybrid: largest share of the budget one chunk may take")
     pipeline_overlap: bool = Field(True, description="load layer i+1 while computing layer i")
+
+    @field_validator("recompute_ratio", mode="before")
+    @classmethod
+    def _check_ratio(cls, v: Any) -> float | str:
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        try:
+            ratio = float(v)
+        except (TypeError, ValueError):
+            raise ValueError("must be a number in [0, 1] or 'auto'") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError("must be in [0, 1] (or 'auto')")
+        return ratio
+
+    @property
+    def static_ratio(self) -> float:
+        """The ratio when no calibration is consulted: ``recompute_ratio``, or ``fallback_ratio`` for "auto"."""
+        return self.fallback_ratio if self.recompute_ratio == "auto" else float(self.recompute_ratio)
 
 
 class StoreSettings(_Section):

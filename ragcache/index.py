@@ -13,6 +13,8 @@ An index folder (``indexes/NAME`` by default) holds llama-index's persisted stor
     default__vector_store.json  the FAISS index (faiss.IndexIDMap2 over IndexFlatIP; binary)
     id_map.json                 FAISS id <-> node id (JSON)
     manifest.json               ragcache's own: build settings, per-file fingerprints, per-doc nodes
+    calibration.json            optional: the calibrated recompute ratios (ragcache.calibrate),
+                                carried over to every new version of the index
 
 The folder is never modified in place: an ingest writes a complete new version into a temporary
 sibling (``.NAME.staging-*``) and swaps it in with two renames (:func:`swap_in`). Between those
@@ -45,6 +47,7 @@ if TYPE_CHECKING:  # heavy imports stay lazy: `ragcache --help` must not load to
     from ragcache.config import Settings
 
 MANIFEST = "manifest.json"
+CALIBRATION = "calibration.json"
 ID_MAP = "id_map.json"
 #: Bump when the folder layout or the manifest schema changes incompatibly.
 INDEX_FORMAT_VERSION = 1

@@ -33,6 +33,7 @@ from llama_index.core.schema import Document
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.config import ConfigError
 from ragcache.index import (
+    CALIBRATION,
     BuildInfo,
     DocEntry,
     FileEntry,
@@ -477,6 +478,9 @@ class Ingestor:
         os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; the index is an ordinary folder
         try:
             index.persist(staging)
+            previous = readable_path(self.path)
+            if previous is not None and (previous / CALIBRATION).is_file():  # calibration outlives an ingest
+                shutil.copy2(previous / CALIBRATION, staging / CALIBRATION)
             if self.kv_hook is not None and new_chunks:
                 try:
                     self.kv_hook(new_chunks)

@@ -231,6 +231,16 @@ def resolve_embedding_model(name: str) -> Path:
     return folder
 
 
+def num_hidden_layers(path: str | os.PathLike[str]) -> int:
+    """Decoder layers of the HF model folder at ``path`` (``num_hidden_layers`` in its config.json).
+
+    Raises:
+        OSError: no readable config.json. KeyError: the config has no ``num_hidden_layers``.
+    """
+    config = json.loads((Path(path) / "config.json").read_text())
+    return int(config.get("text_config", config)["num_hidden_layers"])
+
+
 def encode(tokenizer: Any, text: str) -> list[int]:
     """LLM token ids of ``text`` with no special tokens added (no BOS/EOS): how ragcache tokenizes
     chunks, prompt pieces and answers, so the same text always gives the same ids.

@@ -26,6 +26,7 @@ from ragcache.config import Settings
 from ragcache.engine.messages import RequestMetrics
 
 if TYPE_CHECKING:
+    from ragcache.calibrate import Calibration
     from ragcache.engine import BlendEngine, Generation
     from ragcache.ingest import IngestReport
     from ragcache.retrieval import RetrievedChunk, Retriever
@@ -89,6 +90,8 @@ class RAGPipeline:
         self.engine = engine
         self._retriever: "Retriever | None" = None
         self._lock = threading.RLock()
+        self._calibration: "tuple[int, Calibration | None] | None" = None  # (file mtime ns, calibration)
+        self._warned_fallback = False
 
     @classmethod
     def open(cls, settings: Settings | None = None, index: str | Path = "default",
@@ -160,14 +163,56 @@ class RAGPipeline:
 
     @staticmethod
     def _answer(question: str, found: Sequence["RetrievedChunk"], gen: "Generation", retrieval_s: float,
-                t0: float) -> Answer:
+                t0: float, ratio_source: str) -> Answer:
         m = gen.metrics
         tiers = m.chunk_tiers or [""] * len(found)
         sources = [Source(r.chunk.doc_id, r.chunk.title, r.chunk.text, r.score, r.chunk.chunk_id, tier)
                    for r, tier in zip(found, tiers)]
         m.retrieval_s = retrieval_s
         m.total_s = time.perf_counter() - t0
+        m.ratio_source = ratio_source if m.mode == "blend" else ""
         return Answer(question, gen.text.strip(), sources, m)
+
+    # ---- recompute ratio ---------------------------------------------------------------------
+
+    def calibration(self) -> "Calibration | None":
+        """The index's calibration for the engine's model and ``blend.selection`` (``ragcache
+        calibrate``), or None; re-read when the file changes."""
+        from ragcache.calibrate import CALIBRATION_FILE, read_calibration
+        from ragcache.index import readable_path
+
+        folder = readable_path(self.index_path)
+        if folder is None:
+            return None
+        try:
+            stamp = (folder / CALIBRATION_FILE).stat().st_mtime_ns
+        except OSError:
+            return None
+        if self._calibration is None or self._calibration[0] != stamp:
+            cal = read_calibration(folder, self.engine.llm_info.fingerprint, self.settings.blend.selection)
+            self._calibration = (stamp, cal)
+        return self._calibration[1]
+
+    def recompute_ratio(self, override: float | None = None) -> tuple[float, str]:
+        """The blend ratio for a query and where it came from: ``"request"`` (``override``),
+        ``"settings"`` (a number in ``blend.recompute_ratio``), ``"calibration"`` (``"auto"`` and
+        the index is calibrated) or ``"fallback"`` (``"auto"`` without a usable calibration:
+        ``blend.fallback_ratio``, with a warning once)."""
+        b = self.settings.blend
+        if override is not None:
+            return float(override), "request"
+        if b.recompute_ratio != "auto":
+            return float(b.recompute_ratio), "settings"
+        cal = self.calibration()
+        if cal is not None and cal.ratio is not None:
+            return cal.ratio, "calibration"
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            why = ("its calibration found no ratio within max_kl; consider --mode full" if cal is not None
+                   else f"run `ragcache calibrate --index {self.index_name}`")
+            log.warning("blend.recompute_ratio = 'auto' but the index %s has no calibrated ratio (%s); using "
+                        "blend.fallback_ratio = %g", self.index_name, why, b.fallback_ratio)
+        return b.fallback_ratio, "fallback"
 
     def query(self, question: str, mode: str | None = None, top_k: int | None = None, *,
               max_tokens: int | None = None, recompute_ratio: float | None = None) -> Answer:
@@ -176,7 +221,8 @@ class RAGPipeline:
         Args:
             mode: full, prefix, reuse or blend (default ``engine.mode``).
             top_k: chunks to retrieve (default ``retrieval.top_k``).
-            recompute_ratio: override ``blend.recompute_ratio`` for this query.
+            recompute_ratio: override ``blend.recompute_ratio`` for this query (see :meth:`recompute_ratio`
+                for where the ratio comes from otherwise; ``answer.metrics.ratio_source`` says which).
 
         Raises:
             ValueError: empty question or unknown mode. PromptTooLongError: the prompt does not fit
@@ -184,19 +230,21 @@ class RAGPipeline:
         """
         with self._lock:
             t0, found, retrieval_s, prompt = self._prepare(question, top_k)
-            gen = self.engine.generate(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio)
-        return self._answer(question, found, gen, retrieval_s, t0)
+            ratio, source = self.recompute_ratio(recompute_ratio)
+            gen = self.engine.generate(prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio)
+        return self._answer(question, found, gen, retrieval_s, t0, source)
 
     def stream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
                max_tokens: int | None = None, recompute_ratio: float | None = None) -> Iterator[str | Answer]:
         """Yield the answer's text pieces as they are decoded, then the :class:`Answer`."""
         with self._lock:
             t0, found, retrieval_s, prompt = self._prepare(question, top_k)
-            for item in self.engine.stream(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio):
+            ratio, source = self.recompute_ratio(recompute_ratio)
+            for item in self.engine.stream(prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio):
                 if isinstance(item, str):
                     yield item
                 else:
-                    yield self._answer(question, found, item, retrieval_s, t0)
+                    yield self._answer(question, found, item, retrieval_s, t0, source)
 
     # ---- cache -----------------------------------------------------------------------------
 

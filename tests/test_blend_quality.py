@@ -85,35 +85,45 @@ def test_blend_first_token_distribution_is_closer_to_full_prefill_than_reuse(smo
     assert mean_blend < mean_reuse
 
 
-def test_question_selection_spends_more_budget_on_the_chunk_the_question_asks_about(smol):
+FACTS = [
+    "The river Aster runs through the old town, past the fish market and the glass-blowers' quarter.",
+    "The Amber Hall, where the Zorbian parliament meets, has 212 seats and a copper roof built in 1788.",
+    "Winters in the northern valleys are long; shepherds move their flocks to the coast in October.",
+    "The national dish is kelmet, a stew of lentils, smoked fish and saffron served on holidays.",
+]
+ASKS = ["Which quarter does the river Aster pass?", "How many seats does the Amber Hall have?",
+        "When do shepherds move their flocks to the coast?", "What is kelmet made of?"]
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [2, 3, 0, 1]])
+def test_question_selection_spends_more_budget_on_the_chunk_the_question_asks_about(smol, order):
+    """Each question names a phrase found in one chunk only. The chunks have the same length and the
+    same place in every prompt, so a chunk's share of the budget can only change with the question:
+    it must be larger when the question asks about that chunk than when it asks about another one.
+    (Across places the comparison is confounded: on this model the question's attention favours the
+    chunks nearest to it, whatever they say.)"""
     from ragcache.blend import Selection
 
     model, ops, tokenizer = smol
-    texts = [
-        "The river Aster runs through the old town, past the fish market and the glass-blowers' quarter.",
-        "The Amber Hall, where the Zorbian parliament meets, has 212 seats and a copper roof built in 1788.",
-        "Winters in the northern valleys are long; shepherds move their flocks to the coast in October.",
-        "The national dish is kelmet, a stew of lentils, smoked fish and saffron served on holidays.",
-    ]
-    units = [tokenizer(t + "\n\n", add_special_tokens=False)["input_ids"] for t in texts]
+    units = [tokenizer(FACTS[i] + "\n\n", add_special_tokens=False)["input_ids"] for i in order]
     length = min(len(u) for u in units)
-    units = [u[:length] for u in units]  # same length: a fair comparison of counts
+    units = [u[:length] for u in units]
     lead_in = tokenizer(LEAD_IN, add_special_tokens=False)["input_ids"]
     context = cached_context(ops, lead_in, units)
-    tail = tokenizer("Question: How many seats does the Amber Hall have?<|im_end|>\n<|im_start|>assistant\n",
-                     add_special_tokens=False)["input_ids"]
-    starts = [0] + context.chunk_starts
     exact = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
     exact[:context.chunk_starts[1]] = True  # lead-in and first chunk sit where they were computed
-    result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=0.15,
-                      check_layer=1, deviation="value", selection=Selection("question"), tail_ids=torch.tensor(tail),
-                      segment_starts=starts, exact=exact, on_layer=LayerCollector(ops.num_layers))
-    picked = result.selected.tolist()
-
-    def count(chunk: int) -> int:
-        lo = context.chunk_starts[chunk]
-        return sum(lo <= i < lo + length for i in picked)
-
-    asked, unrelated = count(1), [count(2), count(3)]
-    print(f"\nselected per chunk: asked-about {asked}, unrelated {unrelated}")
-    assert asked > max(unrelated)
+    counts = {}  # fact asked about -> selected tokens per chunk place
+    for fact, question in enumerate(ASKS):
+        tail = tokenizer(f"Question: {question}<|im_end|>\n<|im_start|>assistant\n",
+                         add_special_tokens=False)["input_ids"]
+        result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=0.15,
+                          check_layer=1, deviation="value", selection=Selection("question"),
+                          tail_ids=torch.tensor(tail), segment_starts=[0] + context.chunk_starts, exact=exact,
+                          on_layer=LayerCollector(ops.num_layers))
+        picked = result.selected.tolist()
+        counts[fact] = [sum(start <= i < start + length for i in picked) for start in context.chunk_starts]
+    print(f"\nselected per chunk place, by the fact asked about: {counts}")
+    for place in (1, 2, 3):  # place 0 is exact: never selected at this ratio
+        asked = order[place]
+        others = [counts[f][place] for f in range(len(FACTS)) if f != asked]
+        assert counts[asked][place] > max(others), (place, counts)

@@ -160,3 +160,10 @@ def test_question_scores_are_the_tail_queries_softmax_weights_on_the_context():
             expected += w[:n]
     torch.testing.assert_close(got, expected / (t * hq))
     assert float(got.sum()) < 1.0  # part of the attention stays on the tail itself
+
+
+def test_the_settings_offer_exactly_the_blend_selection_strategies():
+    from ragcache.blend import SELECTIONS
+    from ragcache.config import SELECTIONS as SETTING_CHOICES
+
+    assert SETTING_CHOICES == SELECTIONS

@@ -78,7 +78,9 @@ def test_settings_file_from_env_and_cwd(tmp_path, monkeypatch):
     [
         ("[store]\ncpu_kv_pool_gb = -1\n", ["store.cpu_kv_pool_gb", "-1", "greater than or equal to 0"]),
         ("[store]\nssd_cache_max_gb = -0.5\n", ["store.ssd_cache_max_gb", "-0.5"]),
-        ("[blend]\nrecompute_ratio = 1.5\n", ["blend.recompute_ratio", "1.5", "less than or equal to 1"]),
+        ("[blend]\nrecompute_ratio = 1.5\n", ["blend.recompute_ratio", "1.5", "must be in [0, 1] (or 'auto')"]),
+        ("[blend]\nrecompute_ratio = \"fast\"\n", ["blend.recompute_ratio", "fast", "a number in [0, 1] or 'auto'"]),
+        ("[blend]\nselection = \"attention\"\n", ["blend.selection", "attention", "'deviation', 'question' or 'hybrid'"]),
         ("[blend]\nrecompute_ratio = -0.1\n", ["blend.recompute_ratio", "-0.1"]),
         ("[store]\neviction_policy = \"fifo\"\n", ["store.eviction_policy", "fifo", "'lru' or 'lfu'"]),
         ("[store]\nremote_url = \"http://x\"\n", ["store.remote_url", "redis://"]),

@@ -68,7 +68,7 @@ def test_blend_params_round_trip_through_plain_data():
         BlendParams.from_dict({k: v for k, v in d.items() if k != "ctx_len"})
     with pytest.raises(ValueError, match="modes"):
         params(mode="full")
-    with pytest.raises(ValueError, match=r"recompute_ratio = 1.5: .*less than or equal to 1"):
+    with pytest.raises(ValueError, match=r"recompute_ratio = 1.5: .*must be in \[0, 1\]"):
         params(recompute_ratio=1.5)
     with pytest.raises(ValueError, match="selection = 'attention'"):
         params(selection="attention")

@@ -34,7 +34,7 @@ MODE_HELP = ("blend: reuse chunk KV and recompute the HKVD tokens (CacheBlend) Â
 class QueryOptions:
     mode: str
     top_k: int
-    recompute_ratio: float
+    recompute_ratio: float | None  # None: the pipeline's own (blend.recompute_ratio, "auto" = calibrated)
     compare: bool
 
 
@@ -44,9 +44,12 @@ def sidebar_controls(settings: Settings) -> QueryOptions:
         st.subheader("Query")
         mode = st.selectbox("Mode", MODES, index=MODES.index(settings.engine.mode), key="mode",
                             persist_state="session", help=MODE_HELP)
-        ratio = st.slider("Recompute ratio", 0.0, 1.0, float(settings.blend.recompute_ratio), 0.01,
-                          key="recompute_ratio", persist_state="session", disabled=mode != "blend",
-                          help="share of context tokens recomputed in blend mode (HKVD tokens)")
+        auto = settings.blend.recompute_ratio == "auto" and st.toggle(
+            "Calibrated ratio (auto)", value=True, key="ratio_auto", persist_state="session", disabled=mode != "blend",
+            help="use the ratio `ragcache calibrate` recorded for this index (blend.fallback_ratio without one)")
+        ratio = st.slider("Recompute ratio", 0.0, 1.0, float(settings.blend.static_ratio), 0.01,
+                          key="recompute_ratio", persist_state="session", disabled=mode != "blend" or auto,
+                          help="share of context tokens recomputed in blend mode")
         top_k = st.number_input("top_k", 1, 100, int(settings.retrieval.top_k), 1, key="top_k",
                                 persist_state="session", help="chunks retrieved per question")
         compare = st.toggle("Compare with full prefill", key="compare", persist_state="session",
@@ -55,7 +58,7 @@ def sidebar_controls(settings: Settings) -> QueryOptions:
         if st.button("Clear conversation", icon=":material/delete_sweep:", disabled=not st.session_state[MESSAGES]):
             st.session_state[MESSAGES] = []
             st.session_state[TTFT_LOG] = []
-    return QueryOptions(mode, int(top_k), float(ratio), bool(compare) and mode != "full")
+    return QueryOptions(mode, int(top_k), None if auto else float(ratio), bool(compare) and mode != "full")
 
 
 def render(settings: Settings, index: str | None) -> None:

@@ -56,6 +56,8 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
              f"prompt {m.prompt_tokens:,} tokens", f"{m.output_tokens} tokens out"]
     if m.worker_s:
         parts[1:1] = [f"KV load {seconds(m.load_s)}", f"context ready in {seconds(m.worker_s)}"]
+    if m.recompute_ratio is not None:
+        parts.insert(0, f"recompute ratio {m.recompute_ratio:g} ({m.ratio_source or 'set'})")
     st.caption(" · ".join(parts))
 
 

@@ -56,20 +56,33 @@ def _pct(v: float | None) -> float | None:
 
 
 def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
-    h = ["mode", "TTFT med (s)", "TTFT p90 (s)", "speedup", "KL vs full", "gold NLL", "NLL vs full %",
-         "F1", "Rouge-L", "agree EM", "agree Rouge-L", "recomputed %"]
+    h = ["mode", "TTFT med (s)", "TTFT p90 (s)", "speedup", "vs best", "KL vs full", "answer NLL vs full %",
+         "gold NLL", "NLL vs full %", "F1", "Rouge-L", "agree EM", "agree Rouge-L", "recomputed %"]
 
     def row(name: str, s: Mapping[str, Any]) -> list[Any]:
-        return [name, s["ttft_median_s"], s["ttft_p90_s"], s["speedup_median"], s["kl_mean"], s["gold_nll_mean"],
-                _pct(s["gold_nll_rel_full"]), s["f1_mean"], s["rouge_l_mean"], s["agree_em_mean"],
-                s["agree_rouge_l_mean"], _pct(s["recomputed_frac_mean"])]
-    main = [row(k if k != "blend" else f"blend (r={s['recompute_ratio']:g})", s) for k, s in result["modes"].items()]
-    sweep = [row(f"r={s['recompute_ratio']:g}", s) for s in result["sweep"]]
+        return [name, s["ttft_median_s"], s["ttft_p90_s"], s["speedup_median"], s.get("speedup_vs_best_median"),
+                s["kl_mean"], _pct(s.get("answer_nll_rel_full")), s["gold_nll_mean"], _pct(s["gold_nll_rel_full"]),
+                s["f1_mean"], s["rouge_l_mean"], s["agree_em_mean"], s["agree_rouge_l_mean"],
+                _pct(s["recomputed_frac_mean"])]
+    main = [row(k if k != "blend" else s["variant"], s) for k, s in result["modes"].items()]
+    sweep = [row(s["variant"], s) for s in result["sweep"]]
     if "reuse" in result["modes"]:
         sweep.insert(0, row("reuse", result["modes"]["reuse"]))
-    out = [(f"TTFT and quality by mode (n={result['n']}, {result['passages']} passages)", h, main)]
+    out = [(f"TTFT and quality by mode (n={result['n']}, {result['passages']} passages; 'vs best' = "
+            f"min(TTFT full, TTFT plain vLLM) / TTFT)", h, main)]
     if len(result["sweep"]) > 1:
-        out.append(("recompute-ratio sweep (blend)", h, sweep))
+        out.append(("recompute-ratio sweep (blend, per selection strategy)", h, sweep))
+    st = result.get("stages")
+    if st:
+        names = sorted(set(st["stages_s"]) | set(st["stages_s_ratio_one"]) | set(st["stages_s_reuse"]))
+        rows = [[k, st["stages_s"].get(k), st["stages_s_ratio_one"].get(k), st["stages_s_reuse"].get(k)]
+                for k in names]
+        rows.append(["worker total", st["worker_s"], st["worker_s_ratio_one"], st["worker_s_reuse"]])
+        if st.get("floor_s") is not None:
+            rows.append([f"compute floor (c={st['check_layer']}, L={st['num_layers']})", st["floor_s"], None, None])
+            rows.append(["worker / floor", st["worker_vs_floor"], None, None])
+        out.append((f"worker seconds by stage, medians ({st['variant']} vs ratio 1 vs reuse)",
+                    ["stage", st["variant"], "ratio 1", "reuse"], rows))
     return out
 
 
@@ -192,24 +205,33 @@ def _label(ax: Any, xlabel: str, ylabel: str, *, legend: bool = False, title: st
 
 
 def _ttft_plot(plt: Any, result: Mapping[str, Any]) -> Any:
-    """Quality (first-token KL, gold NLL) against median TTFT: the blend sweep and the other modes."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Quality (first-token KL, NLL of full's own answer, gold NLL) against median TTFT: one blend
+    curve per token-selection strategy over the ratio sweep, and the other modes as points."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    curves: dict[str, list[Mapping[str, Any]]] = {}
+    for s in result["sweep"]:
+        curves.setdefault(s.get("selection") or "blend", []).append(s)
+    colors = ["tab:blue", "tab:orange", "tab:purple", "tab:olive", "tab:cyan"]
     for ax, key, label in ((axes[0], "kl_mean", "first-token KL(full || mode), nats"),
-                           (axes[1], "gold_nll_mean", "gold-answer NLL, nats/token")):
-        sweep = [s for s in result["sweep"] if s[key] is not None]
-        ax.plot([s["ttft_median_s"] for s in sweep], [s[key] for s in sweep], "o-", color="tab:blue",
-                label="blend (recompute ratio)")
-        for s in sweep:
-            ax.annotate(f"{s['recompute_ratio']:g}", (s["ttft_median_s"], s[key]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
-        for name, marker, color in (("full", "s", "black"), ("prefix", "^", "tab:green"), ("reuse", "x", "tab:red")):
+                           (axes[1], "answer_nll_mean", "NLL of full prefill's answer, nats/token"),
+                           (axes[2], "gold_nll_mean", "gold-answer NLL, nats/token")):
+        for (name, sweep), color in zip(curves.items(), colors):
+            sweep = [s for s in sweep if s.get(key) is not None]
+            ax.plot([s["ttft_median_s"] for s in sweep], [s[key] for s in sweep], "o-", color=color,
+                    label=f"blend: {name}")
+            for s in sweep:
+                ax.annotate(f"{s['recompute_ratio']:g}", (s["ttft_median_s"], s[key]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7, color=color)
+        for name, marker, color in (("full", "s", "black"), ("plain", "D", "tab:gray"), ("prefix", "^", "tab:green"),
+                                    ("reuse", "x", "tab:red")):
             s = result["modes"].get(name)
-            if s and s[key] is not None:
+            if s and s.get(key) is not None:
                 ax.plot([s["ttft_median_s"]], [s[key]], marker, color=color, markersize=8, label=name)
         _log_axis(ax.xaxis)
         _label(ax, "median TTFT (s, log scale)", label)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"quality vs TTFT, n={result['n']} ({result['passages']} passages per prompt)")
+    fig.suptitle(f"quality vs TTFT, n={result['n']} ({result['passages']} passages per prompt); "
+                 "numbers: recompute ratio")
     return fig
 
 

@@ -12,14 +12,16 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ragcache.bench.common import (
-    TARGETS, Checkpoint, Progress, Variant, answer_ids, make_variants, ratio_name, request_record, rotated, speedup,
-    target, warm_prefix_cache, warm_up,
+    PLAIN, TARGETS, Checkpoint, Progress, Variant, answer_ids, make_variants, ratio_name, request_record, rotated,
+    speedup, target, warm_prefix_cache, warm_up,
 )
+from ragcache.bench.plain import PlainVLLM
 from ragcache.bench.datasets import QAExample, make_chunks
 from ragcache.bench.metrics import (
     exact_match, kl_divergence, mean, mean_nll, median, percentile, rouge_l, rounded, token_f1,
 )
 from ragcache.config import MODES
+from ragcache.models import num_hidden_layers
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
@@ -28,116 +30,164 @@ if TYPE_CHECKING:
 
 def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Sequence[str] = MODES,
              ratios: Sequence[float] = (0.0, 0.05, 0.1, 0.15, 0.3, 1.0), default_ratio: float | None = None,
-             passages: int = 10, max_tokens: int = 32, prefix_warmup: str = "chunks", nll: bool = True,
-             progress: Progress | None = None, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+             selections: Sequence[str] = (), passages: int = 10, max_tokens: int = 32,
+             prefix_warmup: str = "chunks", nll: bool = True, progress: Progress | None = None,
+             checkpoint: Checkpoint | None = None) -> dict[str, Any]:
     """TTFT and quality of every mode on the same prompts, asked in a rotated order per example.
 
     Per example: chunks from its first ``passages`` passages (file order), KV precomputed once
     (before the first example, :func:`~ragcache.bench.common.warm_up`); vLLM's prefix cache reset;
     then one timed greedy request per variant (``max_tokens`` decoded, first-token distribution
     over the whole vocabulary); ``prefix`` is preceded by an untimed warm-up (see
-    :func:`~ragcache.bench.common.warm_prefix_cache`). After the timed requests, the gold answer's
-    mean NLL is scored per variant with ``engine.continuation_logprobs`` (``full`` and ``prefix``
-    both serve exact KV, so one exact score, taken in ``prefix`` mode over the warm cache, stands
-    for both).
+    :func:`~ragcache.bench.common.warm_prefix_cache`); ``plain`` goes to a plain vLLM engine in a
+    child process (:class:`~ragcache.bench.plain.PlainVLLM`: same model, dtype and limits, no
+    connector). After the timed requests, two teacher-forced scores per variant (with
+    ``engine.continuation_logprobs``): the mean NLL of full prefill's own greedy answer (gold-free:
+    works on any corpus) and of the gold answer (``full`` and ``prefix`` both serve exact KV, so one
+    exact score, taken in ``prefix`` mode over the warm cache, stands for both).
 
-    Returns a dict with ``modes`` (summary of full/prefix/reuse/blend at ``default_ratio``),
-    ``sweep`` (one summary per blend ratio), ``variants`` (every variant's summary), ``targets`` and
-    ``examples`` (per-example records of every variant). ``checkpoint``, when given, receives the
-    result so far (``"partial": True``) after every example, so an interrupted run keeps its data.
+    ``selections`` runs the blend ratio sweep once per token-selection strategy (default: only
+    ``blend.selection``).
+
+    Returns a dict with ``modes`` (summary of full/plain/prefix/reuse/blend at ``default_ratio``),
+    ``sweep`` (one summary per blend variant), ``variants`` (every variant's summary), ``stages``
+    (the blend's worker time by stage, with its compute floor), ``targets`` and ``examples``
+    (per-example records of every variant). ``checkpoint``, when given, receives the result so far
+    (``"partial": True``) after every example, so an interrupted run keeps its data.
     """
     say = progress or (lambda _msg: None)
-    default_ratio = engine.settings.blend.recompute_ratio if default_ratio is None else default_ratio
-    variants = make_variants(modes, ratios, default_ratio)
+    blend_settings = engine.settings.blend
+    default_ratio = blend_settings.recompute_ratio if default_ratio is None else default_ratio
+    variants = make_variants(modes, ratios, default_ratio, selections, blend_settings.selection)
+    main_blend = next((v.name for v in variants if v.mode == "blend" and v.ratio == default_ratio
+                       and v.selection in (None, blend_settings.selection)), None)
+    plain = PlainVLLM.like(engine) if any(v.mode == PLAIN for v in variants) else None
     records: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    for i, ex in enumerate(examples):
-        t_ex = time.perf_counter()
-        chunks = make_chunks(engine.tokenizer, ex.passages[:passages])
-        pre = engine.precompute(chunks)
-        prompt = engine.prompts.build(ex.question, chunks)
-        if i == 0:
-            warm_up(engine, chunks, [v.mode for v in variants])
-        engine.reset_prefix_cache()
-        gens: dict[str, Generation] = {}
-        order = rotated(variants, i)
-        for v in order:
-            if v.mode == "prefix":
-                warm_prefix_cache(engine, chunks, prefix_warmup)
-            gens[v.name] = engine.generate(prompt, v.mode, recompute_ratio=v.ratio, max_tokens=max_tokens,
-                                           logprobs=-1)
-        gold_ids = answer_ids(engine, ex.answers[0]) if (nll and ex.answers) else []
-        nlls = _gold_nlls(engine, prompt, gold_ids, variants)
-        results = {v.name: _quality_record(gens[v.name], gens["full"], v, ex.answers, nlls[v.name])
-                   for v in variants}
-        records.append({
-            "index": ex.index, "question": ex.question, "answers": ex.answers,
-            "passages": len(chunks), "prompt_tokens": len(prompt.token_ids), "ctx_tokens": prompt.ctx_len,
-            "gold_answer_tokens": len(gold_ids), "precompute": pre, "order": [v.name for v in order],
-            "results": results,
-        })
-        brief = "  ".join(f"{v.name} {results[v.name]['ttft_s']:.2f}s" for v in variants)
-        say(f"[{i + 1}/{len(examples)}] example {ex.index}: {len(prompt.token_ids)} tokens | {brief} "
-            f"| {time.perf_counter() - t_ex:.0f} s")
-        if checkpoint is not None and i + 1 < len(examples):
-            checkpoint({**_ttft_result(variants, records, default_ratio, passages, max_tokens, prefix_warmup,
-                                       time.perf_counter() - t_start), "partial": True})
-    return _ttft_result(variants, records, default_ratio, passages, max_tokens, prefix_warmup,
-                        time.perf_counter() - t_start)
+
+    layers = (blend_settings.check_layer, num_hidden_layers(engine.llm_info.path))
+
+    def result(partial: bool = False) -> dict[str, Any]:
+        out = _ttft_result(variants, records, default_ratio, main_blend, passages, max_tokens, prefix_warmup,
+                           time.perf_counter() - t_start, layers)
+        return {**out, "partial": True} if partial else out
+
+    try:
+        for i, ex in enumerate(examples):
+            t_ex = time.perf_counter()
+            chunks = make_chunks(engine.tokenizer, ex.passages[:passages])
+            pre = engine.precompute(chunks)
+            prompt = engine.prompts.build(ex.question, chunks)
+            if i == 0:
+                warm_up(engine, chunks, [v.mode for v in variants if v.mode != PLAIN])
+                if plain is not None:
+                    plain.generate(prompt.token_ids, 2)  # its own one-time costs, untimed
+            engine.reset_prefix_cache()
+            gens: dict[str, Generation] = {}
+            order = rotated(variants, i)
+            for v in order:
+                if v.mode == PLAIN:
+                    gens[v.name] = _plain_generation(engine, plain, prompt, max_tokens)
+                    continue
+                if v.mode == "prefix":
+                    warm_prefix_cache(engine, chunks, prefix_warmup)
+                gens[v.name] = engine.generate(prompt, v.mode, recompute_ratio=v.ratio, selection=v.selection,
+                                               max_tokens=max_tokens, logprobs=-1)
+            gold_ids = answer_ids(engine, ex.answers[0]) if (nll and ex.answers) else []
+            gold = _continuation_nlls(engine, prompt, gold_ids, variants)
+            own = _continuation_nlls(engine, prompt, gens["full"].token_ids if nll else [], variants)
+            results = {v.name: _quality_record(gens[v.name], gens, v, ex.answers, gold[v.name], own[v.name])
+                       for v in variants}
+            records.append({
+                "index": ex.index, "question": ex.question, "answers": ex.answers,
+                "passages": len(chunks), "prompt_tokens": len(prompt.token_ids), "ctx_tokens": prompt.ctx_len,
+                "gold_answer_tokens": len(gold_ids), "full_answer_tokens": len(gens["full"].token_ids),
+                "precompute": pre, "order": [v.name for v in order], "results": results,
+            })
+            brief = "  ".join(f"{v.name} {results[v.name]['ttft_s']:.2f}s" for v in variants)
+            say(f"[{i + 1}/{len(examples)}] example {ex.index}: {len(prompt.token_ids)} tokens | {brief} "
+                f"| {time.perf_counter() - t_ex:.0f} s")
+            if checkpoint is not None and i + 1 < len(examples):
+                checkpoint(result(partial=True))
+    finally:
+        if plain is not None:
+            plain.close()
+    return result()
 
 
-def _gold_nlls(engine: "BlendEngine", prompt: "AssembledPrompt", gold_ids: Sequence[int],
-               variants: Sequence[Variant]) -> dict[str, float | None]:
-    """Mean gold-answer NLL per variant (None without gold ids); one exact score for full and prefix."""
+def _plain_generation(engine: "BlendEngine", plain: PlainVLLM, prompt: "AssembledPrompt",
+                      max_tokens: int) -> "Generation":
+    """The plain baseline's answer as a Generation (TTFT measured by its own vLLM; no distribution)."""
+    from ragcache.engine import Generation, RequestMetrics
+
+    out = plain.generate(prompt.token_ids, max_tokens)
+    metrics = RequestMetrics(mode=PLAIN, ttft_s=out["ttft_s"], prompt_tokens=len(prompt.token_ids),
+                             output_tokens=len(out["token_ids"]))
+    text = engine.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+    return Generation(text, list(out["token_ids"]), metrics, None)
+
+
+def _continuation_nlls(engine: "BlendEngine", prompt: "AssembledPrompt", continuation: Sequence[int],
+                       variants: Sequence[Variant]) -> dict[str, float | None]:
+    """Mean teacher-forced NLL (nats/token) of ``continuation`` per variant (None without tokens, and
+    for ``plain``); one exact score for full and prefix."""
     nlls: dict[str, float | None] = {}
     exact_nll: float | None = None
     for v in variants:
-        if not gold_ids:
+        if not continuation or v.mode == PLAIN:
             nlls[v.name] = None
         elif v.mode in ("full", "prefix"):
             if exact_nll is None:
-                exact_nll = mean_nll(engine.continuation_logprobs(prompt, gold_ids, "prefix"))
+                exact_nll = mean_nll(engine.continuation_logprobs(prompt, continuation, "prefix"))
             nlls[v.name] = exact_nll
         else:
-            nlls[v.name] = mean_nll(engine.continuation_logprobs(prompt, gold_ids, v.mode, recompute_ratio=v.ratio))
+            nlls[v.name] = mean_nll(engine.continuation_logprobs(prompt, continuation, v.mode,
+                                                                 recompute_ratio=v.ratio, selection=v.selection))
     return nlls
 
 
-def _quality_record(g: "Generation", full: "Generation", v: Variant, answers: Sequence[str],
-                    nll: float | None) -> dict[str, Any]:
+def _quality_record(g: "Generation", gens: Mapping[str, "Generation"], v: Variant, answers: Sequence[str],
+                    gold_nll: float | None, answer_nll: float | None) -> dict[str, Any]:
     """The request record of ``g`` with its quality against the gold answers and against ``full``."""
+    full = gens["full"]
     rec = request_record(g)
     p_full = full.first_token_logprobs or {}
     q = g.first_token_logprobs or {}
+    best = min(full.metrics.ttft_s, gens[PLAIN].metrics.ttft_s) if PLAIN in gens else full.metrics.ttft_s
     rec.update(
-        recompute_ratio=v.ratio,
+        recompute_ratio=v.ratio, selection=v.selection,
         first_token=g.token_ids[0] if g.token_ids else None,
         kl_from_full=rounded(kl_divergence(p_full, q), 6) if (p_full and q) else None,
-        gold_nll=rounded(nll),
+        gold_nll=rounded(gold_nll), answer_nll=rounded(answer_nll),
         f1=rounded(token_f1(g.text, answers)), rouge_l=rounded(rouge_l(g.text, answers)),
         em=exact_match(g.text, answers),
         agree_em=exact_match(g.text, full.text), agree_rouge_l=rounded(rouge_l(g.text, full.text)),
         agree_tokens=float(g.token_ids == full.token_ids),
         speedup=speedup(full, g),
+        speedup_vs_best=rounded(best / g.metrics.ttft_s) if g.metrics.ttft_s > 0 else None,
     )
     return rec
 
 
-def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], default_ratio: float, passages: int,
-                 max_tokens: int, prefix_warmup: str, run_s: float) -> dict[str, Any]:
+def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], default_ratio: float,
+                 main_blend: str | None, passages: int, max_tokens: int, prefix_warmup: str, run_s: float,
+                 layers: tuple[int, int]) -> dict[str, Any]:
     summaries = {v.name: summarize_variant(v, records) for v in variants}
     main = {"full": summaries["full"]}
-    for m in ("prefix", "reuse"):
+    for m in (PLAIN, "prefix", "reuse"):
         if m in summaries:
             main[m] = summaries[m]
-    if ratio_name(default_ratio) in summaries:
-        main["blend"] = summaries[ratio_name(default_ratio)]
+    if main_blend in summaries:
+        main["blend"] = summaries[main_blend]
     sweep = [summaries[v.name] for v in variants if v.mode == "blend"]
+    stages = with_floor(stage_table(summaries, main_blend), *layers)
     return {
         "benchmark": "ttft", "n": len(records), "passages": passages, "max_tokens": max_tokens,
         "prefix_warmup": prefix_warmup, "default_ratio": default_ratio,
         "ratios": sorted({v.ratio for v in variants if v.ratio is not None}),
-        "modes": main, "sweep": sweep, "variants": summaries, "targets": ttft_targets(main),
+        "selections": sorted({v.selection for v in variants if v.selection}),
+        "modes": main, "sweep": sweep, "variants": summaries, "stages": stages,
+        "targets": ttft_targets(main, stages),
         "run_s": round(run_s, 1), "examples": records,
     }
 
@@ -149,17 +199,24 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
     ttft = [x["ttft_s"] for x in rs]
     nll = mean(x["gold_nll"] for x in rs)
     nll_full = mean(x["gold_nll"] for x in fulls)
+    own = mean(x.get("answer_nll") for x in rs)
+    own_full = mean(x.get("answer_nll") for x in fulls)
+    stages = sorted({k for x in rs for k in (x.get("stages") or {})})
     return {
-        "variant": v.name, "mode": v.mode, "recompute_ratio": v.ratio, "n": len(rs),
+        "variant": v.name, "mode": v.mode, "recompute_ratio": v.ratio, "selection": v.selection, "n": len(rs),
         "ttft_median_s": rounded(median(ttft)), "ttft_p90_s": rounded(percentile(ttft, 90)),
         "ttft_mean_s": rounded(mean(ttft)),
         "speedup_median": rounded(median([x["speedup"] for x in rs]), 3),
+        "speedup_vs_best_median": rounded(median([x.get("speedup_vs_best") for x in rs]), 3),
         "load_s_median": rounded(median([x["load_s"] for x in rs])),
         "worker_s_median": rounded(median([x["worker_s"] for x in rs])),
+        "stages_median_s": {k: rounded(median([(x.get("stages") or {}).get(k, 0.0) for x in rs])) for k in stages},
         "kl_mean": rounded(mean(x["kl_from_full"] for x in rs), 5),
         "kl_median": rounded(median([x["kl_from_full"] for x in rs]), 5),
         "gold_nll_mean": rounded(nll),
         "gold_nll_rel_full": rounded(nll / nll_full - 1.0) if (nll and nll_full) else None,
+        "answer_nll_mean": rounded(own),
+        "answer_nll_rel_full": rounded(own / own_full - 1.0) if (own is not None and own_full) else None,
         "f1_mean": rounded(mean(x["f1"] for x in rs)), "rouge_l_mean": rounded(mean(x["rouge_l"] for x in rs)),
         "em_mean": rounded(mean(x["em"] for x in rs)),
         "agree_em_mean": rounded(mean(x["agree_em"] for x in rs)),
@@ -171,27 +228,74 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
     }
 
 
-def ttft_targets(main: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """The issue's targets that a ttft run measures (met is None where a mode was not run)."""
-    blend, reuse = main.get("blend"), main.get("reuse")
+def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_blend: str | None) -> dict[str, Any] | None:
+    """The blend's worker time by stage next to its compute floor.
+
+    floor = (c + 1) / L x t(r=1) + r x (L - c - 1) / L x t(r=1) + t(reuse), with t the median worker
+    seconds of blend at ratio 1 (same selection) and of reuse, c the check layer and L the layers
+    (the layers up to the check layer run for every token, the rest for the recomputed share; moving
+    and writing the reused KV is reuse's cost). None when the run lacks blend, blend@1 or reuse.
+    """
+    blend = summaries.get(main_blend) if main_blend else None
+    if not blend or "reuse" not in summaries:
+        return None
+    one = next((s for s in summaries.values() if s["mode"] == "blend" and s["recompute_ratio"] == 1.0
+                and s["selection"] == blend["selection"]), None)
+    if one is None:
+        return None
+    return {"variant": blend["variant"], "ratio": blend["recompute_ratio"],
+            "worker_s": blend["worker_s_median"], "worker_s_ratio_one": one["worker_s_median"],
+            "worker_s_reuse": summaries["reuse"]["worker_s_median"],
+            "stages_s": blend["stages_median_s"], "stages_s_ratio_one": one["stages_median_s"],
+            "stages_s_reuse": summaries["reuse"]["stages_median_s"]}
+
+
+def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int) -> dict[str, Any] | None:
+    """``stages`` plus ``floor_s`` and ``worker_vs_floor`` for a model of ``num_layers`` layers."""
+    if not stages:
+        return stages
+    t1, r = stages["worker_s_ratio_one"], stages["ratio"]
+    floor = ((check_layer + 1) / num_layers * t1 + r * (num_layers - check_layer - 1) / num_layers * t1
+             + stages["worker_s_reuse"])
+    return {**stages, "check_layer": check_layer, "num_layers": num_layers, "floor_s": rounded(floor),
+            "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None}
+
+
+def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The issues' targets that a ttft run measures (met is None where a mode was not run)."""
+    blend, reuse, plain, full = main.get("blend"), main.get("reuse"), main.get(PLAIN), main.get("full")
     out: dict[str, Any] = {}
     if blend:
         out["blend_ttft_speedup"] = target(blend["speedup_median"], TARGETS["blend_ttft_speedup_min"], "min",
                                            "median per-example TTFT(full)/TTFT(blend)")
+        if plain:
+            out["blend_ttft_speedup_vs_best"] = target(
+                blend["speedup_vs_best_median"], TARGETS["blend_ttft_speedup_min"], "min",
+                "median per-example min(TTFT(full), TTFT(plain vLLM))/TTFT(blend)")
         out["blend_nll_within"] = target(blend["gold_nll_rel_full"], TARGETS["blend_nll_rel_max"], "max_abs",
                                          "mean gold NLL(blend) / mean gold NLL(full) - 1 (below 0: blend finds "
                                          "the gold answer likelier)")
         if reuse and blend["kl_mean"] is not None and reuse["kl_mean"]:
             out["blend_kl_vs_reuse"] = target(blend["kl_mean"] / reuse["kl_mean"], TARGETS["blend_kl_vs_reuse_max"],
                                               "max", "mean KL(full||blend) / mean KL(full||reuse)")
+        out["blend_agree_rouge_l"] = target(blend["agree_rouge_l_mean"], TARGETS["blend_agree_rouge_l_min"], "min",
+                                            "mean Rouge-L of blend's answer against full prefill's")
+    if plain and full and plain["ttft_median_s"]:
+        out["full_vs_plain"] = target(full["ttft_median_s"] / plain["ttft_median_s"], TARGETS["full_vs_plain_max"],
+                                      "max", "median TTFT(full, ragcache's engine) / median TTFT(plain vLLM)")
+    if stages and stages.get("worker_vs_floor") is not None:
+        out["blend_worker_vs_floor"] = target(stages["worker_vs_floor"], TARGETS["blend_worker_vs_floor_max"], "max",
+                                              "median blend worker seconds / compute floor")
     return out
 
 
 #: the quality fields of a variant's summary that ``eval`` reports
-_EVAL_SUMMARY = ("n", "kl_mean", "kl_median", "gold_nll_mean", "gold_nll_rel_full", "f1_mean", "rouge_l_mean",
-                 "em_mean", "agree_em_mean", "agree_rouge_l_mean", "agree_tokens_mean", "recomputed_frac_mean")
+_EVAL_SUMMARY = ("n", "kl_mean", "kl_median", "gold_nll_mean", "gold_nll_rel_full", "answer_nll_mean",
+                 "answer_nll_rel_full", "f1_mean", "rouge_l_mean", "em_mean", "agree_em_mean", "agree_rouge_l_mean",
+                 "agree_tokens_mean", "recomputed_frac_mean")
 #: the quality fields of a request record that ``eval`` reports per example
-_EVAL_RECORD = ("kl_from_full", "gold_nll", "f1", "rouge_l", "em", "agree_em", "agree_rouge_l", "agree_tokens")
+_EVAL_RECORD = ("kl_from_full", "gold_nll", "answer_nll", "f1", "rouge_l", "em", "agree_em", "agree_rouge_l",
+                "agree_tokens")
 
 
 def run_eval(engine: "BlendEngine", examples: Sequence[QAExample], *, mode: str, recompute_ratio: float | None = None,

@@ -125,6 +125,7 @@ class BlendEngine:
             max_logprobs=-1,  # full first-token distributions for quality checks (KL)
             kv_transfer_config=kv_config,
             worker_extension_cls="ragcache.engine.worker.RagcacheWorkerExtension",
+            use_tqdm_on_load=os.environ.get("RAGCACHE_QUIET_LOADING") != "1",  # the CLI shows its own lines
             seed=0,
         )
         self.device = self.llm.collective_rpc(

@@ -112,10 +112,13 @@ class BlendParams:
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
         # validated like the settings themselves (same ranges, same messages)
-        knobs = blend.model_copy(update={k: v for k, v in (("recompute_ratio", recompute_ratio),
+        ratio = blend.static_ratio if recompute_ratio is None else recompute_ratio
+        knobs = blend.model_copy(update={k: v for k, v in (("recompute_ratio", ratio),
                                                            ("selection", selection)) if v is not None})
         try:
             knobs = BlendSettings.model_validate(knobs.model_dump())
+            if knobs.recompute_ratio == "auto":
+                raise ValueError("recompute ratio 'auto' must be resolved before a request (see ragcache.calibrate)")
         except ValidationError as exc:
             raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}"
                                        for e in exc.errors())) from None
@@ -235,6 +238,8 @@ class RequestMetrics(ContextStats):
         num_cached_tokens: prompt tokens vLLM did not prefill (local prefix-cache hits plus the
             connector's context).
         recompute_ratio: the blend's recompute ratio for this request (None outside blend mode).
+        ratio_source: where that ratio came from (set by the pipeline): ``"request"``, ``"settings"``,
+            ``"calibration"`` (the index's calibrated ratio) or ``"fallback"``; empty otherwise.
     """
 
     mode: str
@@ -245,6 +250,7 @@ class RequestMetrics(ContextStats):
     output_tokens: int = 0
     num_cached_tokens: int = 0
     recompute_ratio: float | None = None
+    ratio_source: str = ""
 
     @classmethod
     def from_output(cls, *, mode: str, prompt_tokens: int, output: Any, total_s: float,

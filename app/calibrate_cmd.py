@@ -1,0 +1,118 @@
+"""`ragcache calibrate`: the smallest recompute ratio whose blend answers like full prefill, per index.
+
+Thin flag parsing over :mod:`ragcache.calibrate`. Every input check runs before the engine starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from app.help import HelpFormatter
+from ragcache.calibrate import DEFAULT_MAX_KL, DEFAULT_RATIOS
+from ragcache.config import SELECTIONS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate", help="measure blend against full prefill on an index and record the ratio for "
+        "blend.recompute_ratio = \"auto\"", formatter_class=HelpFormatter,
+        description="Runs N prompts drawn from the index (your questions, or probe questions about the index's "
+        "own chunks) in full prefill and in blend at several ratios, and records in the index the smallest ratio "
+        "whose mean first-token KL(full || blend) is at most --max-kl. With blend.recompute_ratio = \"auto\" "
+        "queries then use that ratio.")
+    p.add_argument("--index", default="default", help="index name under ingest.index_dir, or a folder")
+    p.add_argument("--questions", type=Path, default=None,
+                   help="file of your own questions (one per line, or a JSON list of strings or of {question}); "
+                   "default: probe questions about the index's chunks")
+    p.add_argument("--n", type=int, default=20, help="prompts to measure")
+    p.add_argument("--max-kl", type=float, default=DEFAULT_MAX_KL,
+                   help="quality target: mean first-token KL(full || blend) in nats")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios to try")
+    p.add_argument("--selection", choices=SELECTIONS, default=None,
+                   help="token selection to calibrate (default: blend.selection)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the probe-question draw")
+    p.add_argument("--json", action="store_true", help="print the calibration as JSON")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> list[float]:
+    """Flags checked before the engine starts; returns the ratios."""
+    from ragcache.config import ConfigError
+
+    if not args.max_kl > 0:
+        raise ConfigError(f"--max-kl {args.max_kl}: must be > 0 nats (e.g. 0.05)")
+    if args.n < 1:
+        raise ConfigError(f"--n {args.n}: must be >= 1")
+    try:
+        ratios = sorted({float(x) for x in args.ratios.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1]") from None
+    if not ratios or ratios[0] < 0 or ratios[-1] > 1:
+        raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1]")
+    if args.questions is not None and not args.questions.is_file():
+        raise ConfigError(f"--questions {args.questions}: no such file")
+    return ratios
+
+
+def read_questions(path: Path) -> list[str]:
+    """Questions from a text file (one per line) or a JSON list of strings or of ``{question}`` objects.
+
+    Raises:
+        ConfigError: the file holds no question.
+    """
+    from ragcache.config import ConfigError
+
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, list):
+        qs = [q if isinstance(q, str) else str(q.get("question", "")) for q in data if isinstance(q, (str, dict))]
+    else:
+        qs = text.splitlines()
+    qs = [q.strip() for q in qs if q and q.strip()]
+    if not qs:
+        raise ConfigError(f"--questions {path}: no questions found (one per line, or a JSON list)")
+    return qs
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from app.ask_cmd import open_pipeline
+    from ragcache.calibrate import calibrate, probe_questions, write_calibration
+    from ragcache.index import readable_path
+
+    ratios = _check(args)
+    questions = read_questions(args.questions)[: args.n] if args.questions else None
+    args.mode = args.top_k = args.recompute_ratio = args.max_tokens = None  # open_pipeline's query flags
+    rag = open_pipeline(args)
+    source = "questions"
+    if questions is None:
+        questions = probe_questions(list(rag.retriever.index.chunks()), args.n, args.seed)
+        source = "probes"
+    with tqdm(total=len(questions), unit="prompt", desc="calibrate", file=sys.stderr) as bar:
+        cal = calibrate(rag, questions, ratios=ratios, max_kl=args.max_kl, selection=args.selection,
+                        source=source, progress=bar.update)
+    path = write_calibration(readable_path(rag.index_path), cal)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(cal), indent=2))
+        return 0
+    print(f"{'ratio':>6} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'TTFT med (s)':>13} {'meets':>6}")
+    for s in cal.scores:
+        nll = f"{100 * s.answer_nll_rel:+.1f}%" if s.answer_nll_rel is not None else "-"
+        print(f"{s.ratio:>6g} {s.kl_mean:>16.4f} {nll:>19} {s.ttft_median_s:>13.3f} {'yes' if s.meets else 'no':>6}")
+    print(f"full prefill TTFT median {cal.full_ttft_median_s:.3f} s over {cal.n} {source}; target KL <= {cal.max_kl:g}")
+    if cal.ratio is None:
+        print(f"no ratio met the target: answer this index with --mode full (or raise --max-kl); "
+              f"recorded in {path}")
+    else:
+        print(f"recorded ratio {cal.ratio:g} ({cal.selection} selection) in {path}; "
+              "queries use it with blend.recompute_ratio = \"auto\"")
+    return 0

@@ -1,0 +1,102 @@
+"""Per-index calibration (ragcache.calibrate, `ragcache calibrate`) and blend.recompute_ratio = "auto"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragcache.calibrate import Calibration, RatioScore, probe_questions, read_calibration, write_calibration
+from ragcache.chunks import Chunk
+
+
+def chunk(text: str) -> Chunk:
+    return Chunk(text[:8], "d", "", 0, text, (1, 2, 3))
+
+
+def cal(fp: str, ratio: float | None, selection: str = "question") -> Calibration:
+    return Calibration(ratio=ratio, max_kl=0.05, selection=selection, model_fingerprint=fp, n=3, source="probes",
+                       full_ttft_median_s=1.0, scores=[RatioScore(0.1, 0.02, 0.01, 0.3, True)], created="now")
+
+
+def test_calibration_round_trips_per_model_and_selection(tmp_path):
+    assert read_calibration(tmp_path, "fp", "question") is None
+    write_calibration(tmp_path, cal("fp", 0.1))
+    write_calibration(tmp_path, cal("other", None))
+    write_calibration(tmp_path, cal("fp", 0.3, selection="deviation"))
+    assert read_calibration(tmp_path, "fp", "question") == cal("fp", 0.1)
+    assert read_calibration(tmp_path, "other", "question").ratio is None
+    assert read_calibration(tmp_path, "fp", "deviation").ratio == 0.3
+    (tmp_path / "calibration.json").write_text("{not json")
+    assert read_calibration(tmp_path, "fp", "question") is None  # unreadable: ignored with a warning
+
+
+def test_probe_questions_are_seeded_and_about_the_chunks():
+    chunks = [chunk(f"Passage {i} tells of the river number {i} and its bridges.") for i in range(10)]
+    a, b = probe_questions(chunks, 4, seed=1), probe_questions(chunks, 4, seed=1)
+    assert a == b and len(a) == 4 and a != probe_questions(chunks, 4, seed=2)
+    assert all(q.startswith("What do the documents say about Passage") for q in a)
+    assert len(probe_questions(chunks, 25)) == 25  # more probes than chunks: drawn with replacement
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--max-kl", "0"], "--max-kl 0.0: must be > 0"),
+    (["calibrate", "--ratios", "0.1,1.5"], "--ratios"),
+    (["calibrate", "--n", "0"], "--n 0: must be >= 1"),
+    (["calibrate", "--questions", "/no/such/file"], "no such file"),
+])
+def test_bad_calibrate_flags_are_named_errors_before_the_engine_starts(argv, message, capsys):
+    from app.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_an_unknown_selection_is_a_named_error_before_the_engine_starts(capsys, monkeypatch):
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--selection", "attention"])
+    assert exc.value.code == 2 and "invalid choice: 'attention'" in capsys.readouterr().err
+    monkeypatch.setenv("RAGCACHE_BLEND__SELECTION", "attention")
+    assert main(["ask", "hello", "--index", "nope"]) == 2
+    assert "blend.selection" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, tmp_path):
+    from ragcache.calibrate import calibrate
+    from ragcache.pipeline import RAGPipeline
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("The Zorbian capital is Velmora, a city on the river Aster with glass bridges.")
+    (docs / "b.txt").write_text("Zorbia's parliament meets in the Amber Hall, which has 212 seats and a copper roof.")
+    (docs / "c.txt").write_text("The national dish of Zorbia is kelmet, a stew of lentils, smoked fish and saffron.")
+    settings = engine_settings.model_copy(deep=True)
+    settings.ingest.index_dir = tmp_path / "indexes"
+    settings.blend.recompute_ratio = "auto"
+    settings.blend.fallback_ratio = 0.25
+    rag = RAGPipeline(settings, "zorbia", engine)
+    rag.ingest([docs])
+
+    before = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
+    assert (before.metrics.recompute_ratio, before.metrics.ratio_source) == (0.25, "fallback")
+
+    questions = probe_questions(list(rag.retriever.index.chunks()), 2)
+    result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=1e-3, max_tokens=4)
+    assert [s.ratio for s in result.scores] == [0.5, 1.0]
+    assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].meets  # ratio 1.0 is full prefill
+    assert result.ratio in (0.5, 1.0) and result.model_fingerprint == engine.llm_info.fingerprint
+    path = write_calibration(rag.index_path, result)
+    assert json.loads(path.read_text())  # in the index folder
+
+    after = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
+    assert (after.metrics.recompute_ratio, after.metrics.ratio_source) == (result.ratio, "calibration")
+    explicit = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4, recompute_ratio=0.1)
+    assert (explicit.metrics.recompute_ratio, explicit.metrics.ratio_source) == (0.1, "request")
+
+    (docs / "d.txt").write_text("Zorbian children learn the seven-string harp from the age of five.")
+    assert rag.ingest([docs]).chunks_added == 1  # a new version of the index keeps its calibration
+    assert read_calibration(rag.index_path, engine.llm_info.fingerprint, settings.blend.selection) == result
