@@ -138,3 +138,19 @@ def test_worker_metadata_aggregates_across_workers():
     a = RagcacheWorkerMetadata(stats={"x": {"ctx_tokens": 1}})
     b = RagcacheWorkerMetadata(stats={"y": {"ctx_tokens": 2}})
     assert a.aggregate(b).stats == {"x": {"ctx_tokens": 1}, "y": {"ctx_tokens": 2}}
+
+
+def test_a_second_in_process_engine_is_refused_with_the_fix(monkeypatch):
+    import weakref
+
+    import ragcache.engine.engine as engine_module
+    from ragcache.config import Settings
+    from ragcache.engine import BlendEngine
+
+    class Running:  # stands for the live in-process engine holding vLLM's process-global connector
+        pass
+
+    running = Running()
+    monkeypatch.setattr(engine_module, "_IN_PROCESS", weakref.ref(running))
+    with pytest.raises(RuntimeError, match="engine.in_process = false"):
+        BlendEngine(Settings.load(engine={"in_process": True}))

@@ -71,12 +71,15 @@ def machine_info() -> dict[str, Any]:
 def engine_info(engine: "BlendEngine") -> dict[str, Any]:
     """Model, device, start-up time and the engine/blend/store settings a result was measured with."""
     s = engine.settings
+    choice = getattr(engine, "dtype", None)
     return {
         "model": s.models.model, "device": getattr(engine, "device", None),
         "startup_s": round(float(getattr(engine, "startup_s", 0.0)), 2),
-        "dtype": s.engine.dtype, "in_process": s.engine.in_process,
+        "dtype_setting": s.engine.dtype, "dtype": getattr(choice, "dtype", s.engine.dtype),
+        "dtype_reason": getattr(choice, "reason", None), "cpu_flags": list(getattr(choice, "cpu_flags", ())),
+        "in_process": s.engine.in_process,
         "recompute_ratio": s.blend.recompute_ratio, "check_layer": s.blend.check_layer,
-        "deviation": s.blend.deviation, "pipeline_overlap": s.blend.pipeline_overlap,
+        "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
         "store": {"cpu_kv_pool_gb": s.store.cpu_kv_pool_gb, "ssd_cache_max_gb": s.store.ssd_cache_max_gb,
                   "remote": bool(s.store.remote_url), "kv_dtype": s.store.kv_dtype},
     }

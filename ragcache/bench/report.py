@@ -294,8 +294,10 @@ def write_result(result: dict[str, Any], out: Path, *, with_plot: bool = True) -
         paths["png"] = png
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     md = out.with_suffix(".md")
+    eng = result.get("engine") or {}
+    dtype = f", dtype {eng['dtype']} ({eng.get('dtype_reason')})" if eng.get("dtype") else ""
     header = (f"Measured {result.get('started', '')} on {result.get('machine', {}).get('cpu_count', '?')} cores "
-              f"({result.get('machine', {}).get('cpu_model', 'unknown CPU')}), load average at start "
+              f"({result.get('machine', {}).get('cpu_model', 'unknown CPU')}){dtype}, load average at start "
               f"{result.get('machine', {}).get('load_avg_1_5_15')}.\n\n")
     md.write_text(header + render(result, markdown=True) + "\n", encoding="utf-8")
     paths["md"] = md

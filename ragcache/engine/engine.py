@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -72,6 +73,35 @@ def _first_position(logprobs: Any) -> dict[int, float] | None:
     return {tok: lp.logprob for tok, lp in logprobs[0].items()}
 
 
+#: the in-process engine of this process, if any (vLLM's KV connector agent is process-global)
+_IN_PROCESS: "weakref.ref[BlendEngine] | None" = None
+
+
+def _claim_in_process_slot(engine: "BlendEngine", settings: Settings) -> None:
+    """Allow one live in-process engine per process.
+
+    In-process, vLLM keeps the KV connector of the worker in a process-global slot, so a second
+    in-process engine would take over the first one's connector and serve it the wrong model's KV.
+
+    Raises:
+        RuntimeError: another in-process BlendEngine is alive in this process.
+    """
+    global _IN_PROCESS
+    if not settings.engine.in_process:
+        return
+    other = _IN_PROCESS() if _IN_PROCESS is not None else None
+    if other is not None and other is not engine:
+        raise RuntimeError("another in-process BlendEngine is running in this process: close() it first, share it "
+                           "(RAGPipeline.open(..., engine=...)), or set engine.in_process = false for this one")
+    _IN_PROCESS = weakref.ref(engine)
+
+
+def _release_in_process_slot(engine: "BlendEngine") -> None:
+    global _IN_PROCESS
+    if _IN_PROCESS is not None and _IN_PROCESS() is engine:
+        _IN_PROCESS = None
+
+
 def _set_engine_environment(settings: Settings) -> None:
     """Environment that vLLM reads when an engine is created (``vllm.envs`` is evaluated lazily)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.engine.in_process else "1"
@@ -106,6 +136,7 @@ class BlendEngine:
         self._lock = threading.RLock()
         self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
         t0 = time.perf_counter()
+        _claim_in_process_slot(self, settings)
         _set_engine_environment(settings)
         kv_config = KVTransferConfig(
             kv_connector="RagcacheConnector",
@@ -339,6 +370,7 @@ class BlendEngine:
             core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
             if core is not None:
                 core.shutdown()
+        _release_in_process_slot(self)
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's own prefix cache (for fair side-by-side measurements)."""
