@@ -86,7 +86,8 @@ class BlendSettings(_Section):
     check_layer: int = Field(1, ge=0, description="layer where the recomputed tokens are selected")
     deviation: Literal["value", "key"] = Field("value", description="KV deviation measured on V or K")
     selection: SelectionName = Field(
-        "deviation", description="how tokens are selected: KV deviation, question attention, or a hybrid")
+        "question", description="how tokens are selected: question attention (default), KV deviation "
+        "(CacheBlend's), or a hybrid")
     chunk_head_tokens: int = Field(
         0, ge=0, le=64, description="hybrid: the first k tokens of every moved chunk are always recomputed")
     question_weight: float = Field(

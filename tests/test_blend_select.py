@@ -76,7 +76,7 @@ def test_rejects_ratio_outside_unit_interval_and_mismatched_shapes():
 
 # --- select_tokens: strategies, exact budgets, forced and exact tokens ---------------------------
 
-from ragcache.blend import Selection, question_scores, select_tokens  # noqa: E402
+from ragcache.blend import Selection, question_attention, select_tokens  # noqa: E402
 
 
 def scores(values):
@@ -144,13 +144,16 @@ def test_selection_rejects_unknown_strategies_and_bad_knobs():
             Selection(**kwargs)
 
 
-def test_question_scores_are_the_tail_queries_softmax_weights_on_the_context():
+def test_question_attention_is_the_tail_queries_causal_attention_with_its_weights_on_the_context():
+    from ragcache.blend import causal_attention
+
     torch.manual_seed(0)
-    n, t, hq, hkv, d = 5, 2, 4, 2, 8
+    n, t, hq, hkv, d = 5, 3, 4, 2, 8
     q = torch.randn(t, hq, d)
-    k = torch.randn(n + t, hkv, d)
+    k, v = torch.randn(n + t, hkv, d), torch.randn(n + t, hkv, d)
     pos = torch.arange(n + t)
-    got = question_scores(q, pos[n:], k, pos, n, d ** -0.5)
+    out, got = question_attention(q, k[:n], k[n:], d ** -0.5, v_ctx=v[:n], v_tail=v[n:])
+    torch.testing.assert_close(out, causal_attention(q, pos[n:], k, v, pos, d ** -0.5), atol=1e-5, rtol=1e-5)
     keys = k.repeat_interleave(hq // hkv, dim=1)  # [n+t, hq, d]
     expected = torch.zeros(n)
     for ti in range(t):
@@ -160,6 +163,8 @@ def test_question_scores_are_the_tail_queries_softmax_weights_on_the_context():
             expected += w[:n]
     torch.testing.assert_close(got, expected / (t * hq))
     assert float(got.sum()) < 1.0  # part of the attention stays on the tail itself
+    none, same = question_attention(q, k[:n], k[n:], d ** -0.5)
+    assert none is None and torch.equal(same, got)
 
 
 def test_the_settings_offer_exactly_the_blend_selection_strategies():

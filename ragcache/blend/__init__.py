@@ -16,7 +16,7 @@ from ragcache.blend.select import (
     Selection,
     deviation_scores,
     hkvd_budget,
-    question_scores,
+    question_attention,
     select_hkvd,
     select_tokens,
 )
@@ -26,7 +26,7 @@ __all__ = [
     "BlendResult",
     "Selection",
     "deviation_scores",
-    "question_scores",
+    "question_attention",
     "select_tokens",
     "DecoderOps",
     "LoadLayer",

@@ -34,7 +34,7 @@ from ragcache.blend.select import (
     check_mask,
     deviation_scores,
     hkvd_budget,
-    question_scores,
+    question_attention,
     select_tokens,
 )
 
@@ -355,12 +355,14 @@ def blend_kv(
         hidden = ops.embed(all_ids)  # [N(+T), hidden]
         attention_to_ctx = None  # [N] question scores summed over the layers seen so far
 
-        def question_layer(q_tail: torch.Tensor, keys: torch.Tensor) -> None:
-            """Add one layer's attention from the tail's queries ``[T, Hq, D]`` over ``keys``
-            ``[N + T, Hkv, D]`` to every context token's score."""
+        def question_layer(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.Tensor,
+                           v_ctx: torch.Tensor | None = None, v_tail: torch.Tensor | None = None) -> torch.Tensor | None:
+            """Add one layer's attention from the tail's queries to every context token's score;
+            returns the tail's attention output when the values are given."""
             nonlocal attention_to_ctx
-            s = question_scores(q_tail, all_pos[n_ctx:], keys, all_pos, n_ctx, ops.scaling)
+            out, s = question_attention(q_tail, k_ctx, k_tail, ops.scaling, v_ctx=v_ctx, v_tail=v_tail)
             attention_to_ctx = s if attention_to_ctx is None else attention_to_ctx + s
+            return out
 
         # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
         for layer in range(check_layer):
@@ -370,7 +372,7 @@ def blend_kv(
             emit(layer, k[:n_ctx], v[:n_ctx])
             with clock("full_layers_s"):
                 if use_tail:
-                    question_layer(q[n_ctx:], k)
+                    question_layer(q[n_ctx:], k[:n_ctx], k[n_ctx:])
                 attn = causal_attention(q, all_pos, k, v, all_pos, ops.scaling)  # [N(+T), Hq, D]
                 hidden = ops.finish_layer(layer, hidden, attn)  # [N(+T), hidden]
 
@@ -387,11 +389,8 @@ def blend_kv(
             # through every later layer over the reused KV (moved to its positions); each context
             # token is scored by the attention it receives, averaged over all layers.
             with clock("question_probe_s"):
-                question_layer(q[n_ctx:], k)
-                hidden_tail = hidden[n_ctx:]
-                if check_layer < num_layers - 1:
-                    attn = causal_attention(q[n_ctx:], all_pos[n_ctx:], k, v, all_pos, ops.scaling)  # [T, Hq, D]
-                    hidden_tail = ops.finish_layer(check_layer, hidden_tail, attn)  # [T, hidden]
+                attn = question_layer(q[n_ctx:], k[:n_ctx], k[n_ctx:], v[:n_ctx], v[n_ctx:])  # [T, Hq, D]
+                hidden_tail = ops.finish_layer(check_layer, hidden[n_ctx:], attn)  # [T, hidden]
             for layer in range(check_layer + 1, num_layers):
                 k_pre_cached, v_cached_l = loader.get(layer)
                 with clock("move_keys_s"):
@@ -399,11 +398,8 @@ def blend_kv(
                 with clock("question_probe_s"):
                     q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
                     q_t, k_t = ops.rope(layer, all_pos[n_ctx:], q_t, k_t)
-                    keys = torch.cat([held[layer][0], k_t])  # [N+T, Hkv, D]
-                    question_layer(q_t, keys)
+                    attn = question_layer(q_t, held[layer][0], k_t, v_cached_l, v_t)  # [T, Hq, D]
                     if layer < num_layers - 1:
-                        attn = causal_attention(q_t, all_pos[n_ctx:], keys, torch.cat([v_cached_l, v_t]), all_pos,
-                                                ops.scaling)
                         hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
             scores["question"] = attention_to_ctx / num_layers
         with clock("select_s"):

@@ -113,31 +113,42 @@ def deviation_scores(reused: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     return (fresh.float() - reused.to(fresh.device).float()).pow(2).flatten(1).sum(dim=1)
 
 
-def question_scores(q_tail: torch.Tensor, tail_positions: torch.LongTensor, k: torch.Tensor,
-                    k_positions: torch.LongTensor, num_context: int, scaling: float) -> torch.Tensor:
-    """Attention each context token receives from the question tail's queries, in [0, 1].
+def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.Tensor, scaling: float, *,
+                       v_ctx: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The question tail's attention over the context and itself, and what each context token receives.
 
-    Softmax weights of every tail query over every key it may see (the whole context and the tail
-    up to itself, causal by position), averaged over query heads and tail tokens.
+    The tail follows the context: tail token i sees every context token and tail tokens ``<= i``.
+    Query heads share their KV head in groups (GQA) without expanding K or V.
 
     Args:
         q_tail: ``[T, Hq, D]`` post-RoPE queries of the tail tokens.
-        tail_positions: ``[T]`` int64 positions of the tail tokens.
-        k: ``[N + T, Hkv, D]`` post-RoPE keys of the context followed by the tail.
-        k_positions: ``[N + T]`` int64 positions of those keys.
-        num_context: N, the number of context keys (the scores returned are theirs).
+        k_ctx: ``[N, Hkv, D]`` post-RoPE keys of the context.
+        k_tail: ``[T, Hkv, D]`` post-RoPE keys of the tail.
         scaling: softmax scale.
+        v_ctx, v_tail: ``[N, Hkv, D]`` and ``[T, Hkv, D]`` values; give both to get the output.
 
     Returns:
-        ``[N]`` float32 scores on ``q_tail``'s device.
+        ``(out, scores)``: ``out`` ``[T, Hq, D]`` the tail's attention output (None without values);
+        ``scores`` ``[N]`` float32, the softmax weight each context token receives, averaged over
+        query heads and tail tokens (in [0, 1]; the rest of the weight stays on the tail).
     """
-    num_heads, num_kv_heads = q_tail.shape[1], k.shape[1]
-    keys = k.float().repeat_interleave(num_heads // num_kv_heads, dim=1).transpose(0, 1)  # [Hq, N+T, D]
-    query = q_tail.float().transpose(0, 1)  # [Hq, T, D]
-    logits = torch.matmul(query, keys.transpose(1, 2)) * scaling  # [Hq, T, N+T]
-    visible = k_positions.unsqueeze(0) <= tail_positions.unsqueeze(1)  # [T, N+T]
-    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)  # [Hq, T, N+T]
-    return weights[:, :, :num_context].mean(dim=(0, 1))  # [N]
+    t, num_heads, head_dim = q_tail.shape
+    n, num_kv_heads, _ = k_ctx.shape
+    g = num_heads // num_kv_heads
+    q = q_tail.reshape(t, num_kv_heads, g, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+    logits_ctx = torch.matmul(q, k_ctx.permute(1, 2, 0).unsqueeze(1)) * scaling  # [Hkv, G, T, N]
+    logits_tail = torch.matmul(q, k_tail.permute(1, 2, 0).unsqueeze(1)) * scaling  # [Hkv, G, T, T]
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)  # tail token i sees tail tokens <= i
+    logits = torch.cat([logits_ctx, logits_tail.masked_fill(future, float("-inf"))], dim=-1)  # [Hkv, G, T, N+T]
+    weights = torch.softmax(logits.float(), dim=-1)  # [Hkv, G, T, N+T]
+    scores = weights[..., :n].mean(dim=(0, 1, 2))  # [N]
+    if v_ctx is None or v_tail is None:
+        return None, scores
+    w = weights.to(v_ctx.dtype)
+    out = (torch.matmul(w[..., :n], v_ctx.permute(1, 0, 2).unsqueeze(1))
+           + torch.matmul(w[..., n:], v_tail.permute(1, 0, 2).unsqueeze(1)))  # [Hkv, G, T, D]
+    return out.permute(2, 0, 1, 3).reshape(t, num_heads, head_dim), scores
 
 
 def _ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -171,7 +182,7 @@ def select_tokens(
         selection: the strategy and its knobs.
         deviation: ``[N]`` KV deviation per token (:func:`deviation_scores`); needed unless the
             strategy is ``question``.
-        question: ``[N]`` attention from the question (:func:`question_scores`); needed for
+        question: ``[N]`` attention from the question (:func:`question_attention`); needed for
             ``question`` and for ``hybrid`` with ``question_weight > 0``.
         forced: ``[N]`` bool, tokens with no cached KV: always selected, outside the budget.
         exact: ``[N]`` bool, tokens whose cached KV already equals the fresh KV: chosen last.
