@@ -184,15 +184,17 @@ class DiskTier:
     def keys(self) -> Iterator[str]:
         return iter([f.key for f in self.scan()])
 
-    def clear(self) -> None:
-        """Delete every entry file and stale temporary file (other files and writes in flight are left)."""
+    def clear(self, prefix: str = "") -> None:
+        """Delete every entry file whose key starts with ``prefix`` and stale temporary files
+        (other files and writes in flight are left)."""
         self._remove_stale_tmp()
         try:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
             return
         for e in entries:
-            if self._key_of(e.name) is not None:
+            key = self._key_of(e.name)
+            if key is not None and key.startswith(prefix):
                 try:
                     os.unlink(e.path)
                 except FileNotFoundError:
@@ -200,6 +202,22 @@ class DiskTier:
 
     def usage(self) -> TierUsage:
         return TierUsage.of(self.scan())
+
+    def free_bytes(self) -> int | None:
+        """Bytes the folder's filesystem has free for an unprivileged writer (``statvfs``
+        ``f_bavail * f_frsize``); None when it cannot be asked."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def block_size(self) -> int:
+        """The filesystem's allocation unit in bytes (a file occupies a multiple of it)."""
+        try:
+            return max(1, os.statvfs(self.root).f_frsize)
+        except OSError:
+            return 4096
 
     def touch(self, key: str) -> None:
         try:

@@ -29,6 +29,11 @@ DEFAULT_PREFIX = "ragcache:kv:"
 _HEAD_GUESS = 16 * 1024  # bytes fetched to read a header (30-layer headers are ~5 KB)
 
 
+def _glob_escape(text: str) -> str:
+    """``text`` with Redis' glob characters escaped, for ``SCAN MATCH``."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 class RedisTier:
     """Entries as Redis strings.
 
@@ -123,8 +128,9 @@ class RedisTier:
         """
         return get_then_delete(self, key)
 
-    def _scan(self) -> list[bytes]:
-        return self._call(lambda: list(self._r.scan_iter(match=self.prefix + "*", count=1000)))
+    def _scan(self, prefix: str = "") -> list[bytes]:
+        pattern = _glob_escape(self.prefix + prefix) + "*"
+        return self._call(lambda: list(self._r.scan_iter(match=pattern, count=1000)))
 
     def scan(self) -> list[EntryStat]:
         """Every key under the prefix with its value size (``SCAN`` + pipelined ``STRLEN``), in
@@ -150,14 +156,19 @@ class RedisTier:
         n = len(self.prefix)
         return iter([k.decode()[n:] for k in self._scan()])
 
-    def clear(self) -> None:
-        names = self._scan()
+    def clear(self, prefix: str = "") -> None:
+        """Delete every key under the tier's prefix whose entry key starts with ``prefix``."""
+        names = self._scan(prefix)
         for i in range(0, len(names), 500):
             batch = names[i:i + 500]
             self._call(lambda: self._r.unlink(*batch))
 
     def usage(self) -> TierUsage:
         return TierUsage.of(self.scan())
+
+    def free_bytes(self) -> None:
+        """None: Redis sizes itself (``maxmemory``, see the module docstring)."""
+        return None
 
     def touch(self, key: str) -> None:
         pass
