@@ -2,7 +2,7 @@
 
 Each command group lives in its own module under app/ and exposes ``register(subparsers)``;
 this file only assembles them (listed in :data:`COMMANDS`). Errors that users can fix print one
-line saying what to do and exit with status 2.
+line naming the problem and the fix and exit with status 2, without a traceback (``-v`` adds it).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import argparse
 import logging
 import os
 import sys
+import traceback
+import warnings
 
 from app import ask_cmd, bench_cmd, cache_cmd, demo_cmd, ingest_cmd, setup_cmd
 from app.help import HelpFormatter
@@ -33,15 +35,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the input needs fixing: one line, exit status 2, no traceback.
+
+    ``ragcache.ingest`` (llama-index, seconds to import) is only consulted when it was imported: an
+    ingest error cannot have been raised otherwise.
+    """
     from ragcache.config import ConfigError
-    from ragcache.index import IndexMismatchError, IndexNotFoundError
+    from ragcache.index import IndexMismatchError, IndexNameError, IndexNotFoundError
     from ragcache.models import ModelNotFoundError
     from ragcache.pipeline import EmptyIndexError
-    from ragcache.prompt import PromptTooLongError
+    from ragcache.prompt import EmptyQuestionError, PromptTooLongError
 
-    user_errors = (ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, EmptyIndexError,
-                   PromptTooLongError)
+    errors: tuple[type[BaseException], ...] = (
+        ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, IndexNameError, EmptyIndexError,
+        PromptTooLongError, EmptyQuestionError)
+    ingest = sys.modules.get("ragcache.ingest")
+    return errors + ((ingest.IngestError,) if ingest is not None else ())
+
+
+def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -50,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        # llama-index's own models trip a pydantic warning on import; nothing a user can act on
+        warnings.filterwarnings("ignore", message=r".*'validate_default' attribute.*")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -59,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except user_errors as exc:
-        print(f"ragcache: error: {exc}", file=sys.stderr)
+    except user_errors() as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"ragcache: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ragcache: interrupted", file=sys.stderr)

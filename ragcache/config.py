@@ -246,6 +246,44 @@ class Settings(BaseSettings):
             _settings_file.reset(token)
 
 
+def check_value(section: str, key: str, value: Any, flag: str) -> Any:
+    """Validate one value for the setting ``section.key`` as :class:`Settings` would: for command-line
+    flags that override a setting, so they keep to the same bounds.
+
+    Returns:
+        the value as the setting holds it (e.g. coerced to int).
+
+    Raises:
+        ConfigError: out of the setting's range, naming ``flag``, the value, the allowed range and
+            the setting.
+    """
+    cls = Settings.model_fields[section].annotation
+    try:
+        return getattr(cls(**{key: value}), key)
+    except ValidationError:
+        info = cls.model_fields[key]
+        raise ConfigError(f"{flag} {value}: {_range_text(info)} (the range of the setting {section}.{key})") from None
+
+
+def _range_text(info: Any) -> str:
+    """``must be in [0, 1]`` / ``must be >= 1`` / ``must be in (0, 1]`` from a field's bounds."""
+    lo = hi = None
+    for m in info.metadata:
+        for name, bracket in (("ge", "["), ("gt", "(")):
+            if getattr(m, name, None) is not None:
+                lo = (bracket, getattr(m, name))
+        for name, bracket in (("le", "]"), ("lt", ")")):
+            if getattr(m, name, None) is not None:
+                hi = (bracket, getattr(m, name))
+    if lo and hi:
+        return f"must be in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        return f"must be {'>=' if lo[0] == '[' else '>'} {lo[1]}"
+    if hi:
+        return f"must be {'<=' if hi[0] == ']' else '<'} {hi[1]}"
+    return "is not a valid value"
+
+
 def _check_toml(path: Path) -> None:
     if not path.is_file():
         raise ConfigError(f"settings file {path} does not exist; create it or unset {SETTINGS_FILE_ENV}")

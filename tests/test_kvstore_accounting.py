@@ -26,7 +26,7 @@ def make_kv(seed: int = 0, tokens: int = 6) -> tuple[torch.Tensor, torch.Tensor]
 
 def assert_adds_up(store: TieredStore) -> None:
     """Every tier: hits + misses == chunk lookups; all tiers' hits + the store's misses == lookups."""
-    stats, lk = store.stats(), store.lookups()
+    stats, lk = store.stats(), store.ledger.summary()
     for name, row in stats.items():
         assert row["hits"] + row["misses"] == row["lookups"] == lk["lookups"], name
     assert sum(row["hits"] for row in stats.values()) + lk["misses"] == lk["lookups"]
@@ -49,7 +49,7 @@ def test_a_layer_that_fails_its_checksum_turns_the_hit_into_a_counted_miss(tmp_p
         [h.layer(i) for i in range(SPEC.num_layers)]
     row = store.stats()["disk"]
     assert (row["hits"], row["misses"], row["corrupt"]) == (1, 1, 1)
-    assert store.lookups()["misses"] == 1 and not disk.path("a").exists()
+    assert store.ledger.summary()["misses"] == 1 and not disk.path("a").exists()
     assert_adds_up(store)
 
 
@@ -63,7 +63,7 @@ def test_the_prompt_head_is_counted_apart_from_chunk_lookups(tmp_path):
         with store.open("c1"):
             pass
         assert store.open("c2") is None
-    lk = store.lookups()
+    lk = store.ledger.summary()
     assert (lk["lookups"], lk["hits"], lk["misses"], lk["head_lookups"], lk["head_hits"]) == (6, 3, 3, 3, 3)
     assert store.stats()["cpu"]["hits"] == 3
     assert_adds_up(store)
@@ -93,13 +93,13 @@ def test_counters_survive_the_process_in_a_file_beside_the_disk_tier(tmp_path):
     assert since is not None
 
     second = TieredStore.from_settings(settings, spec=SPEC)  # a restart: live counts start at 0
-    assert second.lookups()["lookups"] == 0
+    assert second.ledger.summary()["lookups"] == 0
     second.get("a")
-    total = second.cumulative_stats()  # the file plus what this process has not written yet
+    total = second.ledger.cumulative()  # the file plus what this process has not written yet
     assert total["since"] == since
     assert total["lookups"]["lookups"] == 3 and total["tiers"]["disk"]["hits"] == 2
-    second.reset_counters()
-    assert second.cumulative_stats()["lookups"]["lookups"] == 0
+    second.ledger.reset()
+    assert second.ledger.cumulative()["lookups"]["lookups"] == 0
     second.close()
 
 

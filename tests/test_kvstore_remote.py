@@ -106,7 +106,7 @@ def test_another_host_with_an_empty_local_cache_reads_from_redis_and_promotes(re
     stats = reader.stats()
     assert [stats[t]["hits"] for t in ("cpu", "disk", "remote")] == [1, 0, 1]
     assert all(t["hits"] + t["misses"] == t["lookups"] == 2 for t in stats.values())
-    assert reader.lookups()["misses"] == 0
+    assert reader.ledger.summary()["misses"] == 0
 
 
 def test_entry_evicted_from_disk_is_demoted_to_redis_when_missing_there(redis_server, tmp_path):

@@ -168,7 +168,7 @@ def test_stats_report_every_tier_and_hit_rates_that_add_up(tmp_path):
     assert (stats["disk"]["hits"], stats["disk"]["misses"]) == (1, 2)
     assert stats["disk"]["hit_rate"] == pytest.approx(1 / 3) and stats["disk"]["bytes_read"] == ENTRY
     assert stats["cpu"]["capacity_bytes"] == ENTRY and stats["disk"]["entries"] == 2
-    assert store.lookups() == {**store.lookups(), "lookups": 3, "hits": 2, "misses": 1}
+    assert store.ledger.summary() == {**store.ledger.summary(), "lookups": 3, "hits": 2, "misses": 1}
     assert store.hit_rate_line() == "3 lookups: cpu 33.3% (1) | disk 33.3% (1) | miss 33.3% (1); head 0/0"
 
 

@@ -212,6 +212,16 @@ class Ledger:
             data["since"] = self.started
         return data
 
+    def reset(self) -> None:
+        """Start the cumulative counts afresh (the counter file; this process's live counts stay).
+
+        Raises:
+            OSError: the counter file cannot be written.
+        """
+        self.flush()
+        if self.counter_file is not None:
+            self.counter_file.reset()
+
     # ---- persistence
 
     def _deltas(self) -> tuple[dict[str, int], dict[str, dict[str, int]]]:

@@ -381,26 +381,28 @@ class TieredStore:
                                            slot.guard.up, configured_capacity_bytes=slot.capacity, free_bytes=free)
         return out
 
-    def lookups(self) -> dict[str, Any]:
-        """This process's lookups: ``{lookups, hits, misses, head_lookups, head_hits, since}``
-        (``misses``: chunk lookups no tier served; ``since``: seconds since the epoch)."""
-        return self._ledger.summary()
+    @property
+    def ledger(self) -> Ledger:
+        """The lookup counters: ``ledger.summary()`` (this process), ``ledger.cumulative()`` (every
+        process that used the disk folder), ``ledger.reset()`` (see :mod:`~ragcache.kvstore.ledger`)."""
+        return self._ledger
 
-    def cumulative_stats(self) -> dict[str, Any]:
-        """The counts of every process that used this store's disk folder, summed (see
-        :mod:`~ragcache.kvstore.ledger`): ``{since, updated, lookups: {...}, tiers: {name:
-        {...}}}``; this process's alone when there is no disk tier."""
-        return self._ledger.cumulative()
-
-    def reset_counters(self) -> None:
-        """Start the cumulative counts afresh (the counter file; this process's live counts stay).
-
-        Raises:
-            OSError: the counter file cannot be written.
-        """
-        self._ledger.flush()
-        if self._ledger.counter_file is not None:
-            self._ledger.counter_file.reset()
+    def namespaces(self) -> dict[str, dict[str, int]]:
+        """Entries per KV namespace in each persistent tier that is up: ``{tier: {namespace:
+        entries}}`` (keys without a namespace under ""; see :class:`ragcache.chunks.ChunkKey`)."""
+        out: dict[str, dict[str, int]] = {}
+        for slot in self._slots:
+            if slot.tier.memory or not slot.guard.available():
+                continue
+            try:
+                keys = slot.guard.call(slot.tier.keys)
+            except (TierDown, TierError, OSError):
+                continue
+            counts = out.setdefault(slot.name, {})
+            for key in keys:
+                ns = key.rsplit(":", 1)[0] if ":" in key else ""
+                counts[ns] = counts.get(ns, 0) + 1
+        return out
 
     def hit_rate_line(self) -> str:
         """One line of hit rates that add up, e.g.
