@@ -51,7 +51,7 @@ def open_pipeline(args: argparse.Namespace):
     """Settings from --settings, then the pipeline over --index; every check that needs no model
     (flags, the question, settings, the index) runs before the engine starts."""
     from ragcache.config import Settings
-    from ragcache.index import IndexNotFoundError, readable_path, resolve_index_path
+    from ragcache.index import open_manifest
     from ragcache.pipeline import RAGPipeline
     from ragcache.prompt import check_question
 
@@ -59,9 +59,7 @@ def open_pipeline(args: argparse.Namespace):
     if getattr(args, "question", None) is not None:
         check_question(args.question)
     settings = Settings.load(args.settings)
-    path = resolve_index_path(args.index, settings.ingest.index_dir)
-    if readable_path(path) is None:
-        raise IndexNotFoundError(f"no index at {path}; run `ragcache ingest PATH --index {args.index}` first")
+    open_manifest(args.index, settings)  # exists, readable, same embedding model
     return RAGPipeline.open(settings, index=args.index)
 
 

@@ -15,14 +15,14 @@ import traceback
 import warnings
 
 from app import ask_cmd, bench_cmd, cache_cmd, demo_cmd, ingest_cmd, setup_cmd
-from app.help import HelpFormatter
+from app.help import HelpFormatter, Parser
 
 #: modules under app/ that add subcommands, in --help order
 COMMANDS = (setup_cmd, ingest_cmd, ask_cmd, demo_cmd, cache_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ragcache",
         description="RAG with a tiered chunk KV cache and CacheBlend on embedded vLLM.",
         formatter_class=HelpFormatter,
@@ -57,7 +57,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, one line printed by app.help.Parser)
+        return int(exc.code or 0)
     # vLLM logs to stdout by default: keep stdout for answers (and `--json` parseable); its
     # start-up chatter is hidden unless -v
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

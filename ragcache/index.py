@@ -298,21 +298,26 @@ class Manifest:
     @classmethod
     def read(cls, folder: Path) -> "Manifest":
         """Raises: IndexNotFoundError when manifest.json is missing or unreadable."""
+        damaged = f"; the index is damaged: delete {folder} and ingest again"
         try:
             raw = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise IndexNotFoundError(f"{folder / MANIFEST} cannot be read ({exc})") from None
-        if raw.get("format") != INDEX_FORMAT_VERSION:
+            raise IndexNotFoundError(f"{folder / MANIFEST} cannot be read ({exc}){damaged}") from None
+        if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT_VERSION:
+            found = raw.get("format") if isinstance(raw, dict) else None
             raise IndexMismatchError(
-                f"index {folder} has format {raw.get('format')}, this ragcache reads "
+                f"index {folder} has format {found}, this ragcache reads "
                 f"{INDEX_FORMAT_VERSION}; re-ingest into a new --index"
             )
-        return cls(
-            build=BuildInfo(**raw["build"]),
-            files={k: FileEntry(**v) for k, v in raw["files"].items()},
-            docs={k: DocEntry(**v) for k, v in raw["docs"].items()},
-            namespace=str(raw.get("namespace", "")),
-        )
+        try:
+            return cls(
+                build=BuildInfo(**raw["build"]),
+                files={k: FileEntry(**v) for k, v in raw["files"].items()},
+                docs={k: DocEntry(**v) for k, v in raw["docs"].items()},
+                namespace=str(raw.get("namespace", "")),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise IndexNotFoundError(f"{folder / MANIFEST} lacks {exc}{damaged}") from None
 
     def write(self, folder: Path) -> None:
         (folder / MANIFEST).write_text(self.to_json(), encoding="utf-8")
@@ -425,6 +430,31 @@ def node_to_chunk(node: "BaseNode") -> Chunk:
     )
 
 
+def open_manifest(path: str | os.PathLike[str], settings: "Settings") -> tuple[Path, Manifest]:
+    """The readable folder and the manifest of the index named or located by ``path``, checked
+    against ``settings`` (cheap: no model is loaded, so callers check before starting an engine).
+
+    Raises:
+        IndexNameError: ``path`` cannot name an index.
+        IndexNotFoundError: no complete index there, or its manifest cannot be read.
+        IndexMismatchError: another index format, or embedded with another embedding model.
+    """
+    folder = resolve_index_path(path, settings.ingest.index_dir)
+    readable = readable_path(folder)
+    if readable is None:
+        raise IndexNotFoundError(
+            f"no index at {folder} (the folder does not exist or is empty); "
+            f"run `ragcache ingest PATH --index {os.fspath(path)}` first"
+        )
+    manifest = Manifest.read(readable)
+    if manifest.build.embedding_model != settings.models.embedding_model:
+        raise IndexMismatchError(
+            f"index {folder} was embedded with {manifest.build.embedding_model!r}, settings say "
+            f"{settings.models.embedding_model!r}; set models.embedding_model back or re-ingest"
+        )
+    return readable, manifest
+
+
 def read_chunks(path: Path) -> tuple[Manifest, list[Chunk]]:
     """The manifest and every chunk of the index at ``path`` (its docstore only: no embedding model,
     no FAISS), e.g. to find the KV keys of an index's chunks.
@@ -476,19 +506,7 @@ class Index:
         from ragcache.models import load_embed_model
 
         folder = resolve_index_path(path, settings.ingest.index_dir)
-        readable = readable_path(folder)
-        if readable is None:
-            name = os.fspath(path)
-            raise IndexNotFoundError(
-                f"no index at {folder} (the folder does not exist or is empty); "
-                f"run `ragcache ingest PATH --index {name}` first"
-            )
-        manifest = Manifest.read(readable)
-        if manifest.build.embedding_model != settings.models.embedding_model:
-            raise IndexMismatchError(
-                f"index {folder} was embedded with {manifest.build.embedding_model!r}, settings say "
-                f"{settings.models.embedding_model!r}; set models.embedding_model back or re-ingest"
-            )
+        readable, manifest = open_manifest(path, settings)
         embed_model = embed_model or load_embed_model(settings)
         store = deletable_faiss_store_cls().from_persist_dir(str(readable))
         with contextlib.redirect_stdout(io.StringIO()):  # llama-index print()s each file it loads
