@@ -17,8 +17,10 @@ from typing import Iterator
 import pytest
 
 
-def _mount(folder: Path, size_bytes: int) -> str | None:
-    """Mount a tmpfs of ``size_bytes`` on ``folder``; None on success, else why not."""
+def mount(folder: Path, size_bytes: int) -> str | None:
+    """Mount a tmpfs of ``size_bytes`` (rounded up to whole pages) on ``folder`` (created when
+    missing); None on success, else why not."""
+    folder.mkdir(parents=True, exist_ok=True)
     if shutil.which("mount") is None:
         return "no mount command"
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0755", "tmpfs", str(folder)],
@@ -26,19 +28,27 @@ def _mount(folder: Path, size_bytes: int) -> str | None:
     return None if r.returncode == 0 else (r.stderr.strip() or f"mount exited with {r.returncode}")
 
 
+def unmount(folder: Path) -> None:
+    """Unmount what :func:`mount` mounted (lazily: a file still open cannot keep it mounted)."""
+    subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def skip_reason(size_bytes: int, why: str) -> str:
+    return (f"cannot mount a {size_bytes}-byte tmpfs for a real disk-full test ({why}); "
+            "run the tests as root (or with CAP_SYS_ADMIN) to include it")
+
+
 @contextmanager
 def small_fs(folder: Path, size_bytes: int) -> Iterator[Path]:
-    """A tmpfs of ``size_bytes`` (rounded up to whole pages by the kernel) mounted on ``folder``
-    for the ``with`` block, then unmounted. Skips the test when it cannot be mounted here."""
-    folder.mkdir(parents=True, exist_ok=True)
-    why = _mount(folder, size_bytes)
+    """A tmpfs of ``size_bytes`` mounted on ``folder`` for the ``with`` block, then unmounted.
+    Skips the test when it cannot be mounted here."""
+    why = mount(folder, size_bytes)
     if why is not None:
-        pytest.skip(f"cannot mount a {size_bytes}-byte tmpfs for a real disk-full test ({why}); "
-                    "run the tests as root (or with CAP_SYS_ADMIN) to include it")
+        pytest.skip(skip_reason(size_bytes, why))
     try:
         yield folder
     finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+        unmount(folder)
 
 
 def free_bytes(folder: Path) -> int:

@@ -1,9 +1,18 @@
-"""The ``remote`` tier: KV entries shared through Redis (redis-py), e.g. by several hosts.
+"""The ``remote`` tier: KV entries shared through Redis (redis-py with the hiredis parser), e.g. by
+several hosts.
 
 Owns: :class:`RedisTier`. Each entry is one Redis string holding the same safetensors bytes as
-the disk tier's file, under ``<prefix><key>``. ``SET`` is atomic, so concurrent writers of one
-key leave one complete value. There is no capacity setting for this tier: size Redis itself
-(``maxmemory`` with ``maxmemory-policy allkeys-lru``). Must not import vLLM.
+the disk tier's file, under ``<prefix><key>``; a key starts with its KV namespace
+(``ragcache:kv:default/acme:3f2c...``, see :class:`ragcache.chunks.ChunkKey`), so one namespace's
+keys share a prefix (``clear(prefix)``; a Redis ACL can confine a tenant to it). ``SET`` is
+atomic, so concurrent writers of one key leave one complete value. There is no capacity setting
+for this tier: size Redis itself (``maxmemory <bytes>`` with ``maxmemory-policy allkeys-lru``;
+ragcache sets no TTLs; persistence is optional since every entry can be computed again). Must not
+import vLLM.
+
+The hiredis parser (``redis[hiredis]``) reads large values ~2.5x faster than redis-py's
+pure-Python one (measured ~250 vs ~90 MB/s for a 64 MB value on a 2-core machine); redis-py uses
+it whenever it is installed.
 
 Failures: connection errors and timeouts raise
 :class:`~ragcache.kvstore.entry.TierUnavailableError` (the store then marks the tier down and
@@ -58,7 +67,7 @@ class RedisTier:
             url,
             socket_connect_timeout=connect_timeout,
             socket_timeout=timeout,
-            socket_read_size=1 << 20,  # large values: fewer, bigger reads (pure-Python parser)
+            socket_read_size=1 << 20,  # large values: fewer, bigger reads
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
             health_check_interval=0,
