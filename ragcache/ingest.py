@@ -49,8 +49,7 @@ from ragcache.models import TokenizerInfo, load_embed_model, load_tokenizer
 
 if TYPE_CHECKING:  # llama-index loads when an ingest runs: the input checks stay light
     from llama_index.core.base.embeddings.base import BaseEmbedding
-    from llama_index.core.schema import Document
-    from llama_index.core.schema import TextNode
+    from llama_index.core.schema import Document, TextNode
 
     from ragcache.config import Settings
 

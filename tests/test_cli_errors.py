@@ -7,10 +7,11 @@ tests/test_pipeline.py."""
 from __future__ import annotations
 
 import json
-import os
+
 import pytest
 
 from app.cli import main
+from tests.conftest import clear_ragcache_env
 
 BUILD = {"chunk_size": 512, "chunk_overlap": 0, "llm": "smollm2-135m-instruct", "llm_fingerprint": "x",
          "embedding_model": "all-minilm-l6-v2", "dim": 384}
@@ -18,9 +19,7 @@ BUILD = {"chunk_size": 512, "chunk_overlap": 0, "llm": "smollm2-135m-instruct", 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("RAGCACHE_"):
-            monkeypatch.delenv(name)
+    clear_ragcache_env(monkeypatch)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAGCACHE_STORE__SSD_CACHE_DIR", str(tmp_path / "kv"))
     index = tmp_path / "indexes" / "idx"  # an index folder as ingest writes it (only its manifest is read)
@@ -45,7 +44,8 @@ CASES = [
     ("--top-k negative in chat", ["chat", "--top-k", "-3"], {}, "--top-k -3: must be in [1, 100]"),
     ("--top-k not a number", ["ask", "q?", "--top-k", "abc"], {}, "argument --top-k: invalid int value: 'abc'"),
     ("--max-tokens 0", ["ask", "q?", "--max-tokens", "0"], {}, "--max-tokens 0: must be >= 1"),
-    ("--recompute-ratio 2", ["ask", "q?", "--recompute-ratio", "2"], {}, "--recompute-ratio 2.0: must be in [0.0, 1.0]"),
+    ("--recompute-ratio 2", ["ask", "q?", "--recompute-ratio", "2"], {},
+     "--recompute-ratio 2.0: must be in [0.0, 1.0]"),
     ("--recompute-ratio negative", ["ask", "q?", "--recompute-ratio", "-0.1"], {}, "must be in [0.0, 1.0]"),
     ("unknown --mode", ["ask", "q?", "--mode", "fast"], {}, "argument --mode: invalid choice: 'fast'"),
     ("unknown command", ["frob"], {}, "invalid choice: 'frob'"),
@@ -53,14 +53,16 @@ CASES = [
     ("empty index name", ["ask", "q?", "--index", ""], {}, "is not an index name"),
     ("index name ..", ["ask", "q?", "--index", ".."], {}, "is not an index name"),
     ("damaged manifest", ["ask", "q?", "--index", "./notjson"], {}, "the index is damaged: delete notjson"),
-    ("settings file missing", ["--settings", "missing.toml", "ask", "q?"], {}, "settings file missing.toml does not exist"),
+    ("settings file missing", ["--settings", "missing.toml", "ask", "q?"], {},
+     "settings file missing.toml does not exist"),
     ("settings file not TOML", ["--settings", "bad.toml", "ask", "q?"], {}, "cannot read settings file bad.toml"),
     ("unknown setting", ["--settings", "unknown.toml", "cache", "stats"], {}, "unknown setting 'store.cpu_kv_pool'"),
     ("RAGCACHE_SETTINGS_FILE missing", ["cache", "stats"], {"RAGCACHE_SETTINGS_FILE": "/no/such.toml"},
      "does not exist; create it or unset RAGCACHE_SETTINGS_FILE"),
     ("setting out of range", ["ask", "q?"], {"RAGCACHE_BLEND__RECOMPUTE_RATIO": "2"},
      "invalid setting blend.recompute_ratio = '2'"),
-    ("setting not a number", ["ask", "q?"], {"RAGCACHE_ENGINE__MAX_MODEL_LEN": "lots"}, "engine.max_model_len = 'lots'"),
+    ("setting not a number", ["ask", "q?"], {"RAGCACHE_ENGINE__MAX_MODEL_LEN": "lots"},
+     "engine.max_model_len = 'lots'"),
     ("unknown engine.mode", ["ask", "q?"], {"RAGCACHE_ENGINE__MODE": "fast"}, "engine.mode = 'fast'"),
     ("Redis URL of another scheme", ["cache", "stats"], {"RAGCACHE_STORE__REMOTE_URL": "http://x"},
      "must start with redis://"),

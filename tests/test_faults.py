@@ -25,20 +25,14 @@ from small_fs import fill, mount, skip_reason, unmount
 from app.cli import main
 from ragcache.bench.fixtures import RedisServer
 from ragcache.kvstore import DiskTier
+from tests.conftest import ZORBIA_DOCS
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 FS_SIZE = 64 * MiB
 TOP_K = 3
-DOCS = {
-    "zorbia.txt": "Zorbia is a small island nation. The Zorbian capital is Velmora, a city on the river Aster "
-                  "known for its glass bridges. Velmora was founded in 1432 by the navigator Idris Kell.",
-    "food.md": "# Zorbian food\n\nThe national dish of Zorbia is kelmet, a stew of lentils, smoked fish and "
-               "saffron. It is served at every wedding.",
-    "parliament.txt": "Zorbia's parliament meets in the Amber Hall, which has 212 seats and a copper roof. "
-                      "Elections are held every five years.",
-}
+DOCS = ZORBIA_DOCS
 QUESTIONS = ("What is the capital of Zorbia?", "What is kelmet made of?")
 
 
@@ -282,7 +276,8 @@ def test_two_namespaces_never_share_kv_on_any_tier(probe):
 
     # `cache clear --namespace` takes one tenant's entries and leaves the other's
     assert probe.cli("cache", "clear", "--namespace", "default/tenant-b") == 0
-    assert not any(probe.disk.path(k).exists() for k in keys_b) and client.exists(*[f"ragcache:kv:{k}" for k in keys_b]) == 0
+    assert not any(probe.disk.path(k).exists() for k in keys_b)
+    assert client.exists(*[f"ragcache:kv:{k}" for k in keys_b]) == 0
     assert all(client.exists(f"ragcache:kv:{k}") for k in keys_a)
 
     # within one namespace, indexes share as before: a second index over the same text computes nothing

@@ -444,10 +444,10 @@ def test_bare_index_name_never_means_a_folder_of_the_working_directory(tmp_path,
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new index", "existing index"])
 def test_an_ingest_whose_every_path_is_missing_fails_before_loading_any_model(tmp_path, capsys, existing):
-    from app.cli import main
-
     import subprocess
     import sys
+
+    from app.cli import main
 
     index = tmp_path / "idx"
     if existing:  # an index folder as an earlier ingest leaves it (its contents are not read)

@@ -68,6 +68,7 @@ def test_kill_9_mid_ingest_and_a_concurrent_ingest_lose_nothing(engine, engine_s
             staged = staged or any(index_path.parent.glob(".crash.staging-*"))
             if staged and not written:
                 # a second ingest into the same index while the first holds it: refused in one line
+                capsys.readouterr()
                 assert main(["ingest", str(corpus), "--index", str(index_path), "--quiet"]) == 2
                 err = capsys.readouterr().err.strip().splitlines()
                 assert len(err) == 1 and "another ingest into" in err[0] and "is running; wait for it" in err[0]

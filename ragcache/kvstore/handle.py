@@ -3,8 +3,9 @@ interface it uses to report back to the store.
 
 Owns: :class:`KVHandle` (per-layer reads into the caller's dtype and device, the promotion buffer,
 promotion on close) and :class:`HandleOwner` (the store's side: counting, turning a hit whose layer
-cannot be read into a miss, discarding a damaged entry, promotion). The handle knows nothing of the store's tiers, locks or counters. Reading layers
-ahead in a background thread is the blend's job (``ragcache.blend.forward``), not the handle's.
+cannot be read into a miss, discarding a damaged entry, promotion). The handle knows nothing of the
+store's tiers, locks or counters. Reading layers ahead in a background thread is the blend's job
+(``ragcache.blend.forward``), not the handle's.
 Imports only the entry and format modules; must not import vLLM, the store, nor anything above
 kvstore.
 """

@@ -3,8 +3,8 @@ summed across processes in a small counter file beside the disk tier.
 
 Owns: :class:`Ledger` (counting lookups, flushing deltas at most every few seconds, the cumulative
 view ``ragcache cache stats`` shows) and :class:`CounterFile` (the file and its lock). What a lookup
-is: :mod:`ragcache.kvstore.stats`. Imports only the stats module; must not import vLLM, the store,
-nor anything above kvstore.
+is: :mod:`ragcache.kvstore.stats`. Imports only the stats module and the disk tier's atomic write;
+must not import vLLM, the store, nor anything above kvstore.
 
 The counter file (``<ssd_cache_dir>/.ragcache-counters.json``) holds the totals of every process
 that used the folder since ``since`` (seconds since the epoch)::
@@ -32,6 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
+from ragcache.kvstore.disk import write_atomically
 from ragcache.kvstore.stats import LookupCounters, TierCounters
 
 log = logging.getLogger("ragcache.kvstore")
@@ -109,16 +110,7 @@ class CounterFile:
         return _FileLock(self.lock_path)
 
     def _write(self, data: dict[str, Any]) -> None:
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(self.path, [json.dumps(data, indent=1, sort_keys=True).encode()])
 
 
 class _FileLock:
