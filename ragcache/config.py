@@ -276,11 +276,11 @@ def _range_text(info: Any) -> str:
             if getattr(m, name, None) is not None:
                 hi = (bracket, getattr(m, name))
     if lo and hi:
-        return f"must be in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+        return f"must be in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
     if lo:
-        return f"must be {'>=' if lo[0] == '[' else '>'} {lo[1]}"
+        return f"must be {'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
     if hi:
-        return f"must be {'<=' if hi[0] == ']' else '<'} {hi[1]}"
+        return f"must be {'<=' if hi[0] == ']' else '<'} {hi[1]:g}"
     return "is not a valid value"
 
 
