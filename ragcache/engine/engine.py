@@ -345,8 +345,13 @@ class BlendEngine:
             return self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,))[0]
 
     def close(self) -> None:
-        """Shut the engine core (and its worker processes) down; the engine is unusable afterwards."""
+        """Shut the engine core (and its worker processes) down; the engine is unusable afterwards.
+        The store's lookup counts are written to its counter file first (workers are killed)."""
         with self._lock:
+            try:
+                self.llm.collective_rpc(Rpc.STORE_FLUSH)
+            except Exception:  # closing must not fail the caller
+                log.debug("flushing the store's counters failed", exc_info=True)
             core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
             if core is not None:
                 core.shutdown()

@@ -236,3 +236,7 @@ class RagcacheWorkerExtension:
     def ragcache_store_delete(self, keys: list[str]) -> int:
         """Delete the keys from every tier; returns how many were present."""
         return sum(bool(self._ragcache.store.delete(k)) for k in keys)
+
+    def ragcache_store_flush(self) -> None:
+        """Write the store's lookup counts to its counter file now (before the worker goes away)."""
+        self._ragcache.store.ledger.flush()
