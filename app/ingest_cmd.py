@@ -86,8 +86,10 @@ class EngineKVHook:
                    f"{row.get('write_errors', 0)} write errors")
             lines.append(f"warning: {missed} of {t['computed']} new entries are not on the {tier} tier ({why}); "
                          "see `ragcache cache stats`")
-        if t["computed"] and (not kept or max(kept) < t["computed"]):
-            lines.append("warning: entries on no persistent tier are computed again when first used")
+        lost = t["computed"] - sum(kept)
+        if lost > 0:
+            lines.append(f"warning: at least {lost} new entries are on no persistent tier: they are computed "
+                         "again when first used")
         return lines
 
 
