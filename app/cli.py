@@ -57,10 +57,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2, one line printed by app.help.Parser)
-        return int(exc.code or 0)
+    args = parser.parse_args(argv)  # a usage error: one line (app.help.Parser), SystemExit(2)
     # vLLM logs to stdout by default: keep stdout for answers (and `--json` parseable); its
     # start-up chatter is hidden unless -v
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
