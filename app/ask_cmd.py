@@ -33,29 +33,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_chat)
 
 
-def _check_query_options(args: argparse.Namespace) -> None:
-    """Reject out-of-range flags before the engine starts (same ranges as the settings)."""
-    from ragcache.config import ConfigError
+#: query flags and the settings whose bounds they keep to
+QUERY_FLAGS = (("top_k", "--top-k", "retrieval"), ("max_tokens", "--max-tokens", "engine"),
+               ("recompute_ratio", "--recompute-ratio", "blend"))
 
-    if args.top_k is not None and args.top_k < 1:
-        raise ConfigError(f"--top-k {args.top_k}: must be >= 1")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise ConfigError(f"--max-tokens {args.max_tokens}: must be >= 1")
-    if args.recompute_ratio is not None and not 0.0 <= args.recompute_ratio <= 1.0:
-        raise ConfigError(f"--recompute-ratio {args.recompute_ratio}: must be in [0, 1]")
+
+def _check_query_options(args: argparse.Namespace) -> None:
+    """Reject out-of-range flags before the engine starts (the same ranges as the settings)."""
+    from ragcache.config import check_value
+
+    for key, flag, section in QUERY_FLAGS:
+        if getattr(args, key) is not None:
+            check_value(section, key, getattr(args, key), flag)
 
 
 def open_pipeline(args: argparse.Namespace):
-    """Settings from --settings, then the pipeline over --index (fails early if it does not exist)."""
+    """Settings from --settings, then the pipeline over --index; every check that needs no model
+    (flags, the question, settings, the index) runs before the engine starts."""
     from ragcache.config import Settings
-    from ragcache.index import IndexNotFoundError, readable_path, resolve_index_path
+    from ragcache.index import open_manifest
     from ragcache.pipeline import RAGPipeline
+    from ragcache.prompt import check_question
 
     _check_query_options(args)
+    if getattr(args, "question", None) is not None:
+        check_question(args.question)
     settings = Settings.load(args.settings)
-    path = resolve_index_path(args.index, settings.ingest.index_dir)
-    if readable_path(path) is None:
-        raise IndexNotFoundError(f"no index at {path}; run `ragcache ingest PATH --index {args.index}` first")
+    open_manifest(args.index, settings)  # exists, readable, same embedding model
     return RAGPipeline.open(settings, index=args.index)
 
 

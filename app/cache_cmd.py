@@ -1,4 +1,4 @@
-"""`ragcache cache stats|clear|verify`: inspect and maintain the tiered chunk KV store."""
+"""`ragcache cache stats|clear|drop|verify`: inspect and maintain the tiered chunk KV store."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "cache", help="inspect and maintain the chunk KV store (stats, clear, verify)",
+        "cache", help="inspect and maintain the chunk KV store (stats, clear, drop, verify)",
         description="The KV store's tiers come from the [store] settings: cpu (cpu_kv_pool_gb), "
         "disk (ssd_cache_dir, ssd_cache_max_gb) and remote (remote_url).",
         formatter_class=HelpFormatter,
@@ -24,14 +24,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="cache_action", metavar="ACTION")
     p.set_defaults(func=lambda args: _usage(p))
 
-    s = actions.add_parser("stats", help="entries, occupancy and capacity of every tier",
+    s = actions.add_parser("stats", help="hit rates since the counters started (all processes), entries, "
+                           "occupancy and capacity of every tier, entries per namespace",
                            formatter_class=HelpFormatter)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--reset", action="store_true", help="start the cumulative counters afresh, then show them")
     s.set_defaults(func=run_stats)
 
-    c = actions.add_parser("clear", help="delete every KV entry from every tier (disk folder and Redis too)",
-                           formatter_class=HelpFormatter)
+    c = actions.add_parser("clear", help="delete KV entries from the persistent tiers (disk folder and Redis): "
+                           "all of them, or one namespace's", formatter_class=HelpFormatter)
+    c.add_argument("--namespace", default=None, metavar="NS",
+                   help="only this KV namespace and the ones below it (as `cache stats` lists them: "
+                   "STORE or STORE/INDEX)")
     c.set_defaults(func=run_clear)
+
+    d = actions.add_parser("drop", help="delete the KV of one index's chunks from the persistent tiers",
+                           description="Chunks with the same text in another index of the same KV namespace "
+                           "share the entry: their KV is computed again on first use.",
+                           formatter_class=HelpFormatter)
+    d.add_argument("--index", required=True, metavar="NAME", help="index name under ingest.index_dir, or a folder")
+    d.set_defaults(func=run_drop)
 
     v = actions.add_parser("verify", help="check every stored entry (header, size, checksums); remove bad ones",
                            formatter_class=HelpFormatter)
@@ -80,48 +92,129 @@ def _where(settings: "Settings") -> dict[str, Any]:
     return {"ssd_cache_dir": str(st.ssd_cache_dir), "remote_url": st.remote_url or None}
 
 
+def _when(ts: float | None) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _pct(n: int, total: int) -> str:
+    return f"{100.0 * n / total:.1f}%" if total else "-"
+
+
 def run_stats(args: argparse.Namespace) -> int:
     from ragcache.config import Settings
 
     settings = Settings.load(args.settings)
     store = _open_store(settings, None)
     try:
-        stats = store.stats()
+        if args.reset:
+            store.ledger.reset()
+        tiers = store.stats()
+        total = store.ledger.cumulative()
+        namespaces = store.namespaces()
     finally:
         store.close()
+    lookups = total["lookups"]
+    n = int(lookups.get("lookups", 0))
+    served = {name: int(total["tiers"].get(name, {}).get("hits", 0)) for name in tiers}
+    persisted = store.ledger.counter_file is not None
     if args.json:
-        print(json.dumps({**_where(settings), "tiers": stats}, indent=2))
+        rows = {name: {**row, **{k: v for k, v in total["tiers"].get(name, {}).items()},
+                       "lookups": n, "misses": max(0, n - served[name]),
+                       "hit_rate": served[name] / n if n else 0.0}
+                for name, row in tiers.items()}
+        print(json.dumps({**_where(settings), "cumulative": persisted, "since": total["since"],
+                          "updated": total.get("updated"), "lookups": {**lookups, "hits": sum(served.values()),
+                                                                       "misses": max(0, n - sum(served.values()))},
+                          "tiers": rows, "namespaces": namespaces}, indent=2))
         return 0
-    print(f"the KV store (shared by all indexes); disk folder {settings.store.ssd_cache_dir}")
-    if not stats:
+    print(f"the KV store (shared by all indexes); disk folder {settings.store.ssd_cache_dir}; "
+          f"namespace {settings.store.namespace}")
+    if not tiers:
         print("no tier is enabled (store.cpu_kv_pool_gb, ssd_cache_max_gb and remote_url are all off)")
         return 0
-    print(f"{'tier':8} {'up':4} {'entries':>8} {'occupancy':>11} {'capacity':>11} {'used':>6}")
-    for name, t in stats.items():
+    scope = ("this process only: no disk tier to keep counters beside" if not persisted else
+             "none recorded yet" if total.get("updated") is None else
+             f"all processes since {_when(total['since'])}, last written {_when(total['updated'])}")
+    print(f"chunk lookups: {n} ({scope}); prompt-head lookups {lookups.get('head_lookups', 0)}, "
+          f"{lookups.get('head_hits', 0)} served")
+    print(f"{'tier':8} {'up':4} {'hits':>8} {'hit rate':>8} {'entries':>8} {'occupancy':>10} {'capacity':>10} "
+          f"{'used':>6} {'corrupt':>7} {'unavail':>7} {'not stored':>10}")
+    for name, t in tiers.items():
+        c = total["tiers"].get(name, {})
         cap = t["capacity_bytes"]
         used = f"{100.0 * t['occupancy_bytes'] / cap:.1f}%" if cap else "-"
-        print(f"{name:8} {'yes' if t['up'] else 'DOWN':4} {t['entries']:>8} {_size(t['occupancy_bytes']):>11} "
-              f"{_size(cap):>11} {used:>6}")
-    print("memory tiers are per process (empty here); hit rates are per process too: "
-          "turn on store.enable_hit_rate_log or see the UI")
+        print(f"{name:8} {'yes' if t['up'] else 'DOWN':4} {served[name]:>8} {_pct(served[name], n):>8} "
+              f"{t['entries']:>8} {_size(t['occupancy_bytes']):>10} {_size(cap):>10} {used:>6} "
+              f"{c.get('corrupt', 0):>7} {c.get('unavailable', 0):>7} {c.get('not_stored', 0):>10}")
+    missed = max(0, n - sum(served.values()))
+    print(f"{'miss':8} {'':4} {missed:>8} {_pct(missed, n):>8}   (no tier held a usable entry: computed)")
+    disk = tiers.get("disk")
+    if disk and disk.get("free_bytes") is not None and disk["capacity_bytes"] != disk["configured_capacity_bytes"]:
+        print(f"disk capacity is what its filesystem can hold: {_size(disk['free_bytes'])} free "
+              f"(store.ssd_cache_max_gb allows {_size(disk['configured_capacity_bytes'])})")
+    for name, counts in namespaces.items():
+        listed = ", ".join(f"{ns or '(none)'} {k}" for ns, k in sorted(counts.items())) or "empty"
+        print(f"{name} entries per namespace: {listed}")
+    print("memory tiers are per process (empty here)")
     return 0
 
 
-def run_clear(args: argparse.Namespace) -> int:
-    from ragcache.config import Settings
+def _report_removed(before: dict[str, int], after: dict[str, dict[str, Any]], what: str) -> int:
+    for name, n in before.items():
+        state = "" if after[name]["up"] else " (DOWN: not cleared)"
+        print(f"{name}: removed {n - after[name]['entries']} {what}{state}")
+    return 0 if all(t["up"] for t in after.values()) else 1
 
+
+def run_clear(args: argparse.Namespace) -> int:
+    from ragcache.config import Settings, check_namespace
+
+    ns = args.namespace
+    if ns is not None:
+        for part in ns.split("/", 1):
+            check_namespace(part, "--namespace")
     settings = Settings.load(args.settings)
     store = _open_store(settings, None)
     try:
         before = {name: t["entries"] for name, t in store.stats().items()}
-        store.clear()
+        known = store.namespaces()
+        store.clear(namespace=ns)
         after = store.stats()
     finally:
         store.close()
-    for name, n in before.items():
-        state = "" if after[name]["up"] else " (DOWN: not cleared)"
-        print(f"{name}: removed {n - after[name]['entries']} entries{state}")
-    return 0 if all(t["up"] for t in after.values()) else 1
+    what = "entries" if ns is None else f"entries of namespace {ns}"
+    code = _report_removed(before, after, what)
+    if ns is not None and all(before[t] == after[t]["entries"] for t in before):
+        listed = sorted({n for counts in known.values() for n in counts if n})
+        print(f"no entries in namespace {ns}; namespaces stored: {', '.join(listed) or 'none'}", file=sys.stderr)
+    return code
+
+
+def run_drop(args: argparse.Namespace) -> int:
+    from ragcache.config import Settings
+    from ragcache.index import read_chunks, resolve_index_path
+    from ragcache.models import load_tokenizer, resolve_llm
+    from ragcache.prompt import PromptBuilder
+
+    settings = Settings.load(args.settings)
+    manifest, chunks = read_chunks(resolve_index_path(args.index, settings.ingest.index_dir))
+    llm = resolve_llm(settings.models.model, settings.models.cache_dir)
+    builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
+                            store_namespace=settings.store.namespace)
+    keys = sorted({builder.key(c, manifest.namespace) for c in chunks})
+    store = _open_store(settings, None)
+    try:
+        before = {name: t["entries"] for name, t in store.stats().items()}
+        for key in keys:
+            store.delete(key)
+        after = store.stats()
+    finally:
+        store.close()
+    print(f"index {args.index}: {len(chunks)} chunks, {len(keys)} KV keys in namespace "
+          f"{builder.head_segment(manifest.namespace).key.rsplit(':', 1)[0]}")
+    return _report_removed(before, after, "entries")
 
 
 def run_verify(args: argparse.Namespace) -> int:

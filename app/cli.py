@@ -2,16 +2,17 @@
 
 Each command group lives in its own module under app/ and exposes ``register(subparsers)``;
 this file only assembles them (listed in :data:`COMMANDS`). Errors that users can fix print one
-line saying what to do and exit with status 2.
+line naming the problem and the fix and exit with status 2, without a traceback (``-v`` adds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from app import ask_cmd, bench_cmd, cache_cmd, calibrate_cmd, demo_cmd, ingest_cmd, setup_cmd
-from app.help import HelpFormatter
+from app.help import HelpFormatter, Parser
 from app.output import configure_output
 
 #: modules under app/ that add subcommands, in --help order
@@ -19,7 +20,7 @@ COMMANDS = (setup_cmd, ingest_cmd, ask_cmd, calibrate_cmd, demo_cmd, cache_cmd, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ragcache",
         description="RAG with a tiered chunk KV cache and CacheBlend on embedded vLLM.",
         formatter_class=HelpFormatter,
@@ -32,27 +33,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_output(args.verbose)
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the input needs fixing: one line, exit status 2, no traceback.
 
+    ``ragcache.ingest`` (llama-index, seconds to import) is only consulted when it was imported: an
+    ingest error cannot have been raised otherwise.
+    """
     from ragcache.config import ConfigError
-    from ragcache.index import IndexMismatchError, IndexNotFoundError
+    from ragcache.index import IndexMismatchError, IndexNameError, IndexNotFoundError
     from ragcache.models import ModelNotFoundError
     from ragcache.pipeline import EmptyIndexError
-    from ragcache.prompt import PromptTooLongError
+    from ragcache.prompt import EmptyQuestionError, PromptTooLongError
 
-    user_errors = (ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, EmptyIndexError,
-                   PromptTooLongError)
+    errors: tuple[type[BaseException], ...] = (
+        ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, IndexNameError, EmptyIndexError,
+        PromptTooLongError, EmptyQuestionError)
+    ingest = sys.modules.get("ragcache.ingest")
+    return errors + ((ingest.IngestError,) if ingest is not None else ())
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # a usage error: one line (app.help.Parser), SystemExit(2)
+    configure_output(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
-    except user_errors as exc:
-        print(f"ragcache: error: {exc}", file=sys.stderr)
+    except user_errors() as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"ragcache: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ragcache: interrupted", file=sys.stderr)

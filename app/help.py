@@ -1,5 +1,5 @@
-"""The `--help` formatter every ragcache subcommand uses (its own module, so command modules and
-app/cli.py do not import each other)."""
+"""The `--help` formatter and the argument parser every ragcache subcommand uses (their own module,
+so command modules and app/cli.py do not import each other)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line naming the problem and where the help is,
+    with exit status 2 (argparse itself prints the whole usage first)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"ragcache: error: {self.prog}: {message}; see `{self.prog} --help`\n")

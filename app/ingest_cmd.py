@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.help import HelpFormatter
 
@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (recursive)")
     p.add_argument("--index", default="default", metavar="NAME",
                    help="index name under ingest.index_dir, or a folder path")
+    p.add_argument("--namespace", default=None, metavar="NAME",
+                   help="the index's own KV namespace, set at its first ingest: its chunk KV is never shared "
+                   "with (nor visible to) other namespaces (default: none, i.e. store.namespace alone)")
     p.add_argument("--prune", action="store_true", help="remove chunks of indexed files that no longer exist")
     p.add_argument("--no-kv", action="store_true", help="skip the KV precompute of new chunks")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -37,16 +40,18 @@ class EngineKVHook:
     """The KV precompute step of ``ragcache ingest``: computes and stores each new chunk's KV.
 
     The vLLM engine starts on the first call only, so an ingest that adds nothing starts no engine.
-    ``totals`` sums the precompute reports (computed, skipped, tokens, seconds).
+    ``totals`` sums the precompute reports (computed, skipped, tokens, seconds, and per tier the
+    entries ``stored``); ``store`` holds the store's per-tier stats after the last call.
     """
 
     def __init__(self, settings: "Settings", show_progress: bool = True):
         self.settings = settings
         self.show_progress = show_progress
         self.engine = None
-        self.totals = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0}
+        self.totals: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "stored": {}}
+        self.store: dict[str, dict[str, Any]] = {}
 
-    def __call__(self, chunks) -> None:
+    def __call__(self, chunks, namespace: str = "") -> None:
         if not chunks:
             return
         if self.engine is None:
@@ -54,9 +59,42 @@ class EngineKVHook:
 
             print(f"starting the engine for the KV precompute of {len(chunks)} chunks ...", file=sys.stderr, flush=True)
             self.engine = BlendEngine(self.settings)
-        out = self.engine.precompute(chunks, show_progress=self.show_progress)
-        for k in self.totals:
+        out = self.engine.precompute(chunks, show_progress=self.show_progress, namespace=namespace)
+        for k in ("computed", "skipped", "tokens", "seconds"):
             self.totals[k] += out[k]
+        for tier, n in out["stored"].items():
+            self.totals["stored"][tier] = self.totals["stored"].get(tier, 0) + n
+        self.store = self.engine.store_stats()
+
+    def summary(self) -> list[str]:
+        """The KV lines of the ingest summary: entries computed and where they are kept; a warning
+        for every persistent tier that did not take them all (full, down, failing)."""
+        t, stored = self.totals, self.totals["stored"]
+        where = ", ".join(f"{tier} {n}" + (" (this process's memory)" if tier in MEMORY_TIERS else "")
+                          for tier, n in stored.items()) or "no tier"
+        lines = [f"KV precompute: {t['computed']} entries computed ({t['tokens']} tokens, {t['seconds']:.1f} s), "
+                 f"{t['skipped']} already stored; stored on {where}"]
+        kept = [n for tier, n in stored.items() if tier not in MEMORY_TIERS]
+        for tier, n in stored.items():
+            missed = t["computed"] - n
+            if tier in MEMORY_TIERS or missed <= 0:
+                continue
+            row = self.store.get(tier, {})
+            why = ("the tier is down" if not row.get("up", True) else
+                   f"no room: {row.get('not_stored', 0)} entries not stored, "
+                   f"{(row.get('free_bytes') or 0) / 1e6:.0f} MB free" if row.get("not_stored") else
+                   f"{row.get('write_errors', 0)} write errors")
+            lines.append(f"warning: {missed} of {t['computed']} new entries are not on the {tier} tier ({why}); "
+                         "see `ragcache cache stats`")
+        lost = t["computed"] - sum(kept)
+        if lost > 0:
+            lines.append(f"warning: at least {lost} new entries are on no persistent tier: they are computed "
+                         "again when first used")
+        return lines
+
+
+#: tiers that live in the ingest process's memory only (gone when it exits)
+MEMORY_TIERS = ("device", "cpu")
 
 
 def make_kv_hook(settings: "Settings", show_progress: bool = True) -> "KVHook | None":
@@ -64,36 +102,49 @@ def make_kv_hook(settings: "Settings", show_progress: bool = True) -> "KVHook | 
     return EngineKVHook(settings, show_progress)
 
 
+def check_inputs(args: argparse.Namespace, settings: "Settings") -> None:
+    """Every check that needs no model, before anything is loaded: the namespace, the index name
+    and folder, and that at least one path exists.
+
+    Raises:
+        ConfigError / IndexNameError / IndexMismatchError / NoInputError: one line with the fix.
+    """
+    from ragcache.config import check_namespace
+    from ragcache.index import check_index_folder, resolve_index_path
+    from ragcache.ingest import check_inputs_exist
+
+    if args.namespace is not None:
+        check_namespace(args.namespace, "--namespace")
+    check_index_folder(resolve_index_path(args.index, settings.ingest.index_dir))
+    check_inputs_exist(args.paths)
+
+
 def run(args: argparse.Namespace) -> int:
     from ragcache.config import Settings
-    from ragcache.index import IndexMismatchError
-    from ragcache.ingest import Ingestor, IngestError
+    from ragcache.ingest import Ingestor
 
     if not args.verbose:  # library chatter (faiss loader, model loading) only with -v
         for name in ("llama_index", "faiss", "sentence_transformers"):
             logging.getLogger(name).setLevel(logging.WARNING)
     settings = Settings.load(args.settings)
+    check_inputs(args, settings)
     want_kv = settings.ingest.precompute_kv and not args.no_kv
     kv_hook = make_kv_hook(settings, not args.quiet) if want_kv else None
-    ingestor = Ingestor(settings, args.index, kv_hook=kv_hook, show_progress=not args.quiet)
-    try:
-        report = ingestor.ingest(args.paths, prune=args.prune)
-    except (IngestError, IndexMismatchError) as exc:
-        print(f"ragcache: error: {exc}", file=sys.stderr)
-        return 2
+    ingestor = Ingestor(settings, args.index, kv_hook=kv_hook, show_progress=not args.quiet,
+                        namespace=args.namespace)
+    report = ingestor.ingest(args.paths, prune=args.prune)
     for skipped in report.skipped[:MAX_SKIPPED_SHOWN]:
         print(f"skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
     if report.files_skipped > MAX_SKIPPED_SHOWN:
         print(f"... and {report.files_skipped - MAX_SKIPPED_SHOWN} more skipped", file=sys.stderr)
-    print(report.summary())
-    if isinstance(kv_hook, EngineKVHook):
-        t = kv_hook.totals
-        print(f"KV precompute: {t['computed']} entries computed ({t['tokens']} tokens, {t['seconds']:.1f} s), "
-              f"{t['skipped']} already stored")
+    print(report.summary() + (f"; KV namespace {report.namespace}" if report.namespace else ""))
+    if isinstance(kv_hook, EngineKVHook) and kv_hook.engine is not None:
+        for line in kv_hook.summary():
+            print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout)
     elif not want_kv:
         print("KV precompute skipped (--no-kv): chunk KV is computed on first use instead")
-    if report.total_chunks == 0:
-        print(f"ragcache: error: nothing could be ingested into {report.index_path}; "
+    if report.nothing_usable or report.total_chunks == 0:
+        print(f"ragcache: error: nothing could be ingested into {report.index_path} from the given paths; "
               "check the skipped files above", file=sys.stderr)
-        return 1
+        return 2
     return 0

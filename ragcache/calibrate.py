@@ -186,7 +186,7 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     full_nlls: list[float] = []
     full_ttfts: list[float] = []
     for q in questions:
-        prompt = engine.prompts.build(q, [r.chunk for r in rag.retrieve(q)])
+        prompt = engine.prompts.build(q, [r.chunk for r in rag.retrieve(q)], namespace=rag.namespace)
         full = engine.generate(prompt, "full", max_tokens=max_tokens, logprobs=-1)
         full_ttfts.append(full.metrics.ttft_s)
         answer = full.token_ids

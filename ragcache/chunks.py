@@ -7,10 +7,16 @@ Two identities, on purpose:
 
 - ``chunk_id`` names the *text*: sha256 of the chunk's text, so the same passage always gets the
   same id whichever file or ingest run it comes from (used by the index and for stable ordering).
-- ``ChunkKey`` names the *KV cache*: sha256 over (model fingerprint, KV layout version, token ids
-  [, namespace]). The KV of the same text differs per model and per layout (canonical lead-in,
-  canonical start position, pre-RoPE K), so each of those is part of the key; an entry written for
-  another model or layout is simply never looked up.
+- ``ChunkKey`` names the *KV cache*: sha256 over (model fingerprint, KV layout version, KV
+  namespace, context, token ids). The KV of the same text differs per model and per layout
+  (canonical lead-in, canonical start position, pre-RoPE K), so each of those is part of the key;
+  an entry written for another model or layout is simply never looked up.
+
+KV namespaces keep tenants apart: the store's namespace (``store.namespace``) and an index's own
+namespace (set at ingest) form the key's namespace (:func:`kv_namespace`), which is hashed into the
+digest *and* written in front of it (``default/tenant-a:3f2c...``), so every tier (a disk file
+name, a Redis key) files the entry under its namespace. Two namespaces never share an entry, so
+one tenant cannot learn from a hit (or a faster answer) that another holds the same text.
 """
 
 from __future__ import annotations
@@ -21,6 +27,17 @@ from typing import Sequence
 
 #: Bump when the way chunk KV is computed or laid out changes (lead-in, start position, RoPE).
 KV_LAYOUT_VERSION = 1
+
+#: separates a store namespace from an index namespace in a key's namespace
+NAMESPACE_SEPARATOR = "/"
+
+
+def kv_namespace(store_namespace: str, index_namespace: str = "") -> str:
+    """The namespace of chunk keys: ``store`` alone, or ``store/index`` when the index has its own.
+
+    Names are validated where users give them (``ragcache.config.check_namespace``).
+    """
+    return f"{store_namespace}{NAMESPACE_SEPARATOR}{index_namespace}" if index_namespace else store_namespace
 
 
 def chunk_id_for(text: str) -> str:
@@ -58,21 +75,30 @@ class ChunkKey:
     """Key of one chunk's KV cache entry in the tiered store.
 
     Attributes:
-        digest: 32 hex chars of sha256(model fingerprint, layout version, token ids, namespace).
+        digest: 32 hex chars of sha256(model fingerprint, layout version, namespace, context, token ids).
+        namespace: the KV namespace (:func:`kv_namespace`); "" = none.
+
+    ``str(key)`` is the store key: ``"<namespace>:<digest>"`` (just the digest without a namespace).
     """
 
     digest: str
+    namespace: str = ""
 
     @classmethod
     def of(
-        cls, token_ids: Sequence[int], model_fingerprint: str, namespace: str = "",
+        cls, token_ids: Sequence[int], model_fingerprint: str, namespace: str = "", context: str = "",
         layout_version: int = KV_LAYOUT_VERSION,
     ) -> "ChunkKey":
-        """Key for ``token_ids`` computed by the model with ``model_fingerprint``."""
+        """Key for ``token_ids`` computed by the model with ``model_fingerprint``.
+
+        Args:
+            namespace: the KV namespace the entry belongs to (:func:`kv_namespace`).
+            context: what else the KV depends on, e.g. a hash of the lead-in it was computed after.
+        """
         h = hashlib.sha256()
-        h.update(f"ragcache-kv|{model_fingerprint}|v{layout_version}|{namespace}|".encode())
+        h.update(f"ragcache-kv|{model_fingerprint}|v{layout_version}|ns={namespace}|{context}|".encode())
         h.update(b",".join(str(t).encode() for t in token_ids))
-        return cls(h.hexdigest()[:32])
+        return cls(h.hexdigest()[:32], namespace)
 
     def __str__(self) -> str:
-        return self.digest
+        return f"{self.namespace}:{self.digest}" if self.namespace else self.digest

@@ -15,16 +15,19 @@ Invalid values raise :class:`ConfigError` at start, naming the key, the value an
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -40,6 +43,23 @@ SELECTIONS: tuple[str, ...] = get_args(SelectionName)
 
 class ConfigError(ValueError):
     """A setting has an invalid value or the settings file cannot be read."""
+
+
+#: a KV namespace name (``store.namespace``, ``ragcache ingest --namespace``): it becomes part of
+#: every chunk key, disk file name and Redis key, so it is kept short and plain
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+
+
+def check_namespace(name: str, what: str = "namespace") -> str:
+    """Return ``name`` when it is a valid KV namespace name.
+
+    Raises:
+        ConfigError: not 1-32 characters from ``[A-Za-z0-9_-]`` starting with a letter or digit;
+            the message names ``what`` (e.g. ``"--namespace"``).
+    """
+    if not isinstance(name, str) or not NAMESPACE_PATTERN.fullmatch(name):
+        raise ConfigError(f"{what} {name!r}: use 1-32 letters, digits, '_' or '-', starting with a letter or digit")
+    return name
 
 
 class _Section(BaseModel):
@@ -123,6 +143,9 @@ class StoreSettings(_Section):
     ssd_cache_dir: Path = Field(DEFAULT_CACHE_HOME / "kv", description="disk tier folder")
     ssd_cache_max_gb: float = Field(20.0, ge=0.0, description="disk tier size (GB); 0 = off")
     remote_url: str = Field("", description="Redis URL for the shared tier (redis://host:port/db); empty = off")
+    namespace: str = Field(
+        "default", description="KV namespace: part of every chunk key and Redis key; stores in different "
+        "namespaces never share or see each other's KV")
     eviction_policy: Literal["lru", "lfu"] = Field("lru", description="lru or lfu")
     kv_dtype: Literal["model", "float16", "bfloat16"] = Field("model", description="dtype KV is stored in")
     enable_hit_rate_log: bool = Field(False, description="log per-tier hit rates periodically")
@@ -133,6 +156,22 @@ class StoreSettings(_Section):
     def _check_remote_url(cls, v: str) -> str:
         if v and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix:// (or be empty to turn the tier off)")
+        if v.startswith(("redis://", "rediss://")):
+            url = urlsplit(v)
+            try:
+                url.port  # noqa: B018 - raises on a port that is not a number in 0-65535
+            except ValueError:
+                raise ValueError("has a port that is not a number in 0-65535 (e.g. redis://127.0.0.1:6379/0)") from None
+            db = url.path.strip("/")
+            if db and not db.isdigit():
+                raise ValueError(f"has database {db!r}; use a number, e.g. redis://127.0.0.1:6379/0")
+        return v
+
+    @field_validator("namespace")
+    @classmethod
+    def _check_namespace(cls, v: str) -> str:
+        if not NAMESPACE_PATTERN.fullmatch(v):
+            raise ValueError("must be 1-32 letters, digits, '_' or '-', starting with a letter or digit")
         return v
 
 
@@ -215,7 +254,8 @@ class Settings(BaseSettings):
             overrides: section dicts, e.g. ``store={"cpu_kv_pool_gb": 2}``; merged key by key.
 
         Raises:
-            ConfigError: unreadable TOML, unknown key, or a value out of range.
+            ConfigError: unreadable TOML, unknown key, a value out of range, or an environment
+                variable that cannot be parsed (e.g. ``RAGCACHE_STORE='{bad'``).
         """
         token = _settings_file.set(Path(settings_file) if settings_file is not None else None)
         toml_path = None
@@ -226,8 +266,48 @@ class Settings(BaseSettings):
             return cls(**overrides)
         except ValidationError as exc:
             raise ConfigError(_describe(exc, toml_path)) from None
+        except SettingsError as exc:
+            raise ConfigError(_describe_source_error(exc)) from None
         finally:
             _settings_file.reset(token)
+
+
+def check_value(section: str, key: str, value: Any, flag: str) -> Any:
+    """Validate one value for the setting ``section.key`` as :class:`Settings` would: for command-line
+    flags that override a setting, so they keep to the same bounds.
+
+    Returns:
+        the value as the setting holds it (e.g. coerced to int).
+
+    Raises:
+        ConfigError: out of the setting's range, naming ``flag``, the value, the allowed range and
+            the setting.
+    """
+    cls = Settings.model_fields[section].annotation
+    try:
+        return getattr(cls(**{key: value}), key)
+    except ValidationError:
+        info = cls.model_fields[key]
+        raise ConfigError(f"{flag} {value}: {_range_text(info)} (the range of the setting {section}.{key})") from None
+
+
+def _range_text(info: Any) -> str:
+    """``must be in [0, 1]`` / ``must be >= 1`` / ``must be in (0, 1]`` from a field's bounds."""
+    lo = hi = None
+    for m in info.metadata:
+        for name, bracket in (("ge", "["), ("gt", "(")):
+            if getattr(m, name, None) is not None:
+                lo = (bracket, getattr(m, name))
+        for name, bracket in (("le", "]"), ("lt", ")")):
+            if getattr(m, name, None) is not None:
+                hi = (bracket, getattr(m, name))
+    if lo and hi:
+        return f"must be in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
+    if lo:
+        return f"must be {'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
+    if hi:
+        return f"must be {'<=' if hi[0] == ']' else '<'} {hi[1]:g}"
+    return "is not a valid value"
 
 
 def _check_toml(path: Path) -> None:
@@ -237,6 +317,18 @@ def _check_toml(path: Path) -> None:
         tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"cannot read settings file {path}: {exc}. Fix the TOML syntax.") from None
+
+
+def _describe_source_error(exc: SettingsError) -> str:
+    """One line for a value pydantic-settings could not parse (a section variable that is not JSON)."""
+    m = re.search(r'field "(\w+)" from source "(\w+)"', str(exc))
+    field, source = (m.group(1), m.group(2)) if m else ("", "")
+    if source.startswith("Env") and field:
+        var = f"RAGCACHE_{field.upper()}"
+        return (f"cannot parse environment variable {var}={os.environ.get(var, '')!r}: a section variable must "
+                f"hold a JSON object, e.g. {var}='{{\"key\": value}}'; or set one key with {var}__<KEY>, "
+                f"or unset {var}")
+    return f"cannot read the settings ({exc}); check the RAGCACHE_* environment variables and the settings file"
 
 
 def _describe(exc: ValidationError, toml_path: Path | None) -> str:
@@ -249,5 +341,6 @@ def _describe(exc: ValidationError, toml_path: Path | None) -> str:
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown setting {key!r} (from {where}); see settings.toml for the valid keys")
         else:
-            lines.append(f"invalid setting {key} = {value!r}: {err['msg']} (set in {where})")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"invalid setting {key} = {value!r}: {msg} (set in {where})")
     return "; ".join(lines)

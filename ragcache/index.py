@@ -12,7 +12,8 @@ An index folder (``indexes/NAME`` by default) holds llama-index's persisted stor
     index_store.json            the VectorStoreIndex structure (node ids)
     default__vector_store.json  the FAISS index (faiss.IndexIDMap2 over IndexFlatIP; binary)
     id_map.json                 FAISS id <-> node id (JSON)
-    manifest.json               ragcache's own: build settings, per-file fingerprints, per-doc nodes
+    manifest.json               ragcache's own: build settings, KV namespace, per-file
+                                fingerprints, per-doc nodes
     calibration.json            optional: the calibrated recompute ratios (ragcache.calibrate),
                                 carried over to every new version of the index
 
@@ -63,7 +64,28 @@ class IndexNotFoundError(FileNotFoundError):
 
 
 class IndexMismatchError(ValueError):
-    """The index was built with other settings (chunk size, LLM tokenizer, embedding model)."""
+    """The index was built with other settings (chunk size, LLM tokenizer, embedding model,
+    namespace), or the folder is not an index at all."""
+
+
+class IndexNameError(ValueError):
+    """An index name that cannot name an index folder (empty, ``.``, ``..``, hidden)."""
+
+
+def check_index_folder(path: Path) -> None:
+    """Refuse to write an index into ``path`` when something else is there: an ingest replaces the
+    whole folder, so it must be an index (or an interrupted one), an empty folder, or absent.
+
+    Raises:
+        IndexMismatchError: ``path`` is a file, or a non-empty folder without manifest.json.
+    """
+    if readable_path(path) is not None or not path.exists():
+        return
+    if not path.is_dir():
+        raise IndexMismatchError(f"--index {path} is a file, not an index folder; choose another --index")
+    if any(path.iterdir()):
+        raise IndexMismatchError(f"--index {path} is a folder with other files (no {MANIFEST}), not an index; "
+                                 "an ingest would replace it: choose a new or empty folder")
 
 
 # --------------------------------------------------------------------------------------- paths
@@ -76,10 +98,17 @@ def resolve_index_path(name: str | os.PathLike[str], index_dir: str | os.PathLik
     otherwise it is a name under ``index_dir`` (``ingest.index_dir``, default ``indexes``). A bare
     name never means a folder of the working directory: ``--index docs`` run from a project root
     must not replace the project's ``docs/`` folder with an index.
+
+    Raises:
+        IndexNameError: an empty name, ``.`` or ``..`` (they would name ``index_dir`` itself or
+            its parent), or a name starting with ``.`` (hidden: ragcache's own staging folders).
     """
     raw = os.fspath(name)
     if os.sep in raw or (os.altsep and os.altsep in raw):
         return Path(raw).expanduser()
+    if not raw.strip() or raw.startswith("."):
+        raise IndexNameError(f"--index {raw!r} is not an index name; use a name like docs (letters, digits, "
+                             "'-', '_'), or a folder path like ./my-index")
     return Path(index_dir).expanduser() / raw
 
 
@@ -252,12 +281,19 @@ class BuildInfo:
 
 @dataclass
 class Manifest:
-    """ragcache's record of an index: build settings, input files and documents (manifest.json)."""
+    """ragcache's record of an index: build settings, input files and documents (manifest.json).
+
+    Attributes:
+        namespace: the index's own KV namespace, set at its first ingest ("" = none: its chunk
+            keys are in the store namespace alone and shared with every index there; see
+            :func:`ragcache.chunks.kv_namespace`).
+    """
 
     build: BuildInfo
     files: dict[str, FileEntry] = field(default_factory=dict)
     docs: dict[str, DocEntry] = field(default_factory=dict)
     format: int = INDEX_FORMAT_VERSION
+    namespace: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -265,20 +301,26 @@ class Manifest:
     @classmethod
     def read(cls, folder: Path) -> "Manifest":
         """Raises: IndexNotFoundError when manifest.json is missing or unreadable."""
+        damaged = f"; the index is damaged: delete {folder} and ingest again"
         try:
             raw = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise IndexNotFoundError(f"{folder / MANIFEST} cannot be read ({exc})") from None
-        if raw.get("format") != INDEX_FORMAT_VERSION:
+            raise IndexNotFoundError(f"{folder / MANIFEST} cannot be read ({exc}){damaged}") from None
+        if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT_VERSION:
+            found = raw.get("format") if isinstance(raw, dict) else None
             raise IndexMismatchError(
-                f"index {folder} has format {raw.get('format')}, this ragcache reads "
+                f"index {folder} has format {found}, this ragcache reads "
                 f"{INDEX_FORMAT_VERSION}; re-ingest into a new --index"
             )
-        return cls(
-            build=BuildInfo(**raw["build"]),
-            files={k: FileEntry(**v) for k, v in raw["files"].items()},
-            docs={k: DocEntry(**v) for k, v in raw["docs"].items()},
-        )
+        try:
+            return cls(
+                build=BuildInfo(**raw["build"]),
+                files={k: FileEntry(**v) for k, v in raw["files"].items()},
+                docs={k: DocEntry(**v) for k, v in raw["docs"].items()},
+                namespace=str(raw.get("namespace", "")),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise IndexNotFoundError(f"{folder / MANIFEST} lacks {exc}{damaged}") from None
 
     def write(self, folder: Path) -> None:
         (folder / MANIFEST).write_text(self.to_json(), encoding="utf-8")
@@ -391,6 +433,49 @@ def node_to_chunk(node: "BaseNode") -> Chunk:
     )
 
 
+def open_manifest(path: str | os.PathLike[str], settings: "Settings") -> tuple[Path, Manifest]:
+    """The readable folder and the manifest of the index named or located by ``path``, checked
+    against ``settings`` (cheap: no model is loaded, so callers check before starting an engine).
+
+    Raises:
+        IndexNameError: ``path`` cannot name an index.
+        IndexNotFoundError: no complete index there, or its manifest cannot be read.
+        IndexMismatchError: another index format, or embedded with another embedding model.
+    """
+    folder = resolve_index_path(path, settings.ingest.index_dir)
+    readable = readable_path(folder)
+    if readable is None:
+        raise IndexNotFoundError(
+            f"no index at {folder} (the folder does not exist or is empty); "
+            f"run `ragcache ingest PATH --index {os.fspath(path)}` first"
+        )
+    manifest = Manifest.read(readable)
+    if manifest.build.embedding_model != settings.models.embedding_model:
+        raise IndexMismatchError(
+            f"index {folder} was embedded with {manifest.build.embedding_model!r}, settings say "
+            f"{settings.models.embedding_model!r}; set models.embedding_model back or re-ingest"
+        )
+    return readable, manifest
+
+
+def read_chunks(path: Path) -> tuple[Manifest, list[Chunk]]:
+    """The manifest and every chunk of the index at ``path`` (its docstore only: no embedding model,
+    no FAISS), e.g. to find the KV keys of an index's chunks.
+
+    Raises:
+        IndexNotFoundError: no complete index at ``path``.
+    """
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    readable = readable_path(path)
+    if readable is None:
+        raise IndexNotFoundError(f"no index at {path}; check --index (`ragcache ingest PATH --index NAME` makes one)")
+    manifest = Manifest.read(readable)
+    with contextlib.redirect_stdout(io.StringIO()):
+        docstore = SimpleDocumentStore.from_persist_dir(str(readable))
+    return manifest, [node_to_chunk(node) for node in docstore.docs.values()]
+
+
 # -------------------------------------------------------------------------------------- Index
 
 
@@ -424,19 +509,7 @@ class Index:
         from ragcache.models import load_embed_model
 
         folder = resolve_index_path(path, settings.ingest.index_dir)
-        readable = readable_path(folder)
-        if readable is None:
-            name = os.fspath(path)
-            raise IndexNotFoundError(
-                f"no index at {folder} (the folder does not exist or is empty); "
-                f"run `ragcache ingest PATH --index {name}` first"
-            )
-        manifest = Manifest.read(readable)
-        if manifest.build.embedding_model != settings.models.embedding_model:
-            raise IndexMismatchError(
-                f"index {folder} was embedded with {manifest.build.embedding_model!r}, settings say "
-                f"{settings.models.embedding_model!r}; set models.embedding_model back or re-ingest"
-            )
+        readable, manifest = open_manifest(path, settings)
         embed_model = embed_model or load_embed_model(settings)
         store = deletable_faiss_store_cls().from_persist_dir(str(readable))
         with contextlib.redirect_stdout(io.StringIO()):  # llama-index print()s each file it loads

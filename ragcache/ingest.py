@@ -28,10 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from llama_index.core.schema import Document
-
 from ragcache.chunks import Chunk, chunk_id_for
-from ragcache.config import ConfigError
+from ragcache.config import ConfigError, check_namespace
 from ragcache.index import (
     CALIBRATION,
     BuildInfo,
@@ -40,6 +38,7 @@ from ragcache.index import (
     Index,
     IndexMismatchError,
     Manifest,
+    check_index_folder,
     chunk_to_node,
     readable_path,
     recover,
@@ -48,20 +47,20 @@ from ragcache.index import (
     swap_in,
 )
 from ragcache.models import TokenizerInfo, load_embed_model, load_tokenizer
-from ragcache.readers import SkipFile, read_file
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # llama-index loads when an ingest runs: the input checks stay light
     from llama_index.core.base.embeddings.base import BaseEmbedding
-    from llama_index.core.schema import TextNode
+    from llama_index.core.schema import Document, TextNode
 
     from ragcache.config import Settings
 
 log = logging.getLogger(__name__)
 
 
-#: Called with the chunks added by an ingest, after they are indexed and before the new index is
+#: Called with the chunks added by an ingest and the index's own KV namespace ("" = none; see
+#: :attr:`ragcache.index.Manifest.namespace`), after they are indexed and before the new index is
 #: published; raising aborts the ingest and keeps the previous index.
-KVHook = Callable[[list[Chunk]], None]
+KVHook = Callable[[list[Chunk], str], None]
 
 MB = 1_000_000  # bytes; settings.toml: sizes in (M|G)B are powers of 10
 _EMBED_BATCH = 64  # chunks per embedding call
@@ -73,6 +72,22 @@ class IngestError(RuntimeError):
 
 class KVPrecomputeError(IngestError):
     """The KV hook raised; nothing was published."""
+
+
+class NoInputError(IngestError):
+    """None of the paths given to an ingest exists; nothing was read or changed."""
+
+
+def check_inputs_exist(paths: Sequence[str | os.PathLike[str]]) -> None:
+    """Refuse an ingest none of whose paths exists (cheap: run it before any model is loaded).
+
+    Raises:
+        NoInputError: every path is missing (a few are named, with the fix).
+    """
+    missing = [os.fspath(p) for p in paths if not Path(p).expanduser().exists()]
+    if paths and len(missing) == len(paths):
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise NoInputError(f"no such file or folder: {shown}; check the path (nothing was ingested)")
 
 
 # -------------------------------------------------------------------------------------- report
@@ -98,6 +113,7 @@ class IngestReport:
         chunks_added / chunks_removed: chunk nodes written / deleted. tokens_added: LLM tokens over
         the added chunks. total_chunks: chunks in the index afterwards. seconds: wall time.
         written: whether a new index version was published. new_chunks: the added chunks.
+        namespace: the index's own KV namespace ("" = none).
     """
 
     index_path: Path
@@ -112,6 +128,12 @@ class IngestReport:
     seconds: float = 0.0
     written: bool = False
     new_chunks: list[Chunk] = field(default_factory=list, repr=False)
+    namespace: str = ""
+
+    @property
+    def nothing_usable(self) -> bool:
+        """No input gave a file to index (every one was skipped), whether or not the index exists."""
+        return self.files_ingested == 0 and self.files_unchanged == 0 and self.files_pruned == 0
 
     @property
     def files_skipped(self) -> int:
@@ -184,20 +206,28 @@ class Ingestor:
             index is published; None skips KV precompute.
         show_progress: tqdm bars on stderr (reading: files and chunks; embedding: chunks, tok/s).
         embed_model / tokenizer: already loaded models to reuse (default: the configured ones).
+        namespace: the index's own KV namespace, recorded at its first ingest; None = keep the
+            recorded one ("" for a new index: the store namespace alone).
 
     Raises:
-        ConfigError: ``ingest.chunk_overlap`` is not smaller than ``ingest.chunk_size``.
+        ConfigError: ``ingest.chunk_overlap`` is not smaller than ``ingest.chunk_size``, or a
+            malformed ``namespace``.
+        IndexNameError: ``index`` cannot name an index folder.
     """
 
     def __init__(self, settings: "Settings", index: str | os.PathLike[str] = "default", *,
                  kv_hook: KVHook | None = None, show_progress: bool = True,
-                 embed_model: "BaseEmbedding | None" = None, tokenizer: TokenizerInfo | None = None) -> None:
+                 embed_model: "BaseEmbedding | None" = None, tokenizer: TokenizerInfo | None = None,
+                 namespace: str | None = None) -> None:
         ing = settings.ingest
         if ing.chunk_overlap >= ing.chunk_size:
             raise ConfigError(
                 f"invalid setting ingest.chunk_overlap = {ing.chunk_overlap}: must be smaller than "
                 f"ingest.chunk_size ({ing.chunk_size})"
             )
+        if namespace:
+            check_namespace(namespace, "--namespace")
+        self.namespace = namespace
         self.settings = settings
         self.path = resolve_index_path(index, ing.index_dir)
         self.kv_hook = kv_hook
@@ -318,8 +348,9 @@ class Ingestor:
             The :class:`IngestReport`; ``report.summary()`` is the one-line summary.
 
         Raises:
-            IndexMismatchError: the index was built with another chunk size/overlap, LLM or
-                embedding model.
+            NoInputError: none of ``paths`` exists (nothing is loaded or changed).
+            IndexMismatchError: the index was built with another chunk size/overlap, LLM,
+                embedding model or namespace, or the folder is not an index.
             KVPrecomputeError: the kv_hook raised (nothing published).
             IngestError: another ingest into the same index is running.
             ModelNotFoundError: a configured model is not available.
@@ -327,6 +358,8 @@ class Ingestor:
             error case the previous index stays as it was.
         """
         t0 = time.perf_counter()
+        check_inputs_exist(paths)
+        check_index_folder(self.path)
         report = IngestReport(index_path=self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _IngestLock(self.path):
@@ -338,10 +371,14 @@ class Ingestor:
     def _run(self, paths: Sequence[str | os.PathLike[str]], prune: bool, report: IngestReport) -> None:
         from tqdm import tqdm
 
+        from ragcache.readers import SkipFile, read_file
+
         index = Index.load(self.path, self.settings, embed_model=self.embed_model) if readable_path(self.path) else None
         if index is not None:
             self._check_build(index.manifest.build)
+            self._check_namespace(index.manifest.namespace)
         manifest = index.manifest if index is not None else Manifest(build=self._build_info(dim=0))
+        report.namespace = manifest.namespace if index is not None else (self.namespace or "")
         limit = self.settings.ingest.max_file_mb * MB
 
         files = self._collect(paths, report)
@@ -415,6 +452,7 @@ class Ingestor:
                 return  # nothing could be ingested and there is no index: write nothing
             index = Index.create(self._build_info(dim=len(first.embedding)), self.embed_model)
             manifest = index.manifest
+            manifest.namespace = report.namespace
         index.delete_nodes(removed_nodes)
         index.add_nodes([n for p in pending_list for n in p.nodes])
         for d in dropped:
@@ -432,6 +470,14 @@ class Ingestor:
         report.new_chunks = new_chunks
         self._publish(index, new_chunks)
         report.written = True
+
+    def _check_namespace(self, recorded: str) -> None:
+        if self.namespace is not None and self.namespace != recorded:
+            raise IndexMismatchError(
+                f"index {self.path} has KV namespace {recorded or '(none)'!r}, not {self.namespace!r}: "
+                "an index keeps the namespace of its first ingest; leave out --namespace, or ingest into a "
+                "new --index"
+            )
 
     def _check_build(self, built: BuildInfo) -> None:
         now = self._build_info(dim=built.dim)
@@ -483,7 +529,7 @@ class Ingestor:
                 shutil.copy2(previous / CALIBRATION, staging / CALIBRATION)
             if self.kv_hook is not None and new_chunks:
                 try:
-                    self.kv_hook(new_chunks)
+                    self.kv_hook(new_chunks, index.manifest.namespace)
                 except Exception as exc:
                     raise KVPrecomputeError(
                         f"KV precompute failed ({type(exc).__name__}: {exc}); the index at {self.path} "

@@ -109,22 +109,27 @@ class RAGPipeline:
     # ---- ingest ----------------------------------------------------------------------------
 
     def ingest(self, paths: Sequence[str | Path], *, prune: bool = False,
-               precompute_kv: bool | None = None, show_progress: bool = False) -> "IngestReport":
+               precompute_kv: bool | None = None, show_progress: bool = False,
+               namespace: str | None = None) -> "IngestReport":
         """Add documents to the index and precompute the KV of new chunks (``ingest.precompute_kv``).
 
-        Returns the report; ``report.total_chunks == 0`` means nothing could be ingested.
+        ``namespace``: the index's own KV namespace, recorded at its first ingest (None = keep it;
+        see :class:`~ragcache.ingest.Ingestor`). Returns the report; ``report.total_chunks == 0``
+        means nothing could be ingested.
 
         Raises:
-            IngestError: the ingest failed (e.g. another ingest runs); the previous index stays usable.
-            IndexMismatchError: the index was built with other chunking or models.
+            IngestError: the ingest failed (e.g. another ingest runs, or no path exists); the
+                previous index stays usable.
+            IndexMismatchError: the index was built with other chunking, models or namespace.
         """
         from ragcache.ingest import Ingestor
 
         kv = self.settings.ingest.precompute_kv if precompute_kv is None else precompute_kv
-        hook = (lambda chunks: self.engine.precompute(chunks, show_progress=show_progress)) if kv else None
+        hook = (lambda chunks, ns: self.engine.precompute(chunks, show_progress=show_progress, namespace=ns)
+                ) if kv else None
         with self._lock:
-            report = Ingestor(self.settings, self.index_path, kv_hook=hook,
-                              show_progress=show_progress).ingest(paths, prune=prune)
+            report = Ingestor(self.settings, self.index_path, kv_hook=hook, show_progress=show_progress,
+                              namespace=namespace).ingest(paths, prune=prune)
             self._retriever = None  # reload the new index version on next use
         return report
 
@@ -138,16 +143,21 @@ class RAGPipeline:
             self._retriever = Retriever.from_settings(self.settings, self.index_path)
         return self._retriever
 
+    @property
+    def namespace(self) -> str:
+        """The index's own KV namespace ("" = none), as its manifest records it."""
+        return self.retriever.index.manifest.namespace
+
     def retrieve(self, question: str, top_k: int | None = None) -> list["RetrievedChunk"]:
         """Top-k chunks for ``question``, in stable order (same set -> same order).
 
         Raises:
-            ValueError: empty question. IndexNotFoundError / EmptyIndexError: nothing ingested.
+            EmptyQuestionError: empty question. IndexNotFoundError / EmptyIndexError: nothing ingested.
         """
+        from ragcache.prompt import check_question
         from ragcache.retrieval import stable_order
 
-        if not question or not question.strip():
-            raise ValueError("the question is empty; ask something")
+        check_question(question)
         found = self.retriever.retrieve(question, self.settings.retrieval.top_k if top_k is None else top_k)
         if not found:
             raise EmptyIndexError(f"the index {self.index_path} has no chunks; run `ragcache ingest PATH "
@@ -158,7 +168,7 @@ class RAGPipeline:
         t0 = time.perf_counter()
         found = self.retrieve(question, top_k)
         retrieval_s = time.perf_counter() - t0
-        prompt = self.engine.prompts.build(question, [r.chunk for r in found])
+        prompt = self.engine.prompts.build(question, [r.chunk for r in found], namespace=self.namespace)
         return t0, found, retrieval_s, prompt
 
     @staticmethod

@@ -17,7 +17,11 @@ and its KV can be reused. Where cached KV is computed is one rule, :func:`lead_i
 and every chunk's KV is computed right after the head, i.e. at canonical start position
 ``len(head)``. The first chunk of any prompt therefore sits exactly where its KV was computed, and
 the KV of every chunk saw the same lead-in. The key of a unit hashes (model fingerprint, layout
-version, unit token ids, its lead-in), so changing the system prompt or model changes every key.
+version, KV namespace, unit token ids, its lead-in), so changing the system prompt or model changes
+every key. The KV namespace is the builder's store namespace (``store.namespace``) joined with the
+index's own namespace, which callers pass per call (``namespace=``, from the index manifest; see
+:func:`ragcache.chunks.kv_namespace`): one builder serves every index, and two namespaces never
+share a key.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ragcache.chunks import Chunk, ChunkKey
+from ragcache.chunks import Chunk, ChunkKey, kv_namespace
 from ragcache.config import PromptSettings
 from ragcache.models import encode
 
@@ -56,6 +60,21 @@ def is_canonical(start: int, head_ids: Sequence[int]) -> bool:
 
 class PromptTooLongError(ValueError):
     """The assembled prompt does not fit the model's context (max_model_len)."""
+
+
+class EmptyQuestionError(ValueError):
+    """The question is empty or only white space."""
+
+
+def check_question(question: str) -> str:
+    """Return ``question`` when there is something to answer.
+
+    Raises:
+        EmptyQuestionError: ``question`` is empty or only white space.
+    """
+    if not question or not question.strip():
+        raise EmptyQuestionError("the question is empty; ask something")
+    return question
 
 
 @dataclass(frozen=True)
@@ -106,18 +125,21 @@ class PromptBuilder:
         model_fingerprint: from :func:`ragcache.models.resolve_llm`; part of every key.
         max_len: the model's context in tokens (``engine.max_model_len``); longer prompts are
             refused by :meth:`build`. None: no limit.
+        store_namespace: ``store.namespace``; part of every key. Methods that make keys take the
+            index's own namespace (``namespace=``, "" = none) on top of it.
     """
 
     def __init__(self, tokenizer: Any, settings: PromptSettings, model_fingerprint: str,
-                 max_len: int | None = None):
+                 max_len: int | None = None, store_namespace: str = "default"):
         self.tokenizer = tokenizer
         self.settings = settings
         self.model_fingerprint = model_fingerprint
         self.max_len = max_len
+        self.store_namespace = store_namespace
         head_text, self._tail_template = self._split_template()
         self.head_ids: list[int] = self._encode(head_text)
         self.separator_ids: list[int] = self._encode(settings.chunk_separator)
-        self.head = Segment(self._key(self.head_ids, 0), 0, len(self.head_ids), None)
+        self.head = self.head_segment()
 
     def _encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
@@ -133,48 +155,55 @@ class PromptBuilder:
         head, rest = rendered.split(_CTX)
         return head, rest
 
-    def _key(self, unit: Sequence[int], start: int) -> str:
+    def _key(self, unit: Sequence[int], start: int, namespace: str = "") -> str:
         lead_in = lead_in_for(start, self.head_ids)
-        namespace = hashlib.sha256(("lead-in:" + ",".join(map(str, lead_in))).encode()).hexdigest()[:16]
-        return ChunkKey.of(unit, self.model_fingerprint, namespace=namespace).digest
+        context = hashlib.sha256(("lead-in:" + ",".join(map(str, lead_in))).encode()).hexdigest()[:16]
+        ns = kv_namespace(self.store_namespace, namespace)
+        return str(ChunkKey.of(unit, self.model_fingerprint, namespace=ns, context=context))
 
     @property
     def head_key(self) -> str:
-        """KV store key of the prompt head."""
+        """KV store key of the prompt head (in the store namespace)."""
         return self.head.key
+
+    def head_segment(self, namespace: str = "") -> Segment:
+        """The prompt head as a cached segment, keyed in the index namespace ``namespace``."""
+        return Segment(self._key(self.head_ids, 0, namespace), 0, len(self.head_ids), None)
 
     def unit_ids(self, chunk: Chunk) -> list[int]:
         """Token ids of a chunk's cached unit: its token ids followed by the separator."""
         return list(chunk.token_ids) + self.separator_ids
 
-    def key(self, chunk: Chunk) -> str:
-        """KV store key of a chunk's unit under this model and lead-in."""
-        return self._key(self.unit_ids(chunk), len(self.head_ids))
+    def key(self, chunk: Chunk, namespace: str = "") -> str:
+        """KV store key of a chunk's unit under this model and lead-in, in the index namespace
+        ``namespace`` ("" = the store namespace alone)."""
+        return self._key(self.unit_ids(chunk), len(self.head_ids), namespace)
 
-    def canonical_segment(self, chunk: Chunk) -> Segment:
+    def canonical_segment(self, chunk: Chunk, namespace: str = "") -> Segment:
         """The chunk's unit where its KV is computed: right after the head (see :func:`lead_in_for`)."""
         unit = self.unit_ids(chunk)
-        return Segment(self.key(chunk), len(self.head_ids), len(unit), chunk.chunk_id)
+        return Segment(self.key(chunk, namespace), len(self.head_ids), len(unit), chunk.chunk_id)
 
     def tail_ids(self, question: str) -> list[int]:
         return self._encode(self._tail_template.replace(_QUESTION, question.strip()))
 
-    def build(self, question: str, chunks: Sequence[Chunk], max_len: int | None = None) -> AssembledPrompt:
+    def build(self, question: str, chunks: Sequence[Chunk], max_len: int | None = None, *,
+              namespace: str = "") -> AssembledPrompt:
         """Assemble the prompt for ``question`` over ``chunks`` (already in stable order).
 
-        ``max_len`` overrides the builder's limit for this call.
+        ``max_len`` overrides the builder's limit for this call; ``namespace`` is the index's own
+        KV namespace ("" = the store namespace alone), see :meth:`key`.
 
         Raises:
-            ValueError: empty question.
+            EmptyQuestionError: empty question.
             PromptTooLongError: more than ``max_len`` tokens (retrieve fewer chunks or shorten the question).
         """
-        if not question or not question.strip():
-            raise ValueError("the question is empty; ask something")
+        check_question(question)
         ids = list(self.head_ids)
-        segments = [self.head]
+        segments = [self.head_segment(namespace)]
         for chunk in chunks:
             unit = self.unit_ids(chunk)
-            segments.append(Segment(self.key(chunk), len(ids), len(unit), chunk.chunk_id))
+            segments.append(Segment(self.key(chunk, namespace), len(ids), len(unit), chunk.chunk_id))
             ids.extend(unit)
         ctx_len = len(ids)
         ids.extend(self.tail_ids(question))

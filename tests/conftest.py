@@ -15,6 +15,24 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("RAGCACHE_DATA_DIR") or REPO.parent / "shared" / "data")
 
 
+#: three short documents about a made-up island (one chunk each): facts the small model cannot know
+ZORBIA_DOCS = {
+    "zorbia.txt": "Zorbia is a small island nation. The Zorbian capital is Velmora, a city on the river Aster "
+                  "known for its glass bridges. Velmora was founded in 1432 by the navigator Idris Kell.",
+    "food.md": "# Zorbian food\n\nThe national dish of Zorbia is kelmet, a stew of lentils, smoked fish and "
+               "saffron. It is served at every wedding.",
+    "parliament.txt": "Zorbia's parliament meets in the Amber Hall, which has 212 seats and a copper roof. "
+                      "Elections are held every five years.",
+}
+
+
+def clear_ragcache_env(monkeypatch) -> None:
+    """Unset every RAGCACHE_* variable for the test (settings come from the test alone)."""
+    for name in list(os.environ):
+        if name.startswith("RAGCACHE_"):
+            monkeypatch.delenv(name)
+
+
 def shared_data(relative: str) -> Path:
     """Path under ../shared/data, or skip the test with a clear message when it is absent."""
     path = SHARED_DATA / relative

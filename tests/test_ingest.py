@@ -248,9 +248,9 @@ def test_kv_hook_gets_each_new_chunk_once_after_indexing(models, tmp_path):
     write_small_corpus(tmp_path / "corpus")
     calls: list[list] = []
 
-    def hook(chunks):
+    def hook(chunks, namespace):
         # called before the swap: the new chunks are staged, not yet published
-        assert readable_path(tmp_path / "indexes" / "idx") is None
+        assert readable_path(tmp_path / "indexes" / "idx") is None and namespace == ""
         calls.append(chunks)
 
     report = make_ingestor(models, tmp_path, kv_hook=hook).ingest([tmp_path / "corpus"])
@@ -276,7 +276,7 @@ def test_failing_kv_hook_fails_the_ingest_and_keeps_the_previous_index(models, t
     files["txt"].write_text("Completely different notes about glaciers.")
     (tmp_path / "corpus" / "new.md").write_text("A brand new file about owls.")
 
-    def broken_hook(chunks):
+    def broken_hook(chunks, namespace):
         raise RuntimeError("device out of memory")
 
     with pytest.raises(KVPrecomputeError, match="device out of memory.*unchanged"):
@@ -419,7 +419,11 @@ def test_cli_ingest_prints_summary_and_exits_nonzero_only_when_nothing_was_inges
     out, err = capsys.readouterr()
     assert out.startswith("nothing changed") and "KV precompute" not in err
 
-    assert main(["ingest", str(tmp_path / "corpus" / "empty.txt"), "--index", str(tmp_path / "x"), "--quiet"]) == 1
+    assert main(["ingest", str(tmp_path / "corpus" / "empty.txt"), "--index", str(tmp_path / "x"), "--quiet"]) == 2
+    _, err = capsys.readouterr()
+    assert "nothing could be ingested" in err
+    # the same into the existing index: still an error, though the index is there (and unchanged)
+    assert main(["ingest", str(tmp_path / "corpus" / "empty.txt"), "--index", index, "--quiet"]) == 2
     _, err = capsys.readouterr()
     assert "nothing could be ingested" in err
 
@@ -436,3 +440,81 @@ def test_bare_index_name_never_means_a_folder_of_the_working_directory(tmp_path,
     assert resolve_index_path("docs", "indexes") == Path("indexes") / "docs"
     assert resolve_index_path("./docs", "indexes") == Path("./docs")
     assert resolve_index_path(str(tmp_path / "idx"), "indexes") == tmp_path / "idx"
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new index", "existing index"])
+def test_an_ingest_whose_every_path_is_missing_fails_before_loading_any_model(tmp_path, capsys, existing):
+    import subprocess
+    import sys
+
+    from app.cli import main
+
+    index = tmp_path / "idx"
+    if existing:  # an index folder as an earlier ingest leaves it (its contents are not read)
+        index.mkdir()
+        (index / "manifest.json").write_text("{}")
+    missing = tmp_path / "no" / "such" / "path"
+    code = main(["ingest", str(missing), "--index", str(index), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"ragcache: error: no such file or folder: {missing}; check the path "
+                                 "(nothing was ingested)"]
+    # in a fresh process: refused before any model (transformers) or llama-index is imported
+    probe = ("import sys; from app.cli import main; code = main(sys.argv[1:]); "
+             "print(code, 'transformers' in sys.modules, 'llama_index.core' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe, "ingest", str(missing), "--index", str(index)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.stdout.split() == ["2", "False", "False"], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("target, words", [
+    ("file", "is a file, not an index folder"),
+    ("folder", "a folder with other files (no manifest.json), not an index"),
+])
+def test_an_ingest_never_replaces_a_file_or_a_folder_that_is_not_an_index(tmp_path, capsys, target, words):
+    from app.cli import main
+
+    (tmp_path / "notes.txt").write_text("Penguins swim.")
+    victim = tmp_path / "mine"
+    if target == "file":
+        victim.write_text("precious")
+    else:
+        victim.mkdir()
+        (victim / "thesis.tex").write_text("precious")
+    assert main(["ingest", str(tmp_path / "notes.txt"), "--index", str(victim), "--quiet", "--no-kv"]) == 2
+    assert words in capsys.readouterr().err
+    assert (victim.read_text() if target == "file" else (victim / "thesis.tex").read_text()) == "precious"
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", ".hidden"])
+def test_index_names_that_would_name_the_index_home_or_its_parent_are_refused(tmp_path, capsys, name):
+    from app.cli import main
+
+    (tmp_path / "notes.txt").write_text("Penguins swim.")
+    assert main(["ingest", str(tmp_path / "notes.txt"), "--index", name, "--quiet", "--no-kv"]) == 2
+    assert "is not an index name" in capsys.readouterr().err
+    assert main(["ask", "why?", "--index", name]) == 2
+
+
+def test_the_index_namespace_is_recorded_at_the_first_ingest_and_kept(models, tmp_path):
+    from ragcache.index import read_chunks
+
+    write_small_corpus(tmp_path / "corpus")
+    seen: list[str] = []
+    tok, emb = models
+    settings = Settings.load(ingest={"index_dir": str(tmp_path / "indexes")})
+    first = Ingestor(settings, "idx", kv_hook=lambda chunks, ns: seen.append(ns), show_progress=False,
+                     embed_model=emb, tokenizer=tok, namespace="tenant-a")
+    report = first.ingest([tmp_path / "corpus"])
+    assert report.namespace == "tenant-a" and seen == ["tenant-a"]
+    manifest, chunks = read_chunks(tmp_path / "indexes" / "idx")
+    assert manifest.namespace == "tenant-a" and len(chunks) == report.total_chunks
+    (tmp_path / "corpus" / "more.txt").write_text("Owls hunt at night.")
+    again = Ingestor(settings, "idx", kv_hook=lambda chunks, ns: seen.append(ns), show_progress=False,
+                     embed_model=emb, tokenizer=tok)  # no namespace given: the recorded one is kept
+    assert again.ingest([tmp_path / "corpus"]).chunks_added == 1 and seen[-1] == "tenant-a"
+    other = Ingestor(settings, "idx", show_progress=False, embed_model=emb, tokenizer=tok, namespace="tenant-b")
+    with pytest.raises(IndexMismatchError, match="namespace 'tenant-a', not 'tenant-b'"):
+        other.ingest([tmp_path / "corpus"])
+    with pytest.raises(ConfigError, match="--namespace 'bad name'"):
+        Ingestor(settings, "idx", namespace="bad name")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +74,42 @@ def test_cache_clear_empties_the_disk_folder(setup, capsys):
 def test_cache_without_action_prints_help(capsys):
     assert main(["cache"]) == 2
     assert "stats" in capsys.readouterr().out
+
+
+def test_cache_stats_sums_the_lookups_of_processes_that_have_ended_and_says_since_when(setup, capsys):
+    from ragcache.config import Settings
+
+    settings, disk = setup
+    s = Settings.load(settings)
+    model = Path(s.models.model)
+    spec = KVSpec.from_hf_config(model, folder_fingerprint(model))
+    worker = TieredStore.from_settings(s.store, spec=spec)  # as an engine's worker opens it
+    assert worker.get("a")[1] == "disk"
+    assert worker.get("missing") is None
+    worker.close()  # its counts are written beside the disk tier
+    assert main(["--settings", str(settings), "cache", "stats", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cumulative"] is True and out["since"] and out["updated"]
+    assert (out["lookups"]["lookups"], out["lookups"]["hits"], out["lookups"]["misses"]) == (2, 1, 1)
+    assert (out["tiers"]["disk"]["hits"], out["tiers"]["disk"]["misses"], out["tiers"]["cpu"]["hits"]) == (1, 1, 0)
+    assert main(["--settings", str(settings), "cache", "stats"]) == 0
+    text = capsys.readouterr().out
+    assert "chunk lookups: 2 (all processes since" in text and "miss" in text
+    assert main(["--settings", str(settings), "cache", "stats", "--reset", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lookups"]["lookups"] == 0
+
+
+def test_cache_clear_of_one_namespace_keeps_the_others(setup, capsys):
+    settings, disk = setup
+    store = TieredStore(None, [(disk, 10**9)])
+    for key in ("default:n1", "default/acme:n2", "default/other:n3"):
+        item = disk.get("a")
+        disk.put(type(item)(key, item.meta, item.kv))
+    assert main(["--settings", str(settings), "cache", "stats"]) == 0
+    assert "disk entries per namespace: (none) 4, default 1, default/acme 1, default/other 1" in capsys.readouterr().out
+    assert main(["--settings", str(settings), "cache", "clear", "--namespace", "default/acme"]) == 0
+    assert "disk: removed 1 entries of namespace default/acme" in capsys.readouterr().out
+    assert sorted(disk.keys()) == ["a", "b", "c", "default/other:n3", "default:n1", "x"]
+    assert main(["--settings", str(settings), "cache", "clear", "--namespace", "nobody"]) == 0
+    assert "no entries in namespace nobody; namespaces stored: default, default/other" in capsys.readouterr().err
+    store.close()

@@ -32,7 +32,8 @@ class Owner:
     def record_read(self, pos: int, nbytes: int) -> None:
         self.reads.append((pos, nbytes))
 
-    def discard_corrupt(self, pos: int, key: str, exc: CorruptEntryError) -> None:
+    def read_failed(self, pos: int, key: str, exc: Exception, head: bool = False) -> None:
+        assert isinstance(exc, CorruptEntryError)
         self.corrupt.append((pos, key))
 
     def promote(self, pos: int, item: StoredKV) -> None:

@@ -104,7 +104,9 @@ def test_another_host_with_an_empty_local_cache_reads_from_redis_and_promotes(re
     assert tier == "remote" and torch.equal(entry.k, k)
     assert reader.get("a")[1] == "cpu"
     stats = reader.stats()
-    assert stats["cpu"]["misses"] == 1 and stats["disk"]["misses"] == 1 and stats["remote"]["hits"] == 1
+    assert [stats[t]["hits"] for t in ("cpu", "disk", "remote")] == [1, 0, 1]
+    assert all(t["hits"] + t["misses"] == t["lookups"] == 2 for t in stats.values())
+    assert reader.ledger.summary()["misses"] == 0
 
 
 def test_entry_evicted_from_disk_is_demoted_to_redis_when_missing_there(redis_server, tmp_path):

@@ -8,35 +8,39 @@ import time
 import pytest
 
 from ragcache.kvstore import TierUsage
-from ragcache.kvstore.stats import HitRateLog, TierCounters, hit_rate_line, stats_row
+from ragcache.kvstore.stats import HitRateLog, LookupCounters, TierCounters, hit_rate_line, stats_row
 
 
 def test_counters_add_by_name_and_reject_unknown_names():
     c = TierCounters()
-    c.add(hits=3, misses=1)
-    c.add(misses=1, foreign=1, bytes_read=0)
-    assert (c.hits, c.misses, c.foreign, c.lookups) == (3, 2, 1, 5)
-    assert c.hit_rate == pytest.approx(0.6)
+    c.add(hits=3, corrupt=1)
+    c.add(unavailable=1, foreign=1, bytes_read=0)
+    assert (c.hits, c.corrupt, c.unavailable, c.foreign) == (3, 1, 1, 1)
+    assert c.minus(TierCounters(hits=1))["hits"] == 2
     with pytest.raises(AttributeError):
         c.add(hitz=1)
-    assert TierCounters().hit_rate == 0.0
+    with pytest.raises(AttributeError):
+        c.add(misses=1)  # a tier's misses are derived from the store's lookups, never counted apart
 
 
-def test_stats_row_holds_counters_usage_capacity_and_state():
-    row = stats_row(TierCounters(hits=1, misses=3, evictions=2), TierUsage(4, 1000), None, False)
-    assert row == {
-        "hits": 1, "misses": 3, "hit_rate": 0.25, "bytes_read": 0, "bytes_written": 0,
-        "evictions": 2, "corrupt": 0, "foreign": 0, "write_errors": 0,
-        "entries": 4, "occupancy_bytes": 1000, "capacity_bytes": None, "up": False,
-    }
+def test_stats_row_derives_misses_and_hit_rate_from_the_stores_lookups():
+    row = stats_row(TierCounters(hits=1, evictions=2, not_stored=3), 4, TierUsage(4, 1000), None, False,
+                    free_bytes=None)
+    assert row["hits"] + row["misses"] == row["lookups"] == 4
+    assert row["hit_rate"] == 0.25 and row["not_stored"] == 3 and row["evictions"] == 2
+    assert (row["entries"], row["occupancy_bytes"], row["capacity_bytes"], row["up"]) == (4, 1000, None, False)
+    assert row["free_bytes"] is None
+    assert stats_row(TierCounters(), 0, TierUsage(0, 0), 10, True)["hit_rate"] == 0.0
 
 
-def test_hit_rate_line_shows_every_tier_top_down_and_marks_down_ones():
-    line = hit_rate_line([("cpu", TierCounters(hits=3, misses=1), True),
-                          ("disk", TierCounters(hits=1), True),
+def test_hit_rate_line_shares_of_lookups_add_up_to_100_percent_with_the_misses():
+    line = hit_rate_line(LookupCounters(lookups=8, head_lookups=2, head_hits=1),
+                         [("cpu", TierCounters(hits=4), True),
+                          ("disk", TierCounters(hits=2), True),
                           ("remote", TierCounters(), False)])
-    assert line == "cpu 75.0% (3/4) | disk 100.0% (1/1) | remote - (0/0) DOWN"
-    assert hit_rate_line([]) == ""
+    assert line == ("8 lookups: cpu 50.0% (4) | disk 25.0% (2) | remote 0.0% (0) DOWN | miss 25.0% (2); "
+                    "head 1/2")
+    assert hit_rate_line(LookupCounters(), []) == "0 lookups: miss - (0); head 0/0"
 
 
 def test_hit_rate_log_writes_lines_until_stopped_and_survives_a_failing_line(caplog):

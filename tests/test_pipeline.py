@@ -10,18 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, ZORBIA_DOCS
 
 pytestmark = pytest.mark.integration
 
-DOCS = {
-    "zorbia.txt": "Zorbia is a small island nation. The Zorbian capital is Velmora, a city on the river Aster "
-                  "known for its glass bridges. Velmora was founded in 1432 by the navigator Idris Kell.",
-    "food.md": "# Zorbian food\n\nThe national dish of Zorbia is kelmet, a stew of lentils, smoked fish and "
-               "saffron. It is served at every wedding.",
-    "parliament.txt": "Zorbia's parliament meets in the Amber Hall, which has 212 seats and a copper roof. "
-                      "Elections are held every five years.",
-}
+DOCS = ZORBIA_DOCS
 
 
 @pytest.fixture(scope="module")

@@ -106,31 +106,37 @@ def ttft_chart(rows: Sequence[dict[str, Any]]) -> None:
 
 
 def cache_table(stats: dict[str, dict[str, Any]]) -> None:
-    """Per KV tier: hit rate (bar), hits / lookups, entries, bytes stored of its capacity."""
+    """Per KV tier: the share of chunk lookups it served (bar), hits / lookups, entries, bytes
+    stored of its capacity; then the misses (chunks computed), so the rates add up to 100%."""
     import pandas as pd
 
     if not stats:
         st.caption("The KV store reports no tiers.")
         return
     rows = []
+    lookups = max((int(s.get("lookups", int(s.get("hits", 0)) + int(s.get("misses", 0)))) for s in stats.values()),
+                  default=0)
     for tier, s in stats.items():
         cap = s.get("capacity_bytes")
-        lookups = int(s.get("hits", 0)) + int(s.get("misses", 0))
         rows.append({
             "tier": tier + ("" if s.get("up", True) else " (down)"),
-            "hit rate": float(s.get("hit_rate", 0.0)),
+            "hit rate": int(s.get("hits", 0)) / lookups if lookups else 0.0,
             "hits": f"{s.get('hits', 0)}/{lookups}",
             "entries": int(s.get("entries", 0)),
             "stored": f"{_size(int(s.get('occupancy_bytes') or 0))} / {_size(cap) if cap else 'unbounded'}",
         })
+    missed = max(0, lookups - sum(int(s.get("hits", 0)) for s in stats.values()))
+    rows.append({"tier": "miss", "hit rate": missed / lookups if lookups else 0.0, "hits": f"{missed}/{lookups}",
+                 "entries": 0, "stored": "computed on use"})
     st.dataframe(
         pd.DataFrame(rows), hide_index=True, width="stretch",
         column_config={
             "tier": st.column_config.TextColumn("tier", width=70),
             "hit rate": st.column_config.ProgressColumn(
                 "hit rate", format="percent", min_value=0.0, max_value=1.0, width=120,
-                help="hits / lookups that reached this tier, since the server started"),
-            "hits": st.column_config.TextColumn("hits", width=60, help="hits / lookups"),
+                help="share of chunk lookups this tier served since the server started (with the miss "
+                     "row they add up to 100%; the prompt head is not counted)"),
+            "hits": st.column_config.TextColumn("hits", width=60, help="chunk lookups served / chunk lookups"),
             "entries": st.column_config.NumberColumn("entries", width=65, help="chunk KV entries held now"),
             "stored": st.column_config.TextColumn("stored", help="bytes held now / capacity (GB = 10^9 bytes)"),
         },

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 from ragcache.chunks import KV_LAYOUT_VERSION, Chunk
 from ragcache.config import MODES, Settings
 from ragcache.engine.dtype import resolve_dtype
+from ragcache.engine.limits import check_engine_limits
 from ragcache.engine.messages import CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, Rpc, SegmentRef
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.prompt import AssembledPrompt, PromptBuilder
@@ -126,15 +127,21 @@ class BlendEngine:
 
     Raises:
         ModelNotFoundError: the configured model cannot be found (see ragcache.models).
+        ConfigError: engine settings vLLM would refuse for this model (checked before vLLM starts,
+            see :mod:`ragcache.engine.limits`).
     """
 
     def __init__(self, settings: Settings, llm: LLMInfo | None = None):
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
         self.settings = settings
         self._lock = threading.RLock()
         self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
+        eng = settings.engine
+        self.dtype = resolve_dtype(eng.dtype)
+        check_engine_limits(eng, self.llm_info.path, self.dtype.dtype)
+
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
         t0 = time.perf_counter()
         _claim_in_process_slot(self, settings)
         _set_engine_environment(settings)
@@ -143,8 +150,6 @@ class BlendEngine:
             kv_connector_module_path="ragcache.engine.connector",
             kv_role="kv_both",
         )
-        eng = settings.engine
-        self.dtype = resolve_dtype(eng.dtype)
         self.llm = LLM(
             model=str(self.llm_info.path),
             dtype=self.dtype.dtype,
@@ -164,7 +169,7 @@ class BlendEngine:
         )[0]
         self.tokenizer = self.llm.get_tokenizer()
         self.prompts = PromptBuilder(self.tokenizer, settings.prompt, self.llm_info.fingerprint,
-                                     max_len=eng.max_model_len)
+                                     max_len=eng.max_model_len, store_namespace=settings.store.namespace)
         # one tiny blend request: the first one pays for lazy kernel and allocator set-up
         self.generate(self.prompts.build("warm up", []), "blend", max_tokens=1)
         self.startup_s = time.perf_counter() - t0
@@ -174,32 +179,36 @@ class BlendEngine:
     # ---- KV precompute ---------------------------------------------------------------------
 
     def precompute(self, chunks: Sequence[Chunk], *, show_progress: bool = False,
-                   batch_size: int = 8) -> dict[str, Any]:
+                   batch_size: int = 8, namespace: str = "") -> dict[str, Any]:
         """Compute and store the KV of the head and of each chunk's unit not stored yet.
 
-        Every unit is computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`).
+        Every unit is computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`)
+        and keyed in the index namespace ``namespace`` (see :meth:`PromptBuilder.key`).
         Blocks the engine while it runs: call it at ingest time, not beside live requests.
         Chunks go to the worker ``batch_size`` at a time (a tqdm bar on stderr when
-        ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds"}`` (seconds of
-        worker compute, tokens of the computed units; the head is not counted).
+        ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds", "stored"}``
+        (seconds of worker compute, tokens of the computed units, ``stored``: per tier, how many
+        of the computed entries it took; the head is not counted).
         """
         from tqdm import tqdm
 
         head_ids = self.prompts.head_ids
-        head = self.prompts.head
+        head = self.prompts.head_segment(namespace)
         items = []
         for c in chunks:
-            seg = self.prompts.canonical_segment(c)
+            seg = self.prompts.canonical_segment(c, namespace)
             items.append([seg.key, seg.start, self.prompts.unit_ids(c)])
-        total = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0}
+        total: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "stored": {}}
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute", disable=not show_progress)
         with self._lock, bar:
             self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [[head.key, head.start, head_ids]]))
             for i in range(0, len(items), batch_size):
                 batch = items[i:i + batch_size]
                 out = self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, batch))[0]
-                for k in total:
+                for k in ("computed", "skipped", "tokens", "seconds"):
                     total[k] += out[k]
+                for tier, n in out["stored"].items():
+                    total["stored"][tier] = total["stored"].get(tier, 0) + n
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{total['tokens'] / max(total['seconds'], 1e-9):,.0f} tok/s")
         return total
@@ -354,19 +363,27 @@ class BlendEngine:
         with self._lock:
             return self.llm.collective_rpc(Rpc.STORE_STATS)[0]
 
-    def stored_tiers(self, chunks: Sequence[Chunk]) -> list[str | None]:
-        """For each chunk, the highest tier holding its KV, or None."""
+    def stored_tiers(self, chunks: Sequence[Chunk], namespace: str = "") -> list[str | None]:
+        """For each chunk, the highest tier holding its KV (in index namespace ``namespace``), or None."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
         with self._lock:
-            return self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=([self.prompts.key(c) for c in chunks],))[0]
+            return self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,))[0]
 
-    def forget(self, chunks: Sequence[Chunk]) -> int:
-        """Delete the stored KV of ``chunks`` from every tier; returns how many entries were removed."""
+    def forget(self, chunks: Sequence[Chunk], namespace: str = "") -> int:
+        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier;
+        returns how many entries were removed."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
         with self._lock:
-            return self.llm.collective_rpc(Rpc.STORE_DELETE, args=([self.prompts.key(c) for c in chunks],))[0]
+            return self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,))[0]
 
     def close(self) -> None:
-        """Shut the engine core (and its worker processes) down; the engine is unusable afterwards."""
+        """Shut the engine core (and its worker processes) down; the engine is unusable afterwards.
+        The store's lookup counts are written to its counter file first (workers are killed)."""
         with self._lock:
+            try:
+                self.llm.collective_rpc(Rpc.STORE_FLUSH)
+            except Exception:  # closing must not fail the caller
+                log.debug("flushing the store's counters failed", exc_info=True)
             core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
             if core is not None:
                 core.shutdown()

@@ -46,8 +46,9 @@ class Rpc:
     STORE_STATS = "ragcache_store_stats"
     STORE_CONTAINS = "ragcache_store_contains"
     STORE_DELETE = "ragcache_store_delete"
+    STORE_FLUSH = "ragcache_store_flush"
 
-    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_DELETE)
+    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_DELETE, STORE_FLUSH)
 
 
 #: the [blend] settings every reuse/blend request carries

@@ -75,29 +75,36 @@ class WorkerRuntime:
         positions = torch.arange(len(ids), device=self.ops.device)
         return compute_kv(self.ops, ids, positions, keep_from=len(lead_in))
 
-    def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int]) -> _MemoryHandle:
+    def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int],
+                           stored: dict[str, int] | None = None) -> _MemoryHandle:
         k, v = self.compute_segment(head_ids, start, unit)
-        self.store.put(key, k, v, start_position=len(lead_in_for(start, head_ids)))
+        tiers = self.store.put(key, k, v, start_position=len(lead_in_for(start, head_ids)))
+        if stored is not None:
+            for tier in tiers:
+                stored[tier] += 1
         return _MemoryHandle(k, v)
 
     def precompute(self, head_ids: list[int], items: list[list[Any]]) -> dict[str, Any]:
         """Compute and store the KV of every ``[key, start, unit_ids]`` not stored yet.
 
         ``start`` is the segment's canonical start (0 for the head, ``len(head_ids)`` for a chunk).
-        Returns ``{"computed", "skipped", "tokens", "seconds"}`` (tokens of the computed units,
-        seconds of worker time).
+        Returns ``{"computed", "skipped", "tokens", "seconds", "stored"}`` (tokens of the computed
+        units, seconds of worker time, ``stored``: per tier of the store, how many of the computed
+        entries it took; fewer than ``computed`` when it was full or down).
         """
         t0 = time.perf_counter()
         computed = skipped = tokens = 0
+        stored = dict.fromkeys(self.store.tier_names, 0)
         with self.lock:
             for key, start, unit in items:
                 if self.store.contains(key):
                     skipped += 1
                     continue
-                self._compute_and_store(key, head_ids, int(start), list(unit))
+                self._compute_and_store(key, head_ids, int(start), list(unit), stored)
                 computed += 1
                 tokens += len(unit)
-        return {"computed": computed, "skipped": skipped, "tokens": tokens, "seconds": time.perf_counter() - t0}
+        return {"computed": computed, "skipped": skipped, "tokens": tokens, "seconds": time.perf_counter() - t0,
+                "stored": stored}
 
     # ---- per request ----------------------------------------------------------------------
 
@@ -120,8 +127,8 @@ class WorkerRuntime:
         missing_tokens = 0
         missing_s = 0.0
         with self.lock:
-            for seg in segments:
-                handle = self.store.open(seg.key)
+            for j, seg in enumerate(segments):
+                handle = self.store.open(seg.key, head=j == 0)  # the head's lookup is counted apart
                 if handle is None:
                     t_miss = time.perf_counter()
                     handle = self._compute_and_store(seg.key, head_ids, seg.start,
@@ -229,3 +236,7 @@ class RagcacheWorkerExtension:
     def ragcache_store_delete(self, keys: list[str]) -> int:
         """Delete the keys from every tier; returns how many were present."""
         return sum(bool(self._ragcache.store.delete(k)) for k in keys)
+
+    def ragcache_store_flush(self) -> None:
+        """Write the store's lookup counts to its counter file now (before the worker goes away)."""
+        self._ragcache.store.ledger.flush()

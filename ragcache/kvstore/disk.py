@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 from urllib.parse import quote, unquote
 
 from ragcache.kvstore.entry import KVMeta, StoredKV
@@ -35,6 +35,33 @@ log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_SEC = 3600.0  # temporary files older than this are leftovers of a crashed writer
+
+
+def write_atomically(final: Path, parts: Iterable[bytes | memoryview]) -> None:
+    """Write ``parts`` to a unique temporary file beside ``final`` (a dot file ending in ``.tmp``)
+    and rename it into place: readers see the old file, the new one, or none; never a partial one.
+    A folder removed meanwhile is created again.
+
+    Raises:
+        OSError: the write failed (e.g. errno ENOSPC); no temporary file is left behind.
+    """
+    tmp = final.parent / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
+    try:
+        try:
+            f = open(tmp, "wb")
+        except FileNotFoundError:  # folder removed under us (e.g. `cache clear` by hand)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "wb")
+        with f:
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 class DiskTier:
@@ -144,26 +171,9 @@ class DiskTier:
         Raises:
             OSError: the write failed (e.g. errno ENOSPC); no partial file is left behind.
         """
-        final = self.path(item.key)
-        tmp = self.root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
         kv = item.kv.detach().cpu().contiguous()
         header = encode_header(item.key, item.meta)
-        try:
-            try:
-                f = open(tmp, "wb")
-            except FileNotFoundError:  # folder removed under us (e.g. `cache clear` by hand)
-                self.root.mkdir(parents=True, exist_ok=True)
-                f = open(tmp, "wb")
-            with f:
-                f.write(header)
-                f.write(memoryview(byte_view(kv)))
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(self.path(item.key), [header, memoryview(byte_view(kv))])
         return len(header) + item.nbytes
 
     def delete(self, key: str) -> bool:
@@ -184,15 +194,17 @@ class DiskTier:
     def keys(self) -> Iterator[str]:
         return iter([f.key for f in self.scan()])
 
-    def clear(self) -> None:
-        """Delete every entry file and stale temporary file (other files and writes in flight are left)."""
+    def clear(self, prefix: str = "") -> None:
+        """Delete every entry file whose key starts with ``prefix`` and stale temporary files
+        (other files and writes in flight are left)."""
         self._remove_stale_tmp()
         try:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
             return
         for e in entries:
-            if self._key_of(e.name) is not None:
+            key = self._key_of(e.name)
+            if key is not None and key.startswith(prefix):
                 try:
                     os.unlink(e.path)
                 except FileNotFoundError:
@@ -200,6 +212,22 @@ class DiskTier:
 
     def usage(self) -> TierUsage:
         return TierUsage.of(self.scan())
+
+    def free_bytes(self) -> int | None:
+        """Bytes the folder's filesystem has free for an unprivileged writer (``statvfs``
+        ``f_bavail * f_frsize``); None when it cannot be asked."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def block_size(self) -> int:
+        """The filesystem's allocation unit in bytes (a file occupies a multiple of it)."""
+        try:
+            return max(1, os.statvfs(self.root).f_frsize)
+        except OSError:
+            return 4096
 
     def touch(self, key: str) -> None:
         try:

@@ -32,8 +32,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
-#: keys accepted by the store: ChunkKey digests and similar ids (at most 80 characters)
-KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,79}")
+#: keys accepted by the store: ``str(ChunkKey)`` (``namespace:digest``) and similar ids (at most 160 characters)
+KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,159}")
 
 
 class TierError(Exception):
@@ -70,12 +70,12 @@ def check_key(key: str) -> str:
     """Return ``key`` if the store accepts it.
 
     Raises:
-        ValueError: not a str of 1-80 characters from ``[A-Za-z0-9._:@+=/-]`` starting with a
-            letter or digit (ChunkKey digests always qualify).
+        ValueError: not a str of 1-160 characters from ``[A-Za-z0-9._:@+=/-]`` starting with a
+            letter or digit (``str(ChunkKey)`` always qualifies).
     """
     if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
         raise ValueError(
-            f"invalid KV key {key!r}: expected 1-80 characters from [A-Za-z0-9._:@+=/-] starting "
+            f"invalid KV key {key!r}: expected 1-160 characters from [A-Za-z0-9._:@+=/-] starting "
             "with a letter or digit (use str(ChunkKey))"
         )
     return key

@@ -2,9 +2,10 @@
 interface it uses to report back to the store.
 
 Owns: :class:`KVHandle` (per-layer reads into the caller's dtype and device, the promotion buffer,
-promotion on close) and :class:`HandleOwner` (the store's side: counting, discarding a damaged
-entry, promotion). The handle knows nothing of the store's tiers, locks or counters. Reading layers
-ahead in a background thread is the blend's job (``ragcache.blend.forward``), not the handle's.
+promotion on close) and :class:`HandleOwner` (the store's side: counting, turning a hit whose layer
+cannot be read into a miss, discarding a damaged entry, promotion). The handle knows nothing of the
+store's tiers, locks or counters. Reading layers ahead in a background thread is the blend's job
+(``ragcache.blend.forward``), not the handle's.
 Imports only the entry and format modules; must not import vLLM, the store, nor anything above
 kvstore.
 """
@@ -43,9 +44,11 @@ class HandleOwner(Protocol):
         """Count ``nbytes`` read from tier ``pos``."""
         ...
 
-    def discard_corrupt(self, pos: int, key: str, exc: CorruptEntryError) -> None:
-        """A layer of ``key`` in tier ``pos`` failed its checksum: delete the entry and count it
-        (the hit was counted when the handle was opened, so no miss is counted)."""
+    def read_failed(self, pos: int, key: str, exc: Exception, head: bool = False) -> None:
+        """A layer of ``key`` in tier ``pos`` could not be read: ``exc`` is a
+        ``CorruptEntryError`` (failed its checksum: delete the entry and count it) or an
+        ``OSError``. The lookup the handle served (the prompt head's when ``head``) is a miss
+        after all: the hit counted when the handle was opened is taken back."""
         ...
 
     def promote(self, pos: int, item: StoredKV) -> None:
@@ -62,6 +65,7 @@ class KVHandle:
         reader: the tier's reader over the entry (header and metadata already validated).
         tier: name of that tier.
         from_memory: the tier is a memory tier (its layers are views of the stored tensor).
+        head: the handle serves the prompt head's lookup (counted apart by the owner).
 
     Attributes:
         key: the entry's key.
@@ -73,9 +77,11 @@ class KVHandle:
     promotes the entry. Not thread-safe: one handle per consumer.
     """
 
-    def __init__(self, owner: HandleOwner, pos: int, reader: EntryReader, tier: str, from_memory: bool) -> None:
+    def __init__(self, owner: HandleOwner, pos: int, reader: EntryReader, tier: str, from_memory: bool,
+                 head: bool = False) -> None:
         self._owner = owner
         self._pos = pos
+        self._head = head
         self._reader: EntryReader | None = reader
         self._from_memory = from_memory
         self.key = reader.key
@@ -100,8 +106,9 @@ class KVHandle:
 
         Raises:
             CorruptEntryError: the layer failed its checksum; the entry has been deleted from
-                the tier and counted, and the handle cannot be used further (recompute the chunk).
-            TierError: the tier failed while reading (e.g. an I/O error).
+                the tier and counted, the lookup counts as a miss, and the handle cannot be used
+                further (recompute the chunk).
+            TierError: the tier failed while reading (e.g. an I/O error); counted likewise.
             IndexError: ``i`` out of range.
             RuntimeError: the handle is closed.
         """
@@ -112,10 +119,11 @@ class KVHandle:
         try:
             t = self._reader.read_layer(i, out)
         except CorruptEntryError as exc:
-            owner.discard_corrupt(self._pos, self.key, exc)
+            owner.read_failed(self._pos, self.key, exc, self._head)
             self.close()
             raise
         except OSError as exc:
+            owner.read_failed(self._pos, self.key, exc, self._head)
             self.close()
             raise TierError(f"reading layer {i} of {self.key!r} from {self.tier}: {exc}") from exc
         self._read[i] = True

@@ -119,12 +119,17 @@ class MemoryTier:
         with self._lock:
             return iter(list(self._items))
 
-    def clear(self) -> None:
+    def clear(self, prefix: str = "") -> None:
         with self._lock:
-            self._items.clear()
+            for key in [k for k in self._items if k.startswith(prefix)]:
+                del self._items[key]
 
     def usage(self) -> TierUsage:
         return TierUsage.of(self.scan())
+
+    def free_bytes(self) -> None:
+        """None: a memory tier's room is its capacity setting."""
+        return None
 
     def touch(self, key: str) -> None:
         pass

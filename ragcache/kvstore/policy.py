@@ -71,6 +71,11 @@ class EvictionIndex:
             rec.freq += 1
             self._recs.move_to_end(key)
 
+    def size(self, key: str) -> int | None:
+        """Bytes recorded for ``key``, or None when unknown."""
+        rec = self._recs.get(key)
+        return rec.size if rec is not None else None
+
     def freq(self, key: str) -> int:
         rec = self._recs.get(key)
         return rec.freq if rec is not None else 0

@@ -1,9 +1,18 @@
-"""The ``remote`` tier: KV entries shared through Redis (redis-py), e.g. by several hosts.
+"""The ``remote`` tier: KV entries shared through Redis (redis-py with the hiredis parser), e.g. by
+several hosts.
 
 Owns: :class:`RedisTier`. Each entry is one Redis string holding the same safetensors bytes as
-the disk tier's file, under ``<prefix><key>``. ``SET`` is atomic, so concurrent writers of one
-key leave one complete value. There is no capacity setting for this tier: size Redis itself
-(``maxmemory`` with ``maxmemory-policy allkeys-lru``). Must not import vLLM.
+the disk tier's file, under ``<prefix><key>``; a key starts with its KV namespace
+(``ragcache:kv:default/acme:3f2c...``, see :class:`ragcache.chunks.ChunkKey`), so one namespace's
+keys share a prefix (``clear(prefix)``; a Redis ACL can confine a tenant to it). ``SET`` is
+atomic, so concurrent writers of one key leave one complete value. There is no capacity setting
+for this tier: size Redis itself (``maxmemory <bytes>`` with ``maxmemory-policy allkeys-lru``;
+ragcache sets no TTLs; persistence is optional since every entry can be computed again). Must not
+import vLLM.
+
+The hiredis parser (``redis[hiredis]``) reads large values ~2.5x faster than redis-py's
+pure-Python one (measured ~250 vs ~90 MB/s for a 64 MB value on a 2-core machine); redis-py uses
+it whenever it is installed.
 
 Failures: connection errors and timeouts raise
 :class:`~ragcache.kvstore.entry.TierUnavailableError` (the store then marks the tier down and
@@ -27,6 +36,11 @@ from ragcache.kvstore.tier import EntryStat, TierUsage, get_then_delete
 T = TypeVar("T")
 DEFAULT_PREFIX = "ragcache:kv:"
 _HEAD_GUESS = 16 * 1024  # bytes fetched to read a header (30-layer headers are ~5 KB)
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` with Redis' glob characters escaped, for ``SCAN MATCH``."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 class RedisTier:
@@ -53,7 +67,7 @@ class RedisTier:
             url,
             socket_connect_timeout=connect_timeout,
             socket_timeout=timeout,
-            socket_read_size=1 << 20,  # large values: fewer, bigger reads (pure-Python parser)
+            socket_read_size=1 << 20,  # large values: fewer, bigger reads
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
             health_check_interval=0,
@@ -123,8 +137,9 @@ class RedisTier:
         """
         return get_then_delete(self, key)
 
-    def _scan(self) -> list[bytes]:
-        return self._call(lambda: list(self._r.scan_iter(match=self.prefix + "*", count=1000)))
+    def _scan(self, prefix: str = "") -> list[bytes]:
+        pattern = _glob_escape(self.prefix + prefix) + "*"
+        return self._call(lambda: list(self._r.scan_iter(match=pattern, count=1000)))
 
     def scan(self) -> list[EntryStat]:
         """Every key under the prefix with its value size (``SCAN`` + pipelined ``STRLEN``), in
@@ -150,14 +165,19 @@ class RedisTier:
         n = len(self.prefix)
         return iter([k.decode()[n:] for k in self._scan()])
 
-    def clear(self) -> None:
-        names = self._scan()
+    def clear(self, prefix: str = "") -> None:
+        """Delete every key under the tier's prefix whose entry key starts with ``prefix``."""
+        names = self._scan(prefix)
         for i in range(0, len(names), 500):
             batch = names[i:i + 500]
             self._call(lambda: self._r.unlink(*batch))
 
     def usage(self) -> TierUsage:
         return TierUsage.of(self.scan())
+
+    def free_bytes(self) -> None:
+        """None: Redis sizes itself (``maxmemory``, see the module docstring)."""
+        return None
 
     def touch(self, key: str) -> None:
         pass

@@ -1,6 +1,6 @@
 """One tier as the store holds it: the medium with its capacity, eviction index, availability guard
 and counters, and the steps that touch that tier alone (guarded open/delete/contains, counting a
-hit, discarding a damaged entry, rebuilding the index from a scan).
+hit, discarding a damaged entry, rebuilding the index from a scan, planning room for a write).
 
 Owns: :class:`TierSlot`. Everything that involves two tiers (placement, lookup order, promotion,
 eviction with demotion) is the store's. Imports only the entry, format, guard, policy, stats and
@@ -9,14 +9,16 @@ tier modules; must not import vLLM, the store, nor anything above kvstore.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
+from typing import Callable
 
-from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVSpec, TierError
-from ragcache.kvstore.format import EntryReader
+from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVSpec, StoredKV, TierError
+from ragcache.kvstore.format import EntryReader, encode_header
 from ragcache.kvstore.guard import TierDown, TierGuard
-from ragcache.kvstore.policy import EvictionIndex
+from ragcache.kvstore.policy import EvictionIndex, Victim
 from ragcache.kvstore.stats import TierCounters
 from ragcache.kvstore.tier import Tier, TierUsage
 
@@ -38,8 +40,9 @@ class TierSlot:
         tier, capacity, guard: as given.
         index: sizes and access order of its entries (bytes), kept for bounded and memory tiers;
             None for an unbounded persistent tier.
-        counters: what the tier did in this process.
+        counters: what the tier did in this process (see :mod:`~ragcache.kvstore.stats`).
         last_scan: ``time.monotonic()`` of the last :meth:`rescan`.
+        full_warned: whether the one "tier full" warning was logged.
     """
 
     def __init__(self, tier: Tier, capacity: int | None, policy: str, guard: TierGuard,
@@ -51,6 +54,7 @@ class TierSlot:
         self.guard = guard
         self.counters = TierCounters()
         self.last_scan = 0.0
+        self.full_warned = False
         self._lock = lock
 
     @property
@@ -90,6 +94,102 @@ class TierSlot:
             self.index = fresh
             self.last_scan = time.monotonic()
 
+    def free_bytes(self) -> int | None:
+        """Bytes the medium can still take, or None where it cannot tell (memory, remote, down)."""
+        if self.tier.memory or not self.guard.up:
+            return None
+        try:
+            return self.tier.free_bytes()
+        except (TierError, OSError):
+            return None
+
+    def effective_capacity(self, used: int | None = None) -> int | None:
+        """Bytes the tier may hold now: its capacity, but no more than what it holds (``used``,
+        default: its index) plus what the medium has free. None = unbounded."""
+        free = self.free_bytes()
+        if free is None:
+            return self.capacity
+        if used is None:
+            with self._lock:
+                used = self.index.used_bytes if self.index is not None else 0
+        room = used + free
+        return room if self.capacity is None else min(self.capacity, room)
+
+    def plan_room(self, need: int, protect: str) -> list[Victim] | None:
+        """Make room for a write of ``need`` bytes (the file/value size): the entries to evict,
+        already removed from the index ([] when it fits now), or None when it cannot fit even
+        with every other entry evicted (then nothing is evicted). Only the capacity counts where
+        the medium cannot tell its free space.
+        """
+        free = self.free_bytes()
+        with self._lock:
+            if self.index is None:
+                return [] if free is None or need <= free else None
+            held = self.index.used_bytes - (self.index.size(protect) or 0)
+            if self.capacity is not None and need > self.capacity:
+                return None
+            if free is not None and need > free + held:
+                return None
+            short = need - free if free is not None else 0
+            if self.capacity is not None:
+                short = max(short, held + need - self.capacity)
+            return self.index.pop_bytes(short, protect=protect) if short > 0 else []
+
+    def not_stored(self, key: str, need: int, why: str) -> None:
+        """Count an entry of ``need`` bytes not stored for lack of room; the first one is logged as a
+        warning (later ones only counted: ``not_stored`` in the stats, the ingest summary)."""
+        with self._lock:
+            self.counters.not_stored += 1
+            first, self.full_warned = not self.full_warned, True
+        if first:
+            log.warning("%s tier %s: entry %r (%.1f MB) not stored; further entries that do not fit are "
+                        "only counted (not_stored in `ragcache cache stats`)", self.name, why, key, need / 1e6)
+
+    def stored_size(self, item: StoredKV) -> int:
+        """Bytes ``item`` takes in this persistent tier: header and data, rounded up to the
+        medium's allocation unit where it has one (a filesystem block)."""
+        n = len(encode_header(item.key, item.meta)) + item.nbytes
+        block = getattr(self.tier, "block_size", lambda: 1)()
+        return -(-n // block) * block
+
+    def write(self, item: StoredKV, drop: Callable[[list[Victim]], None]) -> int | None:
+        """Write ``item`` into this persistent tier after making room for it (:meth:`plan_room`;
+        ``drop`` evicts the entries chosen, demoting them as the store sees fit).
+
+        Returns:
+            bytes written, or None when skipped: tier down; no room (counted as ``not_stored``,
+            one warning); another failure (counted as ``write_errors``, logged). A write that
+            still fails with ENOSPC (other writers took the space) rescans and retries once.
+        """
+        need = self.stored_size(item)
+        failure: Exception | None = None
+        for attempt in (1, 2):
+            victims = self.plan_room(need, item.key)
+            if victims is None:
+                free = self.free_bytes()
+                room = "" if free is None else f", {free / 1e6:.1f} MB free on the filesystem"
+                self.not_stored(item.key, need, f"full{room}, even with every other entry evicted:")
+                return None
+            drop(victims)
+            try:
+                return self.guard.call(self.tier.put, item)
+            except TierDown:
+                return None
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    failure = exc
+                    break
+                if attempt == 2:
+                    self.not_stored(item.key, need, f"full ({exc}):")
+                    return None
+                self.rescan()  # the free space changed under us: look again
+            except TierError as exc:
+                failure = exc
+                break
+        self.count(write_errors=1)
+        self.guard.warn("write", f"{self.name} tier: write of {item.key!r} failed ({failure}); skipped")
+        return None
+
     def usage(self) -> TierUsage:
         """What the tier holds now; zero when it is down (or fails to say)."""
         if self.tier.memory:
@@ -103,8 +203,9 @@ class TierSlot:
         return TierUsage(0, 0)
 
     def open_checked(self, key: str, spec: KVSpec) -> EntryReader | None:
-        """A reader over ``key`` when the tier holds a usable entry of ``spec``; else None, with the
-        miss counted (and a damaged entry discarded, a foreign one counted and left in place)."""
+        """A reader over ``key`` when the tier holds a usable entry of ``spec``; else None (a
+        damaged entry discarded and counted, a foreign one counted and left in place, a failed read
+        counted). Lookups are counted by the store, not here."""
         try:
             if self.tier.memory:
                 with self._lock:
@@ -114,35 +215,35 @@ class TierSlot:
         except TierDown:
             return None
         except CorruptEntryError as exc:
-            self.discard_corrupt(key, exc, count_miss=True)
+            self.discard_corrupt(key, exc)
             return None
         except ForeignEntryError:
-            self.count(misses=1, foreign=1)
+            self.count(foreign=1)
             return None
         except (TierError, OSError) as exc:
             self.read_failed(key, exc)
             return None
         if reader is None:
-            self.count(misses=1)
             return None
         reason = spec.mismatch(reader.meta)
         if reason is not None:
             reader.close()
             log.debug("%s tier: entry %r is foreign (%s)", self.name, key, reason)
-            self.count(misses=1, foreign=1)
+            self.count(foreign=1)
             return None
         return reader
 
     def read_failed(self, key: str, exc: Exception) -> None:
-        """Reading ``key`` failed (I/O error): warn (rate-limited) and count a miss."""
+        """Reading ``key`` failed (I/O error): warn (rate-limited) and count it (``read_errors``)."""
         self.guard.warn("read", f"{self.name} tier: reading {key!r} failed ({exc}); treated as a miss")
-        self.count(misses=1)
+        self.count(read_errors=1)
 
-    def record_hit(self, key: str, stored_bytes: int, nbytes_read: int) -> None:
-        """Count a hit on ``key`` (``nbytes_read`` bytes read now) and record the access in the
-        index and the medium; an entry another process wrote is added to the index."""
+    def record_hit(self, key: str, stored_bytes: int, nbytes_read: int, chunk: bool = True) -> None:
+        """Count a hit on ``key`` (``nbytes_read`` bytes read now; ``chunk`` False for the prompt
+        head, whose lookups are counted apart) and record the access in the index and the medium;
+        an entry another process wrote is added to the index."""
         with self._lock:
-            self.counters.hits += 1
+            self.counters.hits += int(chunk)
             self.counters.bytes_read += nbytes_read
             if self.index is not None:
                 if key in self.index:
@@ -152,10 +253,10 @@ class TierSlot:
         if not self.tier.memory:
             self.tier.touch(key)
 
-    def discard_corrupt(self, key: str, exc: CorruptEntryError, count_miss: bool = False) -> None:
-        """Log, count (``corrupt``, and a miss when ``count_miss``) and delete a damaged entry."""
+    def discard_corrupt(self, key: str, exc: CorruptEntryError) -> None:
+        """Log, count (``corrupt``) and delete a damaged entry."""
         log.warning("%s tier: %s; deleted, treated as a miss", self.name, exc)
-        self.count(corrupt=1, misses=1 if count_miss else 0)
+        self.count(corrupt=1)
         self.delete(key)
 
     def delete(self, key: str) -> bool:

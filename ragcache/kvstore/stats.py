@@ -1,17 +1,31 @@
-"""Per-tier statistics of the store: the counters, one tier's row of ``TieredStore.stats()``, the
-hit-rate line and the thread that logs it periodically.
+"""Statistics of the store: what a lookup is, the counters, one tier's row of ``TieredStore.stats()``,
+the hit-rate line and the thread that logs it periodically.
 
-Owns: :class:`TierCounters`, :func:`stats_row`, :func:`hit_rate_line`, :class:`HitRateLog`. Does
-no I/O on the tiers and takes no lock of the store's (the store holds its lock while it reads the
-counters). Imports only :mod:`ragcache.kvstore.tier`; must not import vLLM, the store, nor anything
-above kvstore.
+Owns: :class:`TierCounters`, :class:`LookupCounters`, :func:`stats_row`, :func:`hit_rate_line`,
+:class:`HitRateLog`. Does no I/O on the tiers and takes no lock of the store's (the store holds its
+lock while it reads the counters). Imports only :mod:`ragcache.kvstore.tier`; must not import vLLM,
+the store, nor anything above kvstore.
+
+One definition of a lookup, used by the store, the per-request ``tier_hits``, the UI, the CLI and
+the log line:
+
+- a *chunk lookup* is one ``open``/``get`` of a retrieved chunk's entry; the prompt head's lookup
+  is counted apart (``head_lookups``, ``head_hits``) and in no tier's hits;
+- it ends in exactly one outcome: a *hit* of the tier that served it, or a *miss* (no tier served
+  it: the chunk was computed during the request);
+- an entry that fails a check while it is read (checksum, truncation) does not serve the lookup:
+  a miss, counted under that tier's ``corrupt``; a tier that is down when a lookup reaches it
+  counts the lookup under ``unavailable``.
+
+So for every tier, ``hits + misses == lookups`` (its ``misses`` are the chunk lookups it did not
+serve), and the tiers' hits plus the store's misses equal the chunk lookups: hit rates add up.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Iterable
 
 from ragcache.kvstore.tier import TierUsage
@@ -20,71 +34,118 @@ log = logging.getLogger("ragcache.kvstore")
 
 
 @dataclass
-class TierCounters:
-    """What one tier did in this process since the store was created (not thread-safe on its own).
-
-    Attributes:
-        hits: lookups (``get``/``open``) served by the tier.
-        misses: lookups that reached the tier and were not served (absent, foreign, damaged).
-        bytes_read: bytes of K/V read from the tier (storage dtype).
-        bytes_written: bytes written into the tier (file/value size for disk/remote).
-        evictions: entries evicted to stay within the tier's capacity.
-        corrupt: damaged entries found (and deleted).
-        foreign: entries of another model/layout/format found (left in place).
-        write_errors: writes that failed and were skipped.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    evictions: int = 0
-    corrupt: int = 0
-    foreign: int = 0
-    write_errors: int = 0
+class _Counters:
+    """Counters added by name (not thread-safe on their own)."""
 
     def add(self, **deltas: int) -> None:
-        """Add to counters by name, e.g. ``add(misses=1, foreign=1)``.
+        """Add to counters by name, e.g. ``add(hits=1, bytes_read=4096)``.
 
         Raises:
             AttributeError: a name that is not a counter.
         """
         for name, d in deltas.items():
+            if name not in self._names():
+                raise AttributeError(f"{type(self).__name__} has no counter {name!r}")
             setattr(self, name, getattr(self, name) + d)
 
-    @property
-    def lookups(self) -> int:
-        """Hits plus misses."""
-        return self.hits + self.misses
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
-    @property
-    def hit_rate(self) -> float:
-        """hits / lookups; 0.0 before any lookup."""
-        return self.hits / self.lookups if self.lookups else 0.0
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def minus(self, other: "_Counters") -> dict[str, int]:
+        """``self - other`` per counter (the deltas since ``other`` was copied)."""
+        return {n: getattr(self, n) - getattr(other, n) for n in self._names()}
 
 
-def stats_row(counters: TierCounters, usage: TierUsage, capacity: int | None, up: bool) -> dict[str, Any]:
-    """One tier's entry of ``TieredStore.stats()``: the counters, ``hit_rate``, ``entries`` and
-    ``occupancy_bytes`` from ``usage``, ``capacity_bytes`` (None = unbounded) and ``up``."""
+@dataclass
+class TierCounters(_Counters):
+    """What one tier did.
+
+    Attributes:
+        hits: chunk lookups served by the tier (never the prompt head's).
+        unavailable: chunk lookups that reached the tier while it was down.
+        corrupt: damaged entries found (bad header, truncated, checksum mismatch) and deleted.
+        foreign: entries of another model/layout/format found (left in place).
+        read_errors: reads that failed with an I/O error (the lookup went on below).
+        bytes_read: bytes of K/V read from the tier (storage dtype).
+        bytes_written: bytes written into the tier (file/value size for disk/remote).
+        evictions: entries evicted to stay within the tier's capacity or to make room.
+        write_errors: writes that failed for another reason than room (e.g. Redis errors).
+        not_stored: entries not stored for lack of room: larger than the tier's capacity, or the
+            medium is full and evicting everything would not make room.
+    """
+
+    hits: int = 0
+    unavailable: int = 0
+    corrupt: int = 0
+    foreign: int = 0
+    read_errors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    write_errors: int = 0
+    not_stored: int = 0
+
+
+@dataclass
+class LookupCounters(_Counters):
+    """The store's lookups (see the module docstring).
+
+    Attributes:
+        lookups: chunk lookups (one per retrieved chunk per request, and per ``get``).
+        head_lookups: lookups of the prompt head (counted apart).
+        head_hits: head lookups served by a tier.
+    """
+
+    lookups: int = 0
+    head_lookups: int = 0
+    head_hits: int = 0
+
+
+def stats_row(counters: TierCounters, lookups: int, usage: TierUsage, capacity: int | None, up: bool,
+              **extra: Any) -> dict[str, Any]:
+    """One tier's entry of ``TieredStore.stats()``.
+
+    Args:
+        counters: the tier's counters.
+        lookups: the store's chunk lookups (every tier's denominator).
+        usage: what the tier holds now.
+        capacity: bytes it may hold now (None = unbounded).
+        up: whether it is reachable.
+        extra: more fields (e.g. ``free_bytes``).
+
+    Returns:
+        the counters plus ``lookups``, ``misses`` (= lookups - hits: chunk lookups this tier did
+        not serve), ``hit_rate`` (= hits / lookups, 0.0 before any), ``entries``,
+        ``occupancy_bytes``, ``capacity_bytes`` and ``up``.
+    """
     c = counters
     return {
-        "hits": c.hits, "misses": c.misses, "hit_rate": c.hit_rate,
-        "bytes_read": c.bytes_read, "bytes_written": c.bytes_written,
-        "evictions": c.evictions, "corrupt": c.corrupt, "foreign": c.foreign,
-        "write_errors": c.write_errors,
-        "entries": usage.entries, "occupancy_bytes": usage.bytes,
-        "capacity_bytes": capacity, "up": up,
+        **c.as_dict(), "lookups": lookups, "misses": max(0, lookups - c.hits),
+        "hit_rate": c.hits / lookups if lookups else 0.0,
+        "entries": usage.entries, "occupancy_bytes": usage.bytes, "capacity_bytes": capacity, "up": up,
+        **extra,
     }
 
 
-def hit_rate_line(tiers: Iterable[tuple[str, TierCounters, bool]]) -> str:
-    """One line of hit rates from ``(tier name, counters, up)`` top-down, e.g.
-    ``cpu 75.0% (3/4) | disk 100.0% (1/1) | remote - (0/0) DOWN``."""
-    parts = []
+def hit_rate_line(lookups: LookupCounters, tiers: Iterable[tuple[str, TierCounters, bool]]) -> str:
+    """One line of hit rates: the share of chunk lookups each tier served, then the misses and the
+    head, e.g. ``12 lookups: cpu 50.0% (6) | disk 25.0% (3) | remote 0.0% (0) DOWN | miss 25.0% (3);
+    head 4/4``. The percentages add up to 100."""
+    n = lookups.lookups
+
+    def share(k: int) -> str:
+        return f"{100.0 * k / n:.1f}% ({k})" if n else f"- ({k})"
+
+    parts, served = [], 0
     for name, c, up in tiers:
-        rate = f"{100.0 * c.hit_rate:.1f}%" if c.lookups else "-"
-        parts.append(f"{name} {rate} ({c.hits}/{c.lookups})" + ("" if up else " DOWN"))
-    return " | ".join(parts)
+        served += c.hits
+        parts.append(f"{name} {share(c.hits)}" + ("" if up else " DOWN"))
+    parts.append(f"miss {share(max(0, n - served))}")
+    return f"{n} lookups: " + " | ".join(parts) + f"; head {lookups.head_hits}/{lookups.head_lookups}"
 
 
 class HitRateLog:

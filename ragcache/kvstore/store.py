@@ -6,8 +6,8 @@ Built from: the tiers, plain media known only through the Tier protocol
 (:mod:`~ragcache.kvstore.tier`; which ones a settings section asks for:
 :mod:`~ragcache.kvstore.configure`); per tier a slot with its index, counters and single-tier
 steps (:mod:`~ragcache.kvstore.slot`) and an availability guard (:mod:`~ragcache.kvstore.guard`:
-back-off of an unreachable tier); the counters and hit-rate log (:mod:`~ragcache.kvstore.stats`);
-verification (:mod:`~ragcache.kvstore.verify`); the handles ``open`` returns
+back-off of an unreachable tier); the counters and hit-rate log (:mod:`~ragcache.kvstore.stats`,
+:mod:`~ragcache.kvstore.ledger`); verification (:mod:`~ragcache.kvstore.verify`); the handles ``open`` returns
 (:mod:`~ragcache.kvstore.handle`). Must not import vLLM, nor anything above kvstore.
 
 Policy in one place:
@@ -22,10 +22,18 @@ Policy in one place:
 - Damaged entries (bad header, truncated, checksum mismatch) are deleted, counted under
   ``corrupt`` and treated as misses; entries of another model/layout are counted under
   ``foreign``, left in place and treated as misses. Neither is ever returned.
-- ``disk`` full (ENOSPC): evict, retry once, else skip the write with a warning. ``remote``
-  unreachable: the tier is marked down (one warning), skipped, and retried after a back-off that
-  grows from ``remote_backoff_sec`` to ``remote_backoff_max_sec``. No storage failure raises out
-  of ``get``/``put``/``contains``/``open``/``delete``.
+- Lookups are counted once each, as :mod:`~ragcache.kvstore.stats` defines them (the prompt
+  head's apart; a handle whose layer turns out damaged turns its hit into a miss), in a ledger
+  whose totals across processes live in a counter file beside the disk tier
+  (:mod:`~ragcache.kvstore.ledger`).
+- Room: a tier's capacity is its setting, but for ``disk`` no more than the filesystem can hold
+  (what the tier holds plus the free space). An entry that cannot fit even with every other entry
+  evicted is not stored (counted under ``not_stored``, one warning) and evicts nothing; one that
+  fits after evictions evicts just enough first. A write that still fails with ENOSPC rescans,
+  evicts if that can make room, and retries once. ``remote`` unreachable: the tier is marked down
+  (one warning), skipped, and retried after a back-off that grows from ``remote_backoff_sec`` to
+  ``remote_backoff_max_sec``. No storage failure raises out of
+  ``get``/``put``/``contains``/``open``/``delete``.
 
 Thread safety: one re-entrant lock, shared by the slots, guards the policy state, the memory tiers
 and the counters (each guard has its own); disk and Redis I/O runs outside it. Several processes
@@ -35,9 +43,9 @@ knows (rescanned when it must evict), so with several writers it is approximate.
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -59,6 +67,7 @@ from ragcache.kvstore.entry import (
 from ragcache.kvstore.format import EntryReader, checksums
 from ragcache.kvstore.guard import TierDown, TierGuard
 from ragcache.kvstore.handle import KVHandle
+from ragcache.kvstore.ledger import COUNTER_FILE, CounterFile, Ledger
 from ragcache.kvstore.policy import Victim
 from ragcache.kvstore.slot import TierSlot
 from ragcache.kvstore.stats import HitRateLog, hit_rate_line, stats_row
@@ -84,6 +93,8 @@ class TieredStore:
         hit_rate_log_interval: seconds between hit-rate log lines; None = no logging thread.
         remote_backoff_sec: first wait (seconds) before retrying a tier that was unreachable.
         remote_backoff_max_sec: longest wait between retries (the wait doubles up to it).
+        counter_file: where counts are summed across processes (``from_settings``: beside the
+            disk tier); None = this process only.
 
     Prefer :meth:`from_settings`.
     """
@@ -99,6 +110,7 @@ class TieredStore:
         hit_rate_log_interval: float | None = None,
         remote_backoff_sec: float = 2.0,
         remote_backoff_max_sec: float = 10.0,
+        counter_file: Path | str | None = None,
     ) -> None:
         self.spec = spec
         self.device = torch.device(device)
@@ -116,6 +128,8 @@ class TieredStore:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self._top = next((i for i, s in enumerate(self._slots) if s.tier.memory), None)
+        self._ledger = Ledger([(s.name, s.counters) for s in self._slots], self._lock,
+                              CounterFile(counter_file) if counter_file is not None else None)
         for slot in self._slots:
             if not slot.tier.memory:
                 slot.probe()  # an unreachable tier is marked down before the first lookup
@@ -133,7 +147,8 @@ class TieredStore:
 
         Tiers as :func:`ragcache.kvstore.configure.tiers_from_settings` picks them: ``device``,
         ``cpu``, ``disk`` and ``remote`` by ``gpu_kv_pool_gb``, ``cpu_kv_pool_gb``,
-        ``ssd_cache_max_gb`` (GB = 1e9 bytes) and ``remote_url``.
+        ``ssd_cache_max_gb`` (GB = 1e9 bytes) and ``remote_url``. With a disk tier, counts are
+        summed across processes in ``ssd_cache_dir/.ragcache-counters.json``.
 
         Args:
             settings: the ``store`` section of :class:`ragcache.config.Settings`.
@@ -145,6 +160,9 @@ class TieredStore:
         tiers = tiers_from_settings(settings, device)
         interval = settings.log_interval_sec if settings.enable_hit_rate_log else None
         kwargs.setdefault("hit_rate_log_interval", interval)
+        disk = next((t for t, _ in tiers if t.name == "disk"), None)
+        if disk is not None:
+            kwargs.setdefault("counter_file", Path(disk.root) / COUNTER_FILE)
         return cls(spec, tiers, device=device, eviction_policy=settings.eviction_policy,
                    kv_dtype=settings.kv_dtype, **kwargs)
 
@@ -164,17 +182,20 @@ class TieredStore:
         """dtype entries are stored in (``kv_dtype`` resolved against the spec)."""
         return self._spec().dtype if self.kv_dtype == "model" else DTYPES[self.kv_dtype]
 
-    def put(self, key: str, k: torch.Tensor, v: torch.Tensor, start_position: int) -> None:
+    def put(self, key: str, k: torch.Tensor, v: torch.Tensor, start_position: int) -> tuple[str, ...]:
         """Store one chunk's KV: into the top memory tier and through to disk and remote.
 
         Args:
-            key: ``str(ChunkKey)`` (1-80 characters from ``[A-Za-z0-9._:@+=/-]``).
+            key: ``str(ChunkKey)`` (1-160 characters from ``[A-Za-z0-9._:@+=/-]``).
             k: pre-RoPE keys ``[num_layers, num_tokens, num_kv_heads, head_dim]``, any float dtype
                 (normally ``spec.dtype``), any device.
             v: values, same shape.
             start_position: canonical position of the chunk's first token when its KV was computed.
 
         Storage failures (disk full, Redis down) are logged, counted and skipped; they never raise.
+
+        Returns:
+            the names of the tiers the entry was stored in, top-down (empty when none took it).
 
         Raises:
             ValueError: bad key, shapes that do not match the spec, or a negative start_position.
@@ -194,22 +215,27 @@ class TieredStore:
             start_position=int(start_position), checksums=checksums(kv),
         )
         item = StoredKV(key, meta, kv)
+        stored = []
         if self._top is not None:
             with self._lock:  # memory tiers are exclusive: drop older copies below the top
                 for slot in self._slots[self._top + 1:]:
                     if slot.tier.memory and slot.tier.delete(key):
                         slot.index.remove(key)
-            self._insert(self._top, item, freq=1)
+            if self._insert(self._top, item, freq=1):
+                stored.append(self._slots[self._top].name)
         for pos, slot in enumerate(self._slots):
-            if not slot.tier.memory and slot.guard.available():
-                self._insert(pos, item, freq=1)
+            if not slot.tier.memory and slot.guard.available() and self._insert(pos, item, freq=1):
+                stored.append(slot.name)
+        self._ledger.maybe_flush()
+        return tuple(stored)
 
     def get(self, key: str) -> tuple[KVEntry, str] | None:
         """The entry under ``key`` and the name of the tier that served it, or None (miss).
 
-        Searches the tiers top-down; promotes a hit below the top memory tier. Entries of another
-        model/layout and damaged entries are never returned (counted, treated as misses; damaged
-        ones are deleted and the search goes on in the lower tiers).
+        One chunk lookup (see :mod:`~ragcache.kvstore.stats`). Searches the tiers top-down;
+        promotes a hit below the top memory tier. Entries of another model/layout and damaged
+        entries are never returned (counted, treated as misses; damaged ones are deleted and the
+        search goes on in the lower tiers).
 
         Returns:
             ``(KVEntry, tier_name)``; the entry's ``k``/``v`` are
@@ -223,7 +249,7 @@ class TieredStore:
             try:
                 kv = reader.read_all()
             except CorruptEntryError as exc:
-                self._slots[pos].discard_corrupt(key, exc, count_miss=True)
+                self._slots[pos].discard_corrupt(key, exc)
                 continue
             except OSError as exc:
                 self._slots[pos].read_failed(key, exc)
@@ -231,6 +257,7 @@ class TieredStore:
             finally:
                 reader.close()
             self._slots[pos].record_hit(key, reader.stored_bytes, reader.meta.nbytes)
+            self._lookup_done(served=True)
             item = StoredKV(key, reader.meta, kv)
             entry = KVEntry(
                 key,
@@ -241,24 +268,29 @@ class TieredStore:
             if self.should_promote(pos, item.nbytes):
                 self.promote(pos, item)
             return entry, self._slots[pos].name
+        self._lookup_done(served=False)
         return None
 
-    def open(self, key: str) -> KVHandle | None:
+    def open(self, key: str, *, head: bool = False) -> KVHandle | None:
         """A handle to read the entry layer by layer (for pipelined loading), or None (miss).
 
-        The header and metadata are checked here; each layer's checksum when it is read. The hit
-        is counted now; the entry is promoted when the handle is closed after reading every layer.
+        One lookup: a chunk lookup, or with ``head`` the prompt head's (counted apart, see
+        :mod:`~ragcache.kvstore.stats`). The header and metadata are checked here; each layer's
+        checksum when it is read. The hit is counted now and turned into a miss if a layer cannot
+        be read; the entry is promoted when the handle is closed after reading every layer.
 
         Raises:
             ValueError: bad key.  RuntimeError: the store was opened without a spec.
         """
-        found = next(self._lookup(key), None)
+        found = next(self._lookup(key, head), None)
         if found is None:
+            self._lookup_done(served=False, head=head)
             return None
         pos, reader = found
         slot = self._slots[pos]
-        slot.record_hit(key, reader.stored_bytes, 0)
-        return KVHandle(self, pos, reader, slot.name, slot.tier.memory)
+        slot.record_hit(key, reader.stored_bytes, 0, chunk=not head)
+        self._lookup_done(served=True, head=head)
+        return KVHandle(self, pos, reader, slot.name, slot.tier.memory, head=head)
 
     def contains(self, key: str) -> str | None:
         """Name of the highest tier holding a usable entry for ``key`` (header and model checked,
@@ -301,48 +333,82 @@ class TieredStore:
             removed |= slot.delete(key)
         return removed
 
-    def clear(self) -> None:
+    def clear(self, namespace: str | None = None) -> None:
         """Remove every entry from every tier (the whole disk folder's entries and every Redis key
-        under the tier's prefix, whichever model wrote them). Counters are kept."""
+        under the tier's prefix, whichever model wrote them), or with ``namespace`` only the
+        entries of that KV namespace and the namespaces below it (``ns:...`` and ``ns/...`` keys,
+        see :func:`ragcache.chunks.kv_namespace`). Counters are kept."""
+        prefixes = [""] if namespace is None else [f"{namespace}:", f"{namespace}/"]
         for slot in self._slots:
             if slot.tier.memory:
                 with self._lock:
-                    slot.tier.clear()
-                    slot.index.clear()
+                    for prefix in prefixes:
+                        slot.tier.clear(prefix)
+                    slot.rescan()
                 continue
             if not slot.guard.available():
                 slot.guard.warn("clear", f"{slot.name} tier is down: not cleared")
                 continue
             try:
-                slot.guard.call(slot.tier.clear)
+                for prefix in prefixes:
+                    slot.guard.call(slot.tier.clear, prefix)
             except TierDown:
                 slot.guard.warn("clear", f"{slot.name} tier is down: not cleared")
             except (TierError, OSError) as exc:
                 slot.guard.warn("clear", f"{slot.name} tier: clear failed ({exc})")
-            with self._lock:
-                if slot.index is not None:
-                    slot.index.clear()
+            slot.rescan()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per tier, top-down: ``{name: {hits, misses, hit_rate, bytes_read, bytes_written,
-        evictions, corrupt, foreign, write_errors, entries, occupancy_bytes, capacity_bytes, up}}``.
+        """Per tier, top-down: ``{name: {hits, misses, lookups, hit_rate, unavailable, corrupt,
+        foreign, read_errors, bytes_read, bytes_written, evictions, write_errors, not_stored,
+        entries, occupancy_bytes, capacity_bytes, configured_capacity_bytes, free_bytes, up}}``.
 
-        Counters are this process's since the store was created; ``hit_rate`` = hits / (hits +
-        misses) of lookups that reached the tier (0.0 before any); ``entries`` and
-        ``occupancy_bytes`` (bytes) describe what the tier holds now (for disk: the whole folder;
-        for a down remote tier: 0); ``capacity_bytes`` is None for the unbounded remote tier.
+        Counters are this process's since the store was created, as :mod:`~ragcache.kvstore.stats`
+        defines them: ``lookups`` is the store's chunk lookups, ``hits + misses == lookups`` for
+        every tier and ``hit_rate`` = hits / lookups, so the tiers' rates add up to the overall
+        hit rate. ``entries`` and ``occupancy_bytes`` (bytes) describe what the tier holds now (for
+        disk: the whole folder; for a down remote tier: 0); ``capacity_bytes`` is what it may hold
+        now (for disk: no more than the filesystem allows), None for the unbounded remote tier;
+        ``free_bytes`` is the medium's free space (None where it cannot tell).
         """
         out: dict[str, dict[str, Any]] = {}
         for slot in self._slots:
             usage = slot.usage()
+            free = slot.free_bytes()
+            capacity = slot.effective_capacity(usage.bytes)
             with self._lock:
-                out[slot.name] = stats_row(slot.counters, usage, slot.capacity, slot.guard.up)
+                out[slot.name] = stats_row(slot.counters, self._ledger.lookups.lookups, usage, capacity,
+                                           slot.guard.up, configured_capacity_bytes=slot.capacity, free_bytes=free)
+        return out
+
+    @property
+    def ledger(self) -> Ledger:
+        """The lookup counters: ``ledger.summary()`` (this process), ``ledger.cumulative()`` (every
+        process that used the disk folder), ``ledger.reset()`` (see :mod:`~ragcache.kvstore.ledger`)."""
+        return self._ledger
+
+    def namespaces(self) -> dict[str, dict[str, int]]:
+        """Entries per KV namespace in each persistent tier that is up: ``{tier: {namespace:
+        entries}}`` (keys without a namespace under ""; see :class:`ragcache.chunks.ChunkKey`)."""
+        out: dict[str, dict[str, int]] = {}
+        for slot in self._slots:
+            if slot.tier.memory or not slot.guard.available():
+                continue
+            try:
+                keys = slot.guard.call(slot.tier.keys)
+            except (TierDown, TierError, OSError):
+                continue
+            counts = out.setdefault(slot.name, {})
+            for key in keys:
+                ns = key.rsplit(":", 1)[0] if ":" in key else ""
+                counts[ns] = counts.get(ns, 0) + 1
         return out
 
     def hit_rate_line(self) -> str:
-        """One line of per-tier hit rates, e.g. ``cpu 75.0% (3/4) | disk 100.0% (1/1)``."""
+        """One line of hit rates that add up, e.g.
+        ``4 lookups: cpu 50.0% (2) | disk 25.0% (1) | miss 25.0% (1); head 2/2``."""
         with self._lock:
-            return hit_rate_line([(s.name, s.counters, s.guard.up) for s in self._slots])
+            return hit_rate_line(self._ledger.lookups, [(s.name, s.counters, s.guard.up) for s in self._slots])
 
     def verify(self) -> dict[str, dict[str, Any]]:
         """Check every entry in the persistent tiers (header, size and every checksum) and delete
@@ -365,6 +431,7 @@ class TieredStore:
         if self._logger is not None:
             self._logger.stop()
             self._logger = None
+        self._ledger.flush()
         for slot in self._slots:
             try:
                 slot.tier.close()
@@ -392,10 +459,16 @@ class TieredStore:
         """Count ``nbytes`` read from tier ``pos`` (a handle's layer)."""
         self._slots[pos].count(bytes_read=nbytes)
 
-    def discard_corrupt(self, pos: int, key: str, exc: CorruptEntryError) -> None:
-        """Log, count (``corrupt``, no miss: the hit was counted at ``open``) and delete the
-        damaged entry ``key`` of tier ``pos``."""
-        self._slots[pos].discard_corrupt(key, exc)
+    def read_failed(self, pos: int, key: str, exc: Exception, head: bool = False) -> None:
+        """A layer of ``key`` read through a handle from tier ``pos`` failed: the lookup the handle
+        served becomes a miss; a damaged entry (``CorruptEntryError``) is deleted and counted under
+        ``corrupt``, an I/O error under ``read_errors``."""
+        slot = self._slots[pos]
+        if isinstance(exc, CorruptEntryError):
+            slot.discard_corrupt(key, exc)
+        else:
+            slot.read_failed(key, exc)
+        self._ledger.retract_hit(slot.name, head)
 
     def promote(self, pos: int, item: StoredKV) -> None:
         """Copy (persistent source) or move (memory source) ``item``, found in tier ``pos``, into
@@ -416,14 +489,16 @@ class TieredStore:
             raise RuntimeError("this TieredStore was opened without a KVSpec (administration only)")
         return self.spec
 
-    def _lookup(self, key: str) -> Iterator[tuple[int, EntryReader]]:
+    def _lookup(self, key: str, head: bool = False) -> Iterator[tuple[int, EntryReader]]:
         """The lookup loop of ``get`` and ``open``: top-down, every available tier that holds a
         usable entry under ``key`` (header valid, this spec's model and layout), as
         ``(tier position, open reader)``.
 
-        Misses, foreign and damaged entries found on the way are counted (and damaged ones
-        deleted) here; the caller counts the hit (``TierSlot.record_hit``) or the failure of its
-        own read, closes the reader, and stops at the first entry it keeps.
+        Foreign and damaged entries found on the way are counted (and damaged ones deleted) here,
+        and so is a chunk lookup (not ``head``) that reaches a tier while it is down
+        (``unavailable``); the caller counts the lookup (:meth:`_lookup_done`) and the hit
+        (``TierSlot.record_hit``) or the failure of its own read, closes the reader, and stops at
+        the first entry it keeps.
 
         Raises (at the first ``next``):
             ValueError: bad key.  RuntimeError: the store was opened without a spec.
@@ -435,13 +510,21 @@ class TieredStore:
                 reader = slot.open_checked(key, spec)
                 if reader is not None:
                     yield pos, reader
+                    continue
+            if not slot.guard.up and not head:
+                slot.count(unavailable=1)
+
+    def _lookup_done(self, served: bool, head: bool = False) -> None:
+        self._ledger.lookup(served, head)
+        self._ledger.maybe_flush()
 
     def _insert(self, pos: int, item: StoredKV, freq: int) -> bool:
         """Put ``item`` into tier ``pos``, evict over capacity, demote the victims. True if stored."""
         slot = self._slots[pos]
-        if slot.capacity is not None and item.nbytes > slot.capacity:
-            return False  # can never fit this tier
         if slot.tier.memory:
+            if slot.capacity is not None and item.nbytes > slot.capacity:
+                slot.not_stored(item.key, item.nbytes, f"(capacity {slot.capacity / 1e6:.1f} MB) is too small:")
+                return False  # can never fit this tier
             with self._lock:
                 try:
                     written = slot.tier.put(item)
@@ -459,7 +542,7 @@ class TieredStore:
                 if victim_item is not None:
                     self._demote(pos, victim_item, victim.freq)
             return True
-        written = self._write_persistent(pos, item)
+        written = slot.write(item, lambda victims: self._drop_persistent(pos, victims))
         if written is None:
             return False
         stale = False
@@ -477,43 +560,6 @@ class TieredStore:
                 victims = slot.index.pop_victims(slot.capacity, protect=item.key)
         self._drop_persistent(pos, victims)
         return True
-
-    def _write_persistent(self, pos: int, item: StoredKV) -> int | None:
-        """Write ``item`` into persistent tier ``pos``; its bytes written, or None when skipped
-        (tier down, or failed: counted and logged). A full disk evicts and retries once."""
-        slot = self._slots[pos]
-        failure: Exception
-        try:
-            return slot.guard.call(slot.tier.put, item)
-        except TierDown:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and slot.index is not None:
-                return self._write_when_full(pos, item, exc)
-            failure = exc
-        except TierError as exc:
-            failure = exc
-        slot.count(write_errors=1)
-        slot.guard.warn("write", f"{slot.name} tier: write of {item.key!r} failed ({failure}); skipped")
-        return None
-
-    def _write_when_full(self, pos: int, item: StoredKV, exc: OSError) -> int | None:
-        """The medium is full: evict at least ``item``'s size and retry the write once."""
-        slot = self._slots[pos]
-        with self._lock:
-            victims = slot.index.pop_bytes(item.nbytes, protect=item.key) if slot.index is not None else []
-        self._drop_persistent(pos, victims)
-        if victims:
-            try:
-                return slot.guard.call(slot.tier.put, item)
-            except (TierDown, TierError):
-                return None
-            except OSError as again:
-                exc = again
-        slot.count(write_errors=1)
-        slot.guard.warn("full", f"{slot.name} tier full ({exc}); evicted {len(victims)} "
-                        f"entries, write of {item.key!r} skipped")
-        return None
 
     def _demotion_target(self, pos: int, key: str) -> int | None:
         """Where ``key``, evicted from tier ``pos``, is demoted to: the next tier down when it is

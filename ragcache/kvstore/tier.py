@@ -119,12 +119,17 @@ class Tier(Protocol):
         """Keys of all stored entries (any model)."""
         ...
 
-    def clear(self) -> None:
-        """Remove every entry."""
+    def clear(self, prefix: str = "") -> None:
+        """Remove every entry whose key starts with ``prefix`` (every entry when it is "")."""
         ...
 
     def usage(self) -> TierUsage:
         """Entries and bytes stored now."""
+        ...
+
+    def free_bytes(self) -> int | None:
+        """Bytes the medium can still take (disk: what the filesystem has free for us), or None
+        where it cannot tell (memory, remote: their limits are set elsewhere)."""
         ...
 
     def touch(self, key: str) -> None:

@@ -1,0 +1,139 @@
+"""One definition of a lookup: hits and misses that add up, the head apart, damaged and unreachable
+tiers counted, counters that survive the process, and namespace-scoped clearing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from ragcache.bench.fixtures import free_port
+from ragcache.config import StoreSettings
+from ragcache.kvstore import CorruptEntryError, CpuTier, DiskTier, KVSpec, RedisTier, TieredStore
+from ragcache.kvstore.ledger import COUNTER_FILE, CounterFile
+
+SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
+              head_dim=8, dtype=torch.float32)
+
+
+def make_kv(seed: int = 0, tokens: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (SPEC.num_layers, tokens, SPEC.num_kv_heads, SPEC.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def assert_adds_up(store: TieredStore) -> None:
+    """Every tier: hits + misses == chunk lookups; all tiers' hits + the store's misses == lookups."""
+    stats, lk = store.stats(), store.ledger.summary()
+    for name, row in stats.items():
+        assert row["hits"] + row["misses"] == row["lookups"] == lk["lookups"], name
+    assert sum(row["hits"] for row in stats.values()) + lk["misses"] == lk["lookups"]
+
+
+def test_a_layer_that_fails_its_checksum_turns_the_hit_into_a_counted_miss(tmp_path):
+    disk = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(disk, 10**9)])
+    store.put("a", *make_kv(), 0)
+    store.put("b", *make_kv(1), 0)
+    with open(disk.path("a"), "r+b") as f:  # damage the last layer's V: the header stays valid
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xff\xff")
+    handle = store.open("a")
+    assert handle is not None and handle.tier == "disk"
+    handle.layer(0)
+    with pytest.raises(CorruptEntryError):
+        handle.layer(SPEC.num_layers - 1)
+    with store.open("b") as h:
+        [h.layer(i) for i in range(SPEC.num_layers)]
+    row = store.stats()["disk"]
+    assert (row["hits"], row["misses"], row["corrupt"]) == (1, 1, 1)
+    assert store.ledger.summary()["misses"] == 1 and not disk.path("a").exists()
+    assert_adds_up(store)
+
+
+def test_the_prompt_head_is_counted_apart_from_chunk_lookups(tmp_path):
+    store = TieredStore(SPEC, [(CpuTier(), 10**9), (DiskTier(tmp_path / "kv"), 10**9)])
+    store.put("head", *make_kv(), 0)
+    store.put("c1", *make_kv(1), 0)
+    for _ in range(3):
+        with store.open("head", head=True):
+            pass
+        with store.open("c1"):
+            pass
+        assert store.open("c2") is None
+    lk = store.ledger.summary()
+    assert (lk["lookups"], lk["hits"], lk["misses"], lk["head_lookups"], lk["head_hits"]) == (6, 3, 3, 3, 3)
+    assert store.stats()["cpu"]["hits"] == 3
+    assert_adds_up(store)
+
+
+def test_lookups_reaching_an_unreachable_tier_are_counted_as_unavailable(tmp_path):
+    dead = RedisTier(f"redis://127.0.0.1:{free_port()}/0", connect_timeout=0.2)  # nothing listens there
+    store = TieredStore(SPEC, [(CpuTier(), 10**9), (dead, None)], remote_backoff_sec=0.0, remote_backoff_max_sec=0.0)
+    store.put("a", *make_kv(), 0)
+    assert store.get("a")[1] == "cpu"  # served above: never reaches the remote tier
+    for key in ("x", "y", "z"):
+        assert store.get(key) is None
+        assert store.open(key) is None
+    row = store.stats()["remote"]
+    assert row["up"] is False and row["unavailable"] == 6 and row["hits"] == 0
+    assert_adds_up(store)
+
+
+def test_counters_survive_the_process_in_a_file_beside_the_disk_tier(tmp_path):
+    settings = StoreSettings(ssd_cache_dir=tmp_path / "kv", cpu_kv_pool_gb=0.0)
+    first = TieredStore.from_settings(settings, spec=SPEC)
+    first.put("a", *make_kv(), 0)
+    first.get("a")
+    first.get("missing")
+    first.close()  # writes its counts
+    since = CounterFile(tmp_path / "kv" / COUNTER_FILE).read()["since"]
+    assert since is not None
+
+    second = TieredStore.from_settings(settings, spec=SPEC)  # a restart: live counts start at 0
+    assert second.ledger.summary()["lookups"] == 0
+    second.get("a")
+    total = second.ledger.cumulative()  # the file plus what this process has not written yet
+    assert total["since"] == since
+    assert total["lookups"]["lookups"] == 3 and total["tiers"]["disk"]["hits"] == 2
+    second.ledger.reset()
+    assert second.ledger.cumulative()["lookups"]["lookups"] == 0
+    second.close()
+
+
+def _lookups_in_another_process(folder: str, n: int) -> None:
+    store = TieredStore.from_settings(StoreSettings(ssd_cache_dir=folder, cpu_kv_pool_gb=0.0), spec=SPEC)
+    for _ in range(n):
+        store.get("shared")
+    store.close()
+
+
+def test_processes_counting_at_once_lose_none_of_each_others_counts(tmp_path):
+    folder = tmp_path / "kv"
+    TieredStore.from_settings(StoreSettings(ssd_cache_dir=folder, cpu_kv_pool_gb=0.0), spec=SPEC).put(
+        "shared", *make_kv(), 0)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_lookups_in_another_process, args=(str(folder), 25)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    total = CounterFile(folder / COUNTER_FILE).read()
+    assert total["lookups"]["lookups"] == 75 and total["tiers"]["disk"]["hits"] == 75
+
+
+def test_clearing_a_namespace_leaves_the_other_namespaces_alone(tmp_path):
+    disk = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(CpuTier(), 10**9), (disk, 10**9)])
+    keys = ["default:a1", "default/tenant-a:b1", "default/tenant-ab:c1", "other:d1", "defaulter:e1"]
+    for i, key in enumerate(keys):
+        store.put(key, *make_kv(i), 0)
+    store.clear(namespace="default/tenant-a")
+    assert [store.contains(k) for k in keys] == ["cpu", None, "cpu", "cpu", "cpu"]
+    store.clear(namespace="default")  # a store namespace takes its index namespaces with it
+    assert [store.contains(k) for k in keys] == [None, None, None, "cpu", "cpu"]
+    assert sorted(disk.keys()) == ["defaulter:e1", "other:d1"]
+    assert store.stats()["cpu"]["entries"] == 2

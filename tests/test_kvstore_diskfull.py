@@ -1,0 +1,89 @@
+"""The disk tier on a real, small filesystem (a size-limited tmpfs): its capacity is what the
+filesystem can hold, writes that cannot fit warn once and are counted, and nothing is evicted for an
+entry that cannot fit anyway. ENOSPC comes from the kernel; nothing is mocked."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from small_fs import fill, free_bytes, small_fs
+
+from ragcache.config import StoreSettings
+from ragcache.kvstore import CpuTier, DiskTier, KVSpec, TieredStore
+
+SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
+              head_dim=8, dtype=torch.float32)
+TOKENS = 800  # 409,600 bytes of K/V per entry: a 2 MiB filesystem holds four or five
+MiB = 1 << 20
+
+
+def make_kv(seed: int = 0, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (SPEC.num_layers, tokens, SPEC.num_kv_heads, SPEC.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+@pytest.fixture
+def fs(tmp_path):
+    with small_fs(tmp_path / "fs", 2 * MiB) as folder:
+        yield folder
+
+
+def test_capacity_is_what_the_filesystem_can_hold_not_the_setting(fs):
+    store = TieredStore.from_settings(StoreSettings(ssd_cache_dir=fs / "kv", ssd_cache_max_gb=20.0,
+                                                    cpu_kv_pool_gb=0.0), spec=SPEC)
+    row = store.stats()["disk"]
+    assert row["configured_capacity_bytes"] == 20 * 10**9
+    assert 1.5 * MiB < row["capacity_bytes"] <= 2 * MiB and row["free_bytes"] <= 2 * MiB
+    store.put("a", *make_kv(), 0)
+    row = store.stats()["disk"]
+    assert row["capacity_bytes"] <= 2 * MiB and row["occupancy_bytes"] > 400_000
+
+
+def test_a_full_filesystem_evicts_the_oldest_entries_and_keeps_every_new_one(fs):
+    disk = DiskTier(fs / "kv")
+    store = TieredStore(SPEC, [(disk, 10**12)])  # the setting allows far more than the filesystem
+    kept = {}
+    for i in range(8):
+        kept[f"k{i}"] = make_kv(i)
+        assert store.put(f"k{i}", *kept[f"k{i}"], 0) == ("disk",)
+    on_disk = sorted(disk.keys(), key=lambda k: int(k[1:]))
+    assert 3 <= len(on_disk) < 8 and on_disk == [f"k{i}" for i in range(8 - len(on_disk), 8)]
+    for key in on_disk:
+        entry, tier = store.get(key)
+        assert tier == "disk" and torch.equal(entry.k, kept[key][0])
+    row = store.stats()["disk"]
+    assert row["evictions"] == 8 - len(on_disk) and row["not_stored"] == 0 and row["write_errors"] == 0
+
+
+def test_an_entry_that_cannot_fit_evicts_nothing_warns_once_and_is_counted(fs, caplog):
+    disk = DiskTier(fs / "kv")
+    store = TieredStore(SPEC, [(CpuTier(), 10**9), (disk, 10**12)])
+    store.put("small", *make_kv(0, tokens=100), 0)
+    fill(fs, leave_bytes=300_000)  # another program takes the space
+    with caplog.at_level(logging.WARNING, logger="ragcache.kvstore"):
+        for i in range(3):
+            k, v = make_kv(i + 1)  # 410 KB > 300 KB free + the 60 KB entry stored
+            assert store.put(f"big{i}", k, v, 0) == ("cpu",)  # kept in memory, not on disk
+    assert sorted(disk.keys()) == ["small"]  # never evicted for an entry that could not fit anyway
+    warnings = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert len(warnings) == 1 and "disk tier full" in warnings[0] and "MB free" in warnings[0]
+    row = store.stats()["disk"]
+    assert row["not_stored"] == 3 and row["evictions"] == 0 and row["write_errors"] == 0
+    entry, tier = store.get("big0")
+    assert tier == "cpu" and torch.equal(entry.k, make_kv(1)[0])
+
+
+def test_an_entry_that_fits_once_older_entries_go_evicts_just_enough(fs):
+    disk = DiskTier(fs / "kv")
+    store = TieredStore(SPEC, [(disk, 10**12)])
+    for i in range(3):
+        store.put(f"old{i}", *make_kv(i, tokens=200), 0)  # ~103 KB each
+    fill(fs, leave_bytes=250_000)  # the new 410 KB entry fits once two of the ~106 KB files go
+    assert free_bytes(fs) < 410_000
+    assert store.put("new", *make_kv(9), 0) == ("disk",)
+    assert "new" in set(disk.keys()) and "old2" in set(disk.keys())  # the most recent old one stays
+    assert "old0" not in set(disk.keys()) and "old1" not in set(disk.keys())  # least recently used first
+    assert store.stats()["disk"]["evictions"] == 2 and store.stats()["disk"]["not_stored"] == 0
