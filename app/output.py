@@ -36,13 +36,9 @@ def configure_output(verbose: bool) -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10 notices such as the NUMA binding line
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("RAGCACHE_QUIET_LOADING", "1")  # read by BlendEngine: no shard-loading bar
+    # read by BlendEngine (no shard-loading bar) and models.convert_gguf (no de-quantising bar); transformers
+    # itself is not imported here: refusing bad input must not pay for it
+    os.environ.setdefault("RAGCACHE_QUIET_LOADING", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=r".*attribute with value .* was provided to the `Field\(\)` function")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass

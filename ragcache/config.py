@@ -286,9 +286,14 @@ def check_value(section: str, key: str, value: Any, flag: str) -> Any:
     cls = Settings.model_fields[section].annotation
     try:
         return getattr(cls(**{key: value}), key)
-    except ValidationError:
-        info = cls.model_fields[key]
-        raise ConfigError(f"{flag} {value}: {_range_text(info)} (the range of the setting {section}.{key})") from None
+    except ValidationError as exc:
+        text = _range_text(cls.model_fields[key])
+        if text == _NO_RANGE:  # a validator's own rule (e.g. a number or "auto"): its message says it
+            text = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{flag} {value}: {text} (the range of the setting {section}.{key})") from None
+
+
+_NO_RANGE = "is not a valid value"
 
 
 def _range_text(info: Any) -> str:
@@ -307,7 +312,7 @@ def _range_text(info: Any) -> str:
         return f"must be {'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
     if hi:
         return f"must be {'<=' if hi[0] == ']' else '<'} {hi[1]:g}"
-    return "is not a valid value"
+    return _NO_RANGE
 
 
 def _check_toml(path: Path) -> None:

@@ -149,7 +149,10 @@ def convert_gguf(gguf: Path, target: Path, architecture: str) -> None:
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    if os.environ.get("RAGCACHE_QUIET_LOADING") == "1":  # the CLI logs its own line
+        hf_logging.disable_progress_bar()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

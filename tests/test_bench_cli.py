@@ -42,7 +42,8 @@ def test_bench_help_shows_list_defaults_as_typed_and_no_empty_defaults(capsys):
     assert "(default: 0,0.05,0.1,0.15,0.3,1)" in text and "[0.0" not in text
     assert "(default: None)" not in text and ".png" in text
     args = parser.parse_args(["bench", "ttft"])
-    assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend"]
+    assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend", "plain"]
+    assert args.selections is None  # blend.selection
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "tiers", "--help"])
     assert ".png" not in capsys.readouterr().out
@@ -77,18 +78,22 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
 
     res = json.loads(out.read_text())
     assert res["benchmark"] == "ttft" and res["n"] == 2 and res["machine"]["cpu_count"] >= 1
-    assert set(res["modes"]) == {"full", "prefix", "reuse", "blend"}
+    assert set(res["modes"]) == {"full", "plain", "prefix", "reuse", "blend"}
     assert [s["recompute_ratio"] for s in res["sweep"]] == [0.0, 0.15]
-    for s in [*res["modes"].values(), *res["sweep"]]:
+    for name, s in [*res["modes"].items(), *((s["variant"], s) for s in res["sweep"])]:
         assert SUMMARY_FIELDS <= set(s), SUMMARY_FIELDS - set(s)
-        assert s["n"] == 2 and s["ttft_median_s"] > 0 and s["gold_nll_mean"] > 0
-    assert set(res["targets"]) == {"blend_ttft_speedup", "blend_nll_within", "blend_kl_vs_reuse"}
+        assert s["n"] == 2 and s["ttft_median_s"] > 0
+        # plain vLLM is timed and its answer scored, but it has no teacher-forced scores (another engine)
+        assert (s["gold_nll_mean"] is None) if name == "plain" else (s["gold_nll_mean"] > 0)
+    assert set(res["targets"]) == {"blend_ttft_speedup", "blend_ttft_speedup_vs_best", "blend_nll_within",
+                                   "blend_kl_vs_reuse", "blend_agree_rouge_l", "full_vs_plain"}
     for ex in res["examples"]:
-        assert set(ex["results"]) == {"full", "prefix", "reuse", "blend@0", "blend@0.15"}
+        assert set(ex["results"]) == {"full", "plain", "prefix", "reuse", "blend@0", "blend@0.15"}
         assert sorted(ex["order"]) == sorted(ex["results"])
         for rec in ex["results"].values():
             assert RECORD_FIELDS <= set(rec), RECORD_FIELDS - set(rec)
-        full, prefix = ex["results"]["full"], ex["results"]["prefix"]
+        full, prefix, plain = ex["results"]["full"], ex["results"]["prefix"], ex["results"]["plain"]
+        assert plain["ttft_s"] > 0 and plain["answer"] and plain["kl_from_full"] is None
         assert full["kl_from_full"] == 0.0 and prefix["kl_from_full"] < 1e-3  # prefix caching is exact
         assert ex["results"]["blend@0.15"]["recomputed_tokens"] > 0
         assert ex["results"]["reuse"]["kl_from_full"] > 0 and ex["results"]["reuse"]["recomputed_tokens"] == 0

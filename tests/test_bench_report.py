@@ -29,7 +29,7 @@ def test_ttft_targets_tables_and_plot(tmp_path):
     assert t["blend_ttft_speedup"]["met"] and t["blend_kl_vs_reuse"]["value"] == pytest.approx(0.25)
     assert t["blend_nll_within"]["met"] is True
     text = render(result)
-    assert "blend (r=0.15)" in text and "recompute-ratio sweep" in text and "targets" in text
+    assert "blend@0.15" in text and "recompute-ratio sweep" in text and "targets" in text
     paths = write_result(result, tmp_path / "r.json")
     assert json.loads(paths["json"].read_text())["plot"] == "r.png"
     assert paths["png"].stat().st_size > 1000 and "| mode |" in paths["md"].read_text()
