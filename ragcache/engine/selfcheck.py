@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.engine.messages import CONNECTOR_MODES, OpsProbe, Rpc
@@ -181,17 +182,19 @@ def _disabled(probe: OpsProbe, dtype: str, why: str, check: SelfCheck | None = N
                         available=False, reason=reason, check=check)
 
 
-def probe_chunks(tokenizer) -> list[Chunk]:
-    """The self-check's two chunks, tokenized by ``tokenizer`` (the engine's)."""
-    return [Chunk(chunk_id_for(text), "ragcache-self-check", "", i, text, tuple(encode(tokenizer, text)))
-            for i, text in enumerate(PROBE_TEXTS)]
+def probe_chunks(tokenizer, texts: tuple[str, ...] | list[str] = PROBE_TEXTS,
+                 doc_id: str = "ragcache-self-check") -> list[Chunk]:
+    """Chunks of ``texts`` (default: the self-check's two), tokenized by ``tokenizer`` (the engine's)."""
+    return [Chunk(chunk_id_for(text), doc_id, "", i, text, tuple(encode(tokenizer, text)))
+            for i, text in enumerate(texts)]
 
 
-def run_self_check(engine: "BlendEngine") -> BlendSupport:
+def run_self_check(engine: BlendEngine) -> BlendSupport:
     """Decide whether ``engine`` may serve reuse/blend: adapter probe, then blend at 1.0 vs full.
 
-    Called once from ``BlendEngine.__init__`` after the worker's init; its two requests also warm
-    up the full and blend paths (the engine skips its own warm-up request when the check ran). With ``engine.self_check = false`` only the adapter probe runs (reuse/blend then stay on,
+    Called once from ``BlendEngine.__init__`` after the worker's init. Its two requests warm the
+    full and blend paths up (the engine skips its own warm-up request when the check ran). With
+    ``engine.self_check = false`` only the adapter probe runs (reuse/blend then stay on,
     unverified). The check's chunk KV is deleted from the store afterwards (the prompt head's is
     kept: it is the real head, used by every request).
 
@@ -201,29 +204,34 @@ def run_self_check(engine: "BlendEngine") -> BlendSupport:
     t0 = time.perf_counter()
     dtype = engine.dtype.dtype
     chunks = probe_chunks(engine.tokenizer)
+
+    def probe(token_ids: list[int]) -> OpsProbe:
+        return OpsProbe.from_dict(engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(token_ids,))[0])
+
     try:
         prompt = engine.prompts.build(PROBE_QUESTION, chunks)
     except PromptTooLongError as exc:
-        prompt, too_long = None, exc
-    context = [] if prompt is None else prompt.token_ids[:min(prompt.ctx_len, PROBE_TOKENS)]
-    probe = OpsProbe.from_dict(engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(context,))[0])
-    support = _verdict(engine, probe, dtype, prompt, chunks) if prompt is not None and probe.error is None \
-        else _disabled(probe, dtype, probe.error or f"the self-check prompt does not fit ({too_long})")
+        found = probe([])
+        support = _disabled(found, dtype, found.error or f"the self-check prompt does not fit ({exc})")
+    else:
+        found = probe(prompt.token_ids[:min(prompt.ctx_len, PROBE_TOKENS)])
+        support = _disabled(found, dtype, found.error) if found.error else _verdict(engine, found, dtype, prompt,
+                                                                                      chunks)
     elapsed = time.perf_counter() - t0
     if support.check is not None:
-        support = BlendSupport(**{**support.__dict__, "check": SelfCheck(**{**support.check.__dict__,
-                                                                           "seconds": elapsed})})
-    if support.available:
-        c = support.check
-        log.info("reuse/blend self-check %s: %s via %s, %s", "passed" if c else "skipped (engine.self_check = false)",
-                 support.architecture, support.adapter,
-                 f"first-token error {c.error:.2e} <= {c.tolerance:g} ({dtype}), {elapsed:.2f} s" if c else "unverified")
-    else:
+        support = replace(support, check=replace(support.check, seconds=elapsed))
+    if not support.available:
         log.warning("%s", support.reason)
+    elif support.check is None:
+        log.info("reuse/blend self-check skipped (engine.self_check = false): %s via %s, unverified",
+                 support.architecture, support.adapter)
+    else:
+        log.info("reuse/blend self-check passed: %s via %s, first-token error %.2e <= %g (%s), %.2f s",
+                 support.architecture, support.adapter, support.check.error, support.check.tolerance, dtype, elapsed)
     return support
 
 
-def _verdict(engine: "BlendEngine", probe: OpsProbe, dtype: str, prompt, chunks: list[Chunk]) -> BlendSupport:
+def _verdict(engine: BlendEngine, probe: OpsProbe, dtype: str, prompt, chunks: list[Chunk]) -> BlendSupport:
     """Blend at ratio 1.0 against full on ``prompt``; the adapter probe already passed."""
     ok = BlendSupport(probe.architecture, probe.hf_architectures, probe.adapter, dtype, probe.sliding_window,
                       available=True)
@@ -248,4 +256,4 @@ def _verdict(engine: "BlendEngine", probe: OpsProbe, dtype: str, prompt, chunks:
         return _disabled(probe, dtype, f"the start-up self-check found that the KV computed by the {probe.adapter} "
                                        f"adapter does not reproduce vLLM's own prefill (first-token error "
                                        f"{error:.3g} > tolerance {tolerance:g} for {dtype})", check)
-    return BlendSupport(**{**ok.__dict__, "check": check})
+    return replace(ok, check=check)
