@@ -16,14 +16,17 @@ from ragcache.engine.ops import (
     UnsupportedArchitectureError,
     VLLMLlamaOps,
     adapter_for,
+    exercise,
     kv_layout,
     sliding_window,
 )
 from ragcache.engine.selfcheck import (
+    TOLERANCES,
     BlendSupport,
     BlendUnavailableError,
     ContextBeyondWindowError,
     first_token_error,
+    tolerance_for,
 )
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 32, 64
@@ -245,6 +248,12 @@ def test_first_token_error_needs_two_whole_vocabulary_distributions():
     assert first_token_error(lowp, dict(lowp)) == 0.0  # -inf (16-bit underflow) is clipped, not NaN
 
 
+def test_tolerance_is_the_looser_of_the_compute_and_the_stored_kv_dtype():
+    assert tolerance_for("float32") == TOLERANCES["float32"] < TOLERANCES["float16"] < TOLERANCES["bfloat16"]
+    assert tolerance_for("float32", "bfloat16") == TOLERANCES["bfloat16"]  # a stored head is rounded to bf16
+    assert tolerance_for("bfloat16", "float16") == TOLERANCES["bfloat16"]
+
+
 def support(**kw) -> BlendSupport:
     base = {"architecture": "MistralForCausalLM", "hf_architectures": ("MistralForCausalLM",),
             "adapter": "VLLMMistralOps", "dtype": "float32", "sliding_window": None, "available": True}
@@ -276,3 +285,17 @@ def test_ops_probe_round_trips_through_plain_data():
     probe = OpsProbe("LlamaForCausalLM", ("YiForCausalLM",), "VLLMLlamaOps", None, 4096, 0.25)
     assert OpsProbe.from_dict(probe.to_dict()) == probe
     assert probe.to_dict()["hf_architectures"] == ["YiForCausalLM"]
+
+
+def test_exercise_calls_every_adapter_method_and_reports_failures():
+    ops = adapter_for(fake_model("LlamaForCausalLM", layers=3))
+    ids = torch.tensor([1, 5, 9, 2])
+    exercise(ops, ids)  # a healthy adapter passes
+    ops.layers[2].mlp = nn.Linear(HIDDEN, HIDDEN + 1)  # the last layer's MLP has the wrong width
+    with pytest.raises(RuntimeError):
+        exercise(ops, ids)
+    ops.layers[2].mlp = nn.Linear(HIDDEN, HIDDEN)
+    with torch.no_grad():
+        ops.layers[0].self_attn.qkv_proj.weight[0, 0] = math.nan
+    with pytest.raises(FloatingPointError, match="non-finite values in layer 0"):
+        exercise(ops, ids)

@@ -138,7 +138,7 @@ class BlendEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.prompts = PromptBuilder(self.tokenizer, settings.prompt, self.llm_info.fingerprint,
                                      max_len=eng.max_model_len)
-        self.blend_support = run_self_check(self)  # its full and blend requests warm both paths up
+        self.blend_support = run_self_check(self)  # its two requests warm vLLM and the layer-wise forward up
         if self.blend_support.check is None:
             # one tiny request: the first one pays for lazy kernel and allocator set-up
             self.generate(self.prompts.build("warm up", []), "blend" if self.blend_support.available else "full",

