@@ -160,7 +160,7 @@ class OpsProbe:
         error: why reuse/blend cannot run (no adapter, or the adapter raised on a short prompt),
             or None.
         sliding_window: the smallest attention window of the model's layers (tokens), or None.
-        probe_s: seconds the worker spent on the probe forward.
+        probe_s: seconds the worker spent exercising the adapter (:func:`ragcache.engine.ops.exercise`).
     """
 
     architecture: str

@@ -70,7 +70,8 @@ def tolerance_for(dtype: str, kv_dtype: str = "model") -> float:
     return max(bounds)
 
 
-FULL_MODE_HINT = "use mode full (`--mode full`, or mode=\"full\" from Python) or prefix, which need no adapter"
+FULL_MODE_HINT = ("use mode full (`--mode full`, mode=\"full\" from Python, or engine.mode = \"full\" in "
+                  "settings.toml) or prefix, which need no adapter")
 
 
 class BlendUnavailableError(RuntimeError):

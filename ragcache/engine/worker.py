@@ -70,7 +70,9 @@ class WorkerRuntime:
             log.warning("%s", exc)
         self.sliding_window = sliding_window(model)
         self.attn_layers = [layer.self_attn.attn for layer in self.ops.layers] if self.ops else []
-        num_layers, num_kv_heads, head_dim, dtype = kv_layout(model)
+        ops = self.ops
+        num_layers, num_kv_heads, head_dim, dtype = (ops.num_layers, ops.num_kv_heads, ops.head_dim, ops.dtype) if ops \
+            else kv_layout(model)  # no adapter: size the store from vLLM's attention layers
         spec = KVSpec(model_fingerprint=model_fingerprint, layout_version=layout_version, num_layers=num_layers,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         device = next(model.parameters()).device
@@ -121,7 +123,7 @@ class WorkerRuntime:
     def probe(self, token_ids: list[int]) -> OpsProbe:
         """Report the adapter and exercise it on ``token_ids`` (:func:`ragcache.engine.ops.exercise`):
         an adapter that raises on this model becomes ``OpsProbe.error`` here, instead of an
-        exception inside vLLM's engine loop during the self-check's blend request."""
+        exception inside vLLM's engine loop during the self-check's reuse request."""
         adapter = type(self.ops).__name__ if self.ops is not None else None
         error = str(self.ops_error) if self.ops_error else None
         t0 = time.perf_counter()
