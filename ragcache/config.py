@@ -93,6 +93,9 @@ class EngineSettings(_Section):
     )
     mode: Mode = Field("blend", description="default query mode: full, prefix, reuse or blend")
     max_tokens: int = Field(64, ge=1, description="tokens to decode per answer")
+    self_check: bool = Field(
+        True, description="at start, check that reuse/blend reproduce vLLM's prefill on a short prompt "
+        "(disables them on a mismatch)")
 
 
 class BlendSettings(_Section):

@@ -31,6 +31,7 @@ from ragcache.config import MODES, Settings
 from ragcache.engine.dtype import resolve_dtype
 from ragcache.engine.limits import check_engine_limits
 from ragcache.engine.messages import CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, Rpc, SegmentRef
+from ragcache.engine.selfcheck import BlendSupport, run_self_check
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.prompt import AssembledPrompt, PromptBuilder
 
@@ -120,6 +121,8 @@ class BlendEngine:
         device: the device the model runs on (``str(torch.device)``), as vLLM loaded it.
         dtype: the compute dtype and why (:class:`~ragcache.engine.dtype.DtypeChoice`).
         startup_s: seconds from creating vLLM to ready (warm-up included).
+        blend_support: whether reuse/blend (and KV precompute) are available for this model, from
+            the start-up self-check (:mod:`ragcache.engine.selfcheck`); full and prefix always are.
 
     Args:
         settings: ragcache settings (engine, blend, store, prompt sections are used).
@@ -130,6 +133,8 @@ class BlendEngine:
         ConfigError: engine settings vLLM would refuse for this model (checked before vLLM starts,
             see :mod:`ragcache.engine.limits`).
     """
+
+    blend_support: BlendSupport | None = None  # None until the self-check has run
 
     def __init__(self, settings: Settings, llm: LLMInfo | None = None):
         self.settings = settings
@@ -170,8 +175,11 @@ class BlendEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.prompts = PromptBuilder(self.tokenizer, settings.prompt, self.llm_info.fingerprint,
                                      max_len=eng.max_model_len, store_namespace=settings.store.namespace)
-        # one tiny blend request: the first one pays for lazy kernel and allocator set-up
-        self.generate(self.prompts.build("warm up", []), "blend", max_tokens=1)
+        self.blend_support = run_self_check(self)  # its two requests warm vLLM and the layer-wise forward up
+        if self.blend_support.check is None:
+            # one tiny request: the first one pays for lazy kernel and allocator set-up
+            self.generate(self.prompts.build("warm up", []), "blend" if self.blend_support.available else "full",
+                          max_tokens=1)
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready on %s in %.1f s; dtype %s (%s)", self.device, self.startup_s, self.dtype.dtype,
                  self.dtype.reason)
@@ -189,9 +197,13 @@ class BlendEngine:
         ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds", "stored"}``
         (seconds of worker compute, tokens of the computed units, ``stored``: per tier, how many
         of the computed entries it took; the head is not counted).
+
+        Raises:
+            BlendUnavailableError: this model has no working DecoderOps adapter (see ``blend_support``).
         """
         from tqdm import tqdm
 
+        self.blend_support.require("precompute")
         head_ids = self.prompts.head_ids
         head = self.prompts.head_segment(namespace)
         items = []
@@ -223,6 +235,8 @@ class BlendEngine:
 
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+        if self.blend_support is not None:
+            self.blend_support.require(mode, prompt.ctx_len)
         rid = uuid.uuid4().hex
         extra = None
         ratio = None
@@ -275,6 +289,8 @@ class BlendEngine:
 
         Raises:
             ValueError: unknown mode, or a ratio outside [0, 1].
+            BlendUnavailableError: reuse/blend on a model whose adapter is missing or failed the
+                start-up self-check; ContextBeyondWindowError: a context beyond its sliding window.
         """
         mode = mode or self.settings.engine.mode
         reqs = [self._request(p, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, selection=selection,

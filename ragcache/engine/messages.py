@@ -47,8 +47,9 @@ class Rpc:
     STORE_CONTAINS = "ragcache_store_contains"
     STORE_DELETE = "ragcache_store_delete"
     STORE_FLUSH = "ragcache_store_flush"
+    OPS_PROBE = "ragcache_ops_probe"
 
-    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_DELETE, STORE_FLUSH)
+    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_DELETE, STORE_FLUSH, OPS_PROBE)
 
 
 #: the [blend] settings every reuse/blend request carries
@@ -150,6 +151,41 @@ class BlendParams:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None
+
+
+@dataclass(frozen=True)
+class OpsProbe:
+    """What the worker says about the loaded model's DecoderOps adapter (worker -> driver, at start).
+
+    Attributes:
+        architecture: the loaded vLLM model class name (the adapter registry's key).
+        hf_architectures: the checkpoint's ``config.architectures``.
+        adapter: the adapter class name, or None when no adapter serves the model.
+        error: why reuse/blend cannot run (no adapter, or the adapter raised on a short prompt),
+            or None.
+        sliding_window: the smallest attention window of the model's layers (tokens), or None.
+        probe_s: seconds the worker spent exercising the adapter (:func:`ragcache.engine.ops.exercise`).
+    """
+
+    architecture: str
+    hf_architectures: tuple[str, ...] = ()
+    adapter: str | None = None
+    error: str | None = None
+    sliding_window: int | None = None
+    probe_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``collective_rpc``'s return value."""
+        d = asdict(self)
+        d["hf_architectures"] = list(self.hf_architectures)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OpsProbe":
+        """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
+        d = _pick(cls, data)
+        d["hf_architectures"] = tuple(d.get("hf_architectures") or ())
+        return cls(**d)
 
 
 @dataclass

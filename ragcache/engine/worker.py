@@ -17,8 +17,8 @@ import torch
 
 from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv
 from ragcache.config import StoreSettings
-from ragcache.engine.messages import ContextStats, LoadRequest
-from ragcache.engine.ops import VLLMLlamaOps
+from ragcache.engine.messages import ContextStats, LoadRequest, OpsProbe
+from ragcache.engine.ops import UnsupportedArchitectureError, adapter_for, exercise, kv_layout, sliding_window
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
 from ragcache.prompt import is_canonical, lead_in_for
 
@@ -51,16 +51,32 @@ class WorkerRuntime:
         store_settings: the ``[store]`` settings as a dict.
         model_fingerprint: from :func:`ragcache.models.resolve_llm`.
         layout_version: :data:`ragcache.chunks.KV_LAYOUT_VERSION`.
+        hf_architectures: the checkpoint's ``config.architectures`` (for messages).
+
+    Attributes:
+        ops: the model's DecoderOps adapter (:func:`ragcache.engine.ops.adapter_for`), or None when
+            no adapter serves the model (then only full and prefix requests reach the engine;
+            ``ops_error`` says why).
     """
 
     def __init__(self, model: torch.nn.Module, store_settings: dict[str, Any], model_fingerprint: str,
-                 layout_version: int):
-        self.ops = VLLMLlamaOps(model)
-        self.attn_layers = [layer.self_attn.attn for layer in self.ops.layers]
-        spec = KVSpec(model_fingerprint=model_fingerprint, layout_version=layout_version,
-                      num_layers=self.ops.num_layers, num_kv_heads=self.ops.num_kv_heads,
-                      head_dim=self.ops.head_dim, dtype=self.ops.dtype)
-        self.store = TieredStore.from_settings(StoreSettings(**store_settings), spec=spec, device=self.ops.device)
+                 layout_version: int, hf_architectures: tuple[str, ...] = ()):
+        self.architecture, self.hf_architectures = type(model).__name__, tuple(hf_architectures)
+        self.ops_error: UnsupportedArchitectureError | None = None
+        try:
+            self.ops = adapter_for(model, hf_architectures)
+        except UnsupportedArchitectureError as exc:
+            self.ops, self.ops_error = None, exc
+            log.warning("%s", exc)
+        self.sliding_window = sliding_window(model)
+        self.attn_layers = [layer.self_attn.attn for layer in self.ops.layers] if self.ops else []
+        ops = self.ops
+        num_layers, num_kv_heads, head_dim, dtype = (ops.num_layers, ops.num_kv_heads, ops.head_dim, ops.dtype) if ops \
+            else kv_layout(model)  # no adapter: size the store from vLLM's attention layers
+        spec = KVSpec(model_fingerprint=model_fingerprint, layout_version=layout_version, num_layers=num_layers,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+        device = next(model.parameters()).device
+        self.store = TieredStore.from_settings(StoreSettings(**store_settings), spec=spec, device=device)
         self.lock = threading.Lock()
 
     # ---- chunk KV -------------------------------------------------------------------------
@@ -69,7 +85,12 @@ class WorkerRuntime:
         """KV of ``unit`` computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`).
 
         Returns pre-RoPE K and V, each ``[L, len(unit), Hkv, D]`` in the model's dtype on its device.
+
+        Raises:
+            UnsupportedArchitectureError: no adapter serves this model.
         """
+        if self.ops is None:
+            raise self.ops_error
         lead_in = lead_in_for(start, head_ids)
         ids = torch.tensor(lead_in + list(unit), dtype=torch.long, device=self.ops.device)
         positions = torch.arange(len(ids), device=self.ops.device)
@@ -105,6 +126,22 @@ class WorkerRuntime:
                 tokens += len(unit)
         return {"computed": computed, "skipped": skipped, "tokens": tokens, "seconds": time.perf_counter() - t0,
                 "stored": stored}
+
+    def probe(self, token_ids: list[int]) -> OpsProbe:
+        """Report the adapter and exercise it on ``token_ids`` (:func:`ragcache.engine.ops.exercise`):
+        an adapter that raises on this model becomes ``OpsProbe.error`` here, instead of an
+        exception inside vLLM's engine loop during the self-check's reuse request."""
+        adapter = type(self.ops).__name__ if self.ops is not None else None
+        error = str(self.ops_error) if self.ops_error else None
+        t0 = time.perf_counter()
+        if self.ops is not None and token_ids:
+            try:
+                with self.lock:
+                    exercise(self.ops, torch.tensor(token_ids, dtype=torch.long, device=self.ops.device))
+            except Exception as exc:  # any failure means "this adapter cannot serve this model"
+                error = f"the {adapter} adapter failed on it ({type(exc).__name__}: {exc})"
+        return OpsProbe(self.architecture, self.hf_architectures, adapter, error, self.sliding_window,
+                        time.perf_counter() - t0)
 
     # ---- per request ----------------------------------------------------------------------
 
@@ -216,10 +253,16 @@ class RagcacheWorkerExtension:
         """Create the :class:`WorkerRuntime` and hand it to the worker-side connector. Returns the device."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        runtime = WorkerRuntime(self.model_runner.model, store_settings, model_fingerprint, layout_version)
+        hf_architectures = tuple(getattr(self.model_runner.model_config, "architectures", None) or ())
+        runtime = WorkerRuntime(self.model_runner.model, store_settings, model_fingerprint, layout_version,
+                                hf_architectures)
         get_kv_transfer_group().runtime = runtime
         self._ragcache = runtime
-        return str(runtime.ops.device)
+        return str(next(self.model_runner.model.parameters()).device)
+
+    def ragcache_ops_probe(self, token_ids: list[int]) -> dict[str, Any]:
+        """See :meth:`WorkerRuntime.probe`; returns ``OpsProbe.to_dict()``."""
+        return self._ragcache.probe(token_ids).to_dict()
 
     def ragcache_precompute(self, head_ids: list[int], items: list[list[Any]]) -> dict[str, Any]:
         """See :meth:`WorkerRuntime.precompute`."""

