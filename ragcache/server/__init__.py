@@ -2,9 +2,9 @@
 
 Modules: ``schemas`` (the wire format: requests, responses, stream chunks, errors), ``metrics``
 (Prometheus), ``app`` (the FastAPI application: routes, streaming, limits, errors), ``run``
-(start-up checks, uvicorn, a server in a child process). Built on the SDK (ragcache.pipeline and
-ragcache.engine.AsyncBlendEngine); never imports app/ or ui/. Importing this package imports
-neither FastAPI nor vLLM.
+(start-up checks, uvicorn), ``client`` (a client that answers with the SDK's objects). Built on
+the SDK (ragcache.pipeline and ragcache.engine.AsyncBlendEngine); never imports app/ or ui/.
+Importing this package imports neither FastAPI nor vLLM.
 
 Example::
 
@@ -18,7 +18,7 @@ Example::
     r.model_extra["ragcache"]["sources"], r.usage.prompt_tokens_details.cached_tokens
 """
 
-from ragcache.server.run import ServerProcess, check_serve_settings, serve
+from ragcache.server.run import check_serve_settings, serve
 
 
 def create_app(*args, **kwargs):
@@ -28,4 +28,4 @@ def create_app(*args, **kwargs):
     return make(*args, **kwargs)
 
 
-__all__ = ["create_app", "serve", "check_serve_settings", "ServerProcess"]
+__all__ = ["create_app", "serve", "check_serve_settings"]
