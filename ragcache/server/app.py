@@ -251,10 +251,14 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
         yield _sse(chunk_body(cid, model, created, usage=usage_body(answer), extra=extra))
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
-        outcome = "aborted" if outcome != "completed" else outcome
+        if outcome != "completed":
+            outcome = "aborted"
+            log.info("stream %s aborted: the client went away; its vLLM request is aborted", cid)
         raise
     except Exception as exc:  # the status line is already sent: report the error in the stream
-        yield _sse(api_error(exc).body())
+        err = api_error(exc)
+        log.warning("stream %s ended by an error: %s", cid, err.message)
+        yield _sse(err.body())
     finally:
         if outcome != "completed":
             state.metrics.count_outcome(index, mode, outcome)
