@@ -11,6 +11,7 @@ ingest, then the server's in a child process).
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 import tempfile
@@ -331,6 +332,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ragcache.bench.serve import run_serve as run
 
     examples = _load(args, args.n)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
     work = Path(tempfile.mkdtemp(prefix="ragcache-bench-serve-"))
     started = utc_now()
