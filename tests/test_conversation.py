@@ -22,7 +22,8 @@ def test_the_last_user_message_is_the_question_and_the_rest_is_history_in_order(
 
 @pytest.mark.parametrize("msgs, match", [
     ([], "messages is empty"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], r"messages\[1\] must be a non-empty user"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+     r"messages\[1\] must be a non-empty user"),
     ([{"role": "user", "content": "   "}], r"messages\[0\] must be a non-empty user"),
     ([{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}], r"messages\[0\]\.role is 'tool'"),
     ([{"role": "user", "content": None}], r"messages\[0\]\.content must be a string"),

@@ -235,7 +235,8 @@ def test_metrics_move_by_the_right_amounts(served):
     assert delta("ragcache_chunk_hits_total") == 4  # 2 blend requests x 2 chunks; full mode loads no chunk KV
     assert delta("ragcache_chunk_lookups_total", tier="cpu") == 4  # every lookup starts at the cpu tier
     assert total(after, "ragcache_requests_in_flight") == 0
-    assert total(after, "ragcache_tier_bytes", tier="cpu") > 0 and ("ragcache_evictions_total", (("tier", "cpu"),)) in after
+    assert total(after, "ragcache_tier_bytes", tier="cpu") > 0
+    assert ("ragcache_evictions_total", (("tier", "cpu"),)) in after
     assert not any(":" in name for name, _ in after)
 
 
@@ -258,6 +259,45 @@ def test_a_client_disconnect_mid_stream_aborts_its_vllm_request(served):
     assert total(after, "ragcache_requests_total", outcome="aborted") - total(
         before, "ragcache_requests_total", outcome="aborted") == 1
     assert total(after, "ragcache_requests_in_flight") == 0
+
+
+def test_stop_strings_seed_and_max_tokens_are_honoured(served):
+    url, _ = served
+    c = client(url)
+    question = user("What is the capital of Zorbia?")
+    greedy = c.chat.completions.create(messages=question, **ASK).choices[0].message.content
+    word = greedy.split()[-1].strip(".")  # the last word the model says
+    stopped = c.chat.completions.create(messages=question, stop=[word], **ASK).choices[0]
+    assert word not in stopped.message.content and greedy.startswith(stopped.message.content.strip())
+    assert stopped.finish_reason == "stop"
+    sampled = [c.chat.completions.create(messages=question, temperature=1.0, seed=7, **ASK).choices[0].message.content
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    short = c.chat.completions.create(messages=question, model=INDEX, max_tokens=2,
+                                      extra_body={"ragcache": {"top_k": 2}})
+    assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "length"
+
+
+def test_the_remote_pipeline_answers_with_the_sdk_objects(served):
+    from ragcache.conversation import Turn
+    from ragcache.pipeline import Answer
+    from ragcache.server.client import RemotePipeline, ServerError, server_indexes
+
+    url, _ = served
+    assert server_indexes(url) == [INDEX]
+    remote = RemotePipeline(url, INDEX)
+    items = list(remote.stream("Who founded it?", top_k=2, max_tokens=12,
+                               history=[Turn("user", "What is the capital of Zorbia?"), Turn("assistant", "Velmora.")]))
+    answer = items[-1]
+    assert isinstance(answer, Answer) and "".join(items[:-1]).strip() == answer.text
+    assert answer.metrics.mode == "blend" and answer.metrics.reused_tokens > 0 and answer.metrics.ttft_s > 0
+    assert len(answer.sources) == 2 and all(s.tier in ("cpu", "disk") for s in answer.sources)
+    assert sum(answer.metrics.tier_hits.values()) == 2
+    full = remote.query("What is kelmet?", mode="full", top_k=2, max_tokens=4)
+    assert full.metrics.mode == "full" and full.metrics.num_cached_tokens == 0 and full.text
+    assert "cpu" in remote.cache_stats()
+    with pytest.raises(ServerError, match="names no index"):
+        RemotePipeline(url, "nope").query("hi")
 
 
 # ---- errors --------------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ def test_the_conversation_and_the_sampling_options_come_from_the_request():
     assert (s.temperature, s.top_p, s.stop, s.seed, s.ignore_eos, s.min_tokens) == (0.7, 0.9, ("\n",), 3, True, 2)
     assert request().sampling().temperature == 0.0  # greedy unless asked
     with pytest.raises(APIError, match=r"messages\[0\]\.content\[0\] has type 'image_url'") as e:
-        request(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]).conversation()
+        image = {"type": "image_url", "image_url": {"url": "x"}}
+        request(messages=[{"role": "user", "content": [image]}]).conversation()
     assert e.value.param == "messages[0].content"
     with pytest.raises(ValidationError, match="min_tokens"):
         request(min_tokens=9, max_tokens=4)

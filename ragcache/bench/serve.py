@@ -231,7 +231,8 @@ def serve_targets(rows: Sequence[dict[str, Any]], sdk_p50: float | None) -> dict
         "blend_ttft_p50_speedup_at_8": target(ttft, t["blend_ttft_p50_speedup_at_8_min"], "min",
                                               "client TTFT p50 of full / blend, 8 concurrent clients"),
         "server_overhead_ttft_p50_at_1_s": target(over, t["server_overhead_p50_at_1_max_s"], "max",
-                                                  "client TTFT p50 over HTTP minus in-process SDK stream, blend, 1 client"),
+                                                  "client TTFT p50 over HTTP minus the in-process SDK's, blend, "
+                                                  "1 client"),
     }
 
 

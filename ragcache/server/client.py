@@ -84,7 +84,8 @@ class RemotePipeline:
 
     def _body(self, question: str, mode: str | None, top_k: int | None, max_tokens: int | None,
               recompute_ratio: float | None, history: Sequence[Turn], stream: bool) -> dict[str, Any]:
-        opts = {k: v for k, v in (("mode", mode), ("top_k", top_k), ("recompute_ratio", recompute_ratio)) if v is not None}
+        opts = {k: v for k, v in (("mode", mode), ("top_k", top_k), ("recompute_ratio", recompute_ratio))
+                if v is not None}
         body: dict[str, Any] = {
             "model": self.index_name, "stream": stream, "ragcache": opts,
             "messages": [{"role": t.role, "content": t.content} for t in history]
