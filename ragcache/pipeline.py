@@ -11,6 +11,7 @@ Example::
     rag.ingest(["./handbook"])
     answer = rag.query("How do I reset my password?")
     print(answer.text, answer.metrics.ttft_s, [s.title for s in answer.sources])
+    from ragcache.conversation import Turn
     follow_up = rag.query("And if I lost my phone?", history=[Turn("user", answer.question),
                                                              Turn("assistant", answer.text)])
 
