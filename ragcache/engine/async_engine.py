@@ -148,3 +148,4 @@ class AsyncBlendEngine(EngineBase):
         if not self._closed:
             self._closed = True
             self.llm.shutdown()
+            self.llm = None  # collected now, not at interpreter exit (where AsyncLLM.__del__ fails noisily)
