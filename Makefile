@@ -34,8 +34,9 @@ bench: setup
 	$(VENV)/bin/ragcache bench throughput --out results/bench_throughput.json
 	$(VENV)/bin/ragcache bench tiers --out results/bench_tier_ttft.json
 	$(VENV)/bin/ragcache bench ingest --out results/bench_ingest.json
+	$(VENV)/bin/ragcache bench serve --out results/bench_serve.json
 	mkdir -p docs/bench
-	for b in ttft ttft_hotpotqa hotset throughput tier_ttft ingest; do \
+	for b in ttft ttft_hotpotqa hotset throughput tier_ttft ingest serve; do \
 	  for f in results/bench_$$b.json results/bench_$$b.md results/bench_$$b.png; do [ ! -f $$f ] || cp -f $$f docs/bench/; done; \
 	done
 

@@ -27,8 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, metrics")
     p.set_defaults(func=run_ask)
 
-    c = sub.add_parser("chat", help="interactive questions from an index (empty line or Ctrl-D ends)",
-                       formatter_class=fmt)
+    c = sub.add_parser("chat", help="interactive conversation over an index (empty line or Ctrl-D ends)",
+                       description="Each answer sees the conversation so far (after the retrieved chunks; "
+                       "a short or referring follow-up also retrieves with the previous question). "
+                       "/new starts a new conversation.", formatter_class=fmt)
     _add_query_options(c)
     c.set_defaults(func=run_chat)
 
@@ -95,9 +97,12 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from ragcache.conversation import Turn
+
     rag = open_pipeline(args)
     print(f"ragcache chat over index {args.index!r} (mode {args.mode or rag.settings.engine.mode}); "
-          "empty line or Ctrl-D to quit", file=sys.stderr)
+          "/new starts a new conversation; empty line or Ctrl-D to quit", file=sys.stderr)
+    history: list[Turn] = []
     while True:
         try:
             question = input("you> ").strip()
@@ -105,15 +110,20 @@ def run_chat(args: argparse.Namespace) -> int:
             break
         if not question:
             break
+        if question == "/new":
+            history = []
+            print("(new conversation)", file=sys.stderr)
+            continue
         answer = None
         print("ragcache> ", end="", flush=True)
         for item in rag.stream(question, mode=args.mode, top_k=args.top_k, max_tokens=args.max_tokens,
-                               recompute_ratio=args.recompute_ratio):
+                               recompute_ratio=args.recompute_ratio, history=history):
             if isinstance(item, str):
                 print(item, end="", flush=True)
             else:
                 answer = item
         print()
         if answer is not None:
+            history += [Turn("user", question), Turn("assistant", answer.text)]
             print(format_answer(answer).split("\n\n", 1)[1], file=sys.stderr)
     return 0

@@ -1,15 +1,17 @@
-"""`ragcache bench ttft|hotset|throughput|tiers|ingest` and `ragcache eval`: reproducible numbers.
+"""`ragcache bench ttft|hotset|throughput|tiers|ingest|serve` and `ragcache eval`: reproducible numbers.
 
 Thin flag parsing over ragcache.bench, where the runners, metrics, tables and plots live.
 Every benchmark writes RESULT.json, RESULT.md (its tables) and, where it has one, RESULT.png, and
 prints the tables. The chunk KV of a run goes to a temporary folder (deleted afterwards) unless
 --kv-dir is given, so the user's KV cache is never touched and a configured Redis is not used.
-One engine per command (``tiers`` starts one per tier layout, in child processes).
+One engine per command (``tiers`` starts one per tier layout, in child processes; ``serve`` one to
+ingest, then the server's in a child process).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 import tempfile
@@ -84,9 +86,9 @@ def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, ingest",
+    b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, ingest, serve",
                        description="Each benchmark prints its tables and writes RESULT.json, RESULT.md and (ttft, hotset, "
-                       "throughput) RESULT.png; "
+                       "throughput, serve) RESULT.png; "
                        "see docs/benchmarks.md for what is measured and how.", formatter_class=_FMT)
     kinds = b.add_subparsers(dest="bench_kind", metavar="BENCHMARK")
     b.set_defaults(func=lambda args: _usage(b))
@@ -152,6 +154,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--n", type=_positive, default=3, help="examples whose passages are ingested")
     i.add_argument("--passages", type=_positive, default=10, help="passages per example")
     i.set_defaults(func=run_ingest)
+
+    v = kinds.add_parser("serve", help="concurrent streaming clients against `ragcache serve`: client TTFT, "
+                         "requests/s, output tokens/s, full vs blend", formatter_class=_FMT)
+    _common(v, out="results/bench_serve.json", plot=True)
+    v.add_argument("--concurrency", type=_ints, default="1,4,8,16", help="concurrent clients, one level each")
+    v.add_argument("--modes", type=_modes, default="full,blend", help="modes")
+    v.add_argument("--n", type=_positive, default=16, help="questions (their examples' passages form the index)")
+    v.add_argument("--requests", type=_positive, default=16, help="requests per level and mode (at least C)")
+    v.add_argument("--passages", type=_positive, default=3, help="chunks retrieved per question (top_k)")
+    v.add_argument("--max-tokens", type=_positive, default=16, help="tokens decoded per request (ignore_eos)")
+    v.set_defaults(func=run_serve)
 
     e = sub.add_parser("eval", help="answer quality of one mode against full prefill and the gold answers (JSON)",
                        description="KL(full || mode) of the first token, mean gold-answer NLL, token F1, Rouge-L, "
@@ -325,5 +338,27 @@ def run_tiers(args: argparse.Namespace) -> int:
     finally:
         if args.kv_dir is None:
             shutil.rmtree(kv_root, ignore_errors=True)
+    _stamp(args, result, started=started)
+    return _finish(result, args.out)
+
+
+@_user_error
+def run_serve(args: argparse.Namespace) -> int:
+    from ragcache.bench.environment import bench_settings, utc_now
+    from ragcache.bench.serve import run_serve as run
+
+    examples = _load(args, args.n)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
+    work = Path(tempfile.mkdtemp(prefix="ragcache-bench-serve-"))
+    started = utc_now()
+    try:
+        result = run(bench_settings(args.settings, kv_dir=kv_dir), examples, work_dir=work,
+                     concurrency=args.concurrency, modes=args.modes, requests=args.requests, top_k=args.passages,
+                     max_tokens=args.max_tokens, progress=_say)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if args.kv_dir is None:
+            shutil.rmtree(kv_dir, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)

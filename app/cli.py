@@ -11,12 +11,12 @@ import argparse
 import sys
 import traceback
 
-from app import ask_cmd, bench_cmd, cache_cmd, calibrate_cmd, demo_cmd, ingest_cmd, setup_cmd
+from app import ask_cmd, bench_cmd, cache_cmd, calibrate_cmd, demo_cmd, ingest_cmd, serve_cmd, setup_cmd
 from app.help import HelpFormatter, Parser
 from app.output import configure_output
 
 #: modules under app/ that add subcommands, in --help order
-COMMANDS = (setup_cmd, ingest_cmd, ask_cmd, calibrate_cmd, demo_cmd, cache_cmd, bench_cmd)
+COMMANDS = (setup_cmd, ingest_cmd, ask_cmd, serve_cmd, calibrate_cmd, demo_cmd, cache_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -203,6 +203,30 @@ class PromptSettings(_Section):
     chunk_separator: str = Field("\n\n", description="text placed after every chunk")
 
 
+class ServeSettings(_Section):
+    """`ragcache serve`: the OpenAI-compatible HTTP server on the async engine."""
+
+    host: str = Field("127.0.0.1", description="address to bind; a non-loopback address needs api_key")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port")
+    api_key: str = Field("", description="bearer key clients must send (Authorization: Bearer KEY); empty = none")
+    max_in_flight: int = Field(64, ge=1, description="requests answered at once; more get HTTP 429")
+    index: str = Field("default", description="index served when a request's model names no index")
+
+
+class UISettings(_Section):
+    """The Streamlit UI."""
+
+    server_url: str = Field(
+        "", description="a running `ragcache serve` (e.g. http://127.0.0.1:8000) to answer through; empty = embedded engine")
+
+    @field_validator("server_url")
+    @classmethod
+    def _check_server_url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https:// (or be empty for the embedded engine)")
+        return v.rstrip("/")
+
+
 _settings_file: ContextVar[Path | None] = ContextVar("ragcache_settings_file", default=None)
 
 
@@ -232,6 +256,8 @@ class Settings(BaseSettings):
     ingest: IngestSettings = IngestSettings()
     retrieval: RetrievalSettings = RetrievalSettings()
     prompt: PromptSettings = PromptSettings()
+    serve: ServeSettings = ServeSettings()
+    ui: UISettings = UISettings()
 
     @classmethod
     def settings_customise_sources(

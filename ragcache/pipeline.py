@@ -11,24 +11,38 @@ Example::
     rag.ingest(["./handbook"])
     answer = rag.query("How do I reset my password?")
     print(answer.text, answer.metrics.ttft_s, [s.title for s in answer.sources])
+    from ragcache.conversation import Turn
+    follow_up = rag.query("And if I lost my phone?", history=[Turn("user", answer.question),
+                                                             Turn("assistant", answer.text)])
+
+Async: ``aquery`` / ``astream`` (and ``aprepare`` + ``astream_answer``, which let a server show the
+sources before the answer) are native on an :class:`~ragcache.engine.async_engine.AsyncBlendEngine`
+(concurrent requests are batched by vLLM). On a :class:`~ragcache.engine.BlendEngine` they run the
+sync call in a worker thread, so an event loop is not blocked, but requests still take turns on
+the engine's lock. Multi-turn: ``history`` (earlier turns) goes into the prompt after the chunks
+(:mod:`ragcache.prompt`); retrieval uses :func:`ragcache.conversation.retrieval_query`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from contextlib import aclosing
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ragcache.config import Settings
+from ragcache.conversation import Turn, retrieval_query
 from ragcache.engine.messages import RequestMetrics
 
 if TYPE_CHECKING:
     from ragcache.calibrate import Calibration
-    from ragcache.engine import BlendEngine, Generation
+    from ragcache.engine import AsyncBlendEngine, BlendEngine, Generation, SamplingOptions
     from ragcache.ingest import IngestReport
+    from ragcache.prompt import AssembledPrompt
     from ragcache.retrieval import RetrievedChunk, Retriever
 
 log = logging.getLogger(__name__)
@@ -62,26 +76,63 @@ QueryMetrics = RequestMetrics
 
 @dataclass
 class Answer:
-    """An answer with its sources (in prompt order) and metrics."""
+    """An answer with its sources (in prompt order) and metrics.
+
+    Attributes:
+        finish_reason: ``"stop"`` (end of answer or a stop string) or ``"length"`` (``max_tokens``
+            reached); None when unknown.
+        prompt: the prompt the engine was given (token ids and spans); not part of :meth:`to_dict`.
+    """
 
     question: str
     text: str
     sources: list[Source]
     metrics: RequestMetrics
+    finish_reason: str | None = None
+    prompt: "AssembledPrompt | None" = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"question": self.question, "answer": self.text,
                 "sources": [asdict(s) for s in self.sources], "metrics": self.metrics.to_dict()}
 
 
-class RAGPipeline:
-    """Settings + index + engine, loaded once; thread-safe (one generation at a time).
+@dataclass
+class Retrieval:
+    """What one question retrieved, and the prompt built over it (see :meth:`RAGPipeline.prepare`).
 
-    Use :meth:`open`. ``engine`` may be passed to share one BlendEngine between pipelines over
-    different indexes (vLLM start-up costs seconds to a minute).
+    Attributes:
+        question: the question (the last user message).
+        found: the retrieved chunks in stable order, with their scores.
+        prompt: the assembled prompt (head, chunks, then history and question in the tail).
+        history: the earlier turns that went into the prompt (the oldest ones are dropped when
+            the whole conversation does not fit ``engine.max_model_len``).
+        retrieval_s: seconds of question embedding + search.
+        t0: ``time.perf_counter()`` when the question arrived.
     """
 
-    def __init__(self, settings: Settings, index: str | Path, engine: "BlendEngine"):
+    question: str
+    found: list["RetrievedChunk"]
+    prompt: "AssembledPrompt"
+    history: list[Turn]
+    retrieval_s: float
+    t0: float
+
+    @property
+    def sources(self) -> list[Source]:
+        """The retrieved chunks as sources; ``tier`` is "" until the engine has served their KV."""
+        return [Source(r.chunk.doc_id, r.chunk.title, r.chunk.text, r.score, r.chunk.chunk_id) for r in self.found]
+
+
+class RAGPipeline:
+    """Settings + index + engine, loaded once; thread-safe (one generation at a time on a BlendEngine).
+
+    Use :meth:`open`. ``engine`` may be passed to share one engine between pipelines over
+    different indexes (vLLM start-up costs seconds to a minute). With an
+    :class:`~ragcache.engine.async_engine.AsyncBlendEngine`, use the async methods (``aquery``,
+    ``astream``); the sync ones raise TypeError.
+    """
+
+    def __init__(self, settings: Settings, index: str | Path, engine: "BlendEngine | AsyncBlendEngine"):
         from ragcache.index import resolve_index_path
 
         self.settings = settings
@@ -125,6 +176,9 @@ class RAGPipeline:
         from ragcache.ingest import Ingestor
 
         kv = self.settings.ingest.precompute_kv if precompute_kv is None else precompute_kv
+        if kv and self.is_async:
+            raise TypeError("KV precompute runs on a BlendEngine: ingest with `ragcache ingest` (a running "
+                            "server picks the new index version up) or pass precompute_kv=False")
         hook = (lambda chunks, ns: self.engine.precompute(chunks, show_progress=show_progress, namespace=ns)
                 ) if kv else None
         with self._lock:
@@ -164,24 +218,61 @@ class RAGPipeline:
                                   f"--index {self.index_name}` first")
         return stable_order(found)
 
-    def _prepare(self, question: str, top_k: int | None):
+    @property
+    def is_async(self) -> bool:
+        """Whether the engine is an AsyncBlendEngine (its calls are coroutines)."""
+        return bool(getattr(self.engine, "is_async", False))
+
+    def _require_sync(self, method: str) -> None:
+        if self.is_async:
+            raise TypeError(f"this pipeline runs on an AsyncBlendEngine: use `await a{method}(...)`")
+
+    def prepare(self, question: str, top_k: int | None = None, *, history: Sequence[Turn] = ()) -> Retrieval:
+        """Retrieve chunks for ``question`` (after ``history``) and assemble the prompt.
+
+        Retrieval uses :func:`ragcache.conversation.retrieval_query` (the previous user message is
+        added to a short or referring follow-up). When question, chunks and history exceed
+        ``engine.max_model_len``, the oldest turns are dropped until the prompt fits.
+
+        Raises:
+            ValueError: empty question. PromptTooLongError: the question over the chunks alone does not
+            fit. EmptyIndexError / IndexNotFoundError: nothing ingested.
+        """
+        from ragcache.prompt import PromptTooLongError, check_question
+
         t0 = time.perf_counter()
-        found = self.retrieve(question, top_k)
+        check_question(question)
+        turns = list(history)
+        with self._lock:
+            found = self.retrieve(retrieval_query(question, turns), top_k)
         retrieval_s = time.perf_counter() - t0
-        prompt = self.engine.prompts.build(question, [r.chunk for r in found], namespace=self.namespace)
-        return t0, found, retrieval_s, prompt
+        chunks = [r.chunk for r in found]
+        while True:
+            try:
+                prompt = self.engine.prompts.build(question, chunks, history=turns, namespace=self.namespace)
+                break
+            except PromptTooLongError:
+                if not turns:
+                    raise
+                turns = turns[1:]  # drop the oldest turn
+                log.info("conversation does not fit engine.max_model_len: dropped its oldest turn")
+        return Retrieval(question, found, prompt, turns, retrieval_s, t0)
+
+    async def aprepare(self, question: str, top_k: int | None = None, *,
+                       history: Sequence[Turn] = ()) -> Retrieval:
+        """:meth:`prepare` in a worker thread (question embedding and search are CPU work)."""
+        return await asyncio.to_thread(self.prepare, question, top_k, history=history)
 
     @staticmethod
-    def _answer(question: str, found: Sequence["RetrievedChunk"], gen: "Generation", retrieval_s: float,
-                t0: float, ratio_source: str) -> Answer:
+    def _answer(r: Retrieval, gen: "Generation", ratio_source: str) -> Answer:
         m = gen.metrics
-        tiers = m.chunk_tiers or [""] * len(found)
-        sources = [Source(r.chunk.doc_id, r.chunk.title, r.chunk.text, r.score, r.chunk.chunk_id, tier)
-                   for r, tier in zip(found, tiers)]
-        m.retrieval_s = retrieval_s
-        m.total_s = time.perf_counter() - t0
+        tiers = m.chunk_tiers or [""] * len(r.found)
+        sources = [Source(x.chunk.doc_id, x.chunk.title, x.chunk.text, x.score, x.chunk.chunk_id, tier)
+                   for x, tier in zip(r.found, tiers)]
+        m.retrieval_s = r.retrieval_s
+        m.total_s = time.perf_counter() - r.t0
         m.ratio_source = ratio_source if m.mode == "blend" else ""
-        return Answer(question, gen.text.strip(), sources, m)
+        return Answer(r.question, gen.text.strip(), sources, m, gen.finish_reason, r.prompt)
 
     # ---- recompute ratio ---------------------------------------------------------------------
 
@@ -225,7 +316,8 @@ class RAGPipeline:
         return b.fallback_ratio, "fallback"
 
     def query(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-              max_tokens: int | None = None, recompute_ratio: float | None = None) -> Answer:
+              max_tokens: int | None = None, recompute_ratio: float | None = None,
+              history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None) -> Answer:
         """Answer ``question`` from the index.
 
         Args:
@@ -233,31 +325,144 @@ class RAGPipeline:
             top_k: chunks to retrieve (default ``retrieval.top_k``).
             recompute_ratio: override ``blend.recompute_ratio`` for this query (see :meth:`recompute_ratio`
                 for where the ratio comes from otherwise; ``answer.metrics.ratio_source`` says which).
+            history: earlier turns of the conversation, oldest first (see :meth:`prepare`).
+            sampling: temperature, top_p, stop strings, seed (default greedy).
 
         Raises:
-            ValueError: empty question or unknown mode. PromptTooLongError: the prompt does not fit
-            ``engine.max_model_len``. EmptyIndexError / IndexNotFoundError: nothing ingested.
+            ValueError: empty question, unknown mode or bad sampling values. PromptTooLongError: the
+            prompt does not fit ``engine.max_model_len``. EmptyIndexError / IndexNotFoundError:
+            nothing ingested. TypeError: the engine is an AsyncBlendEngine (use :meth:`aquery`).
         """
+        self._require_sync("query")
         with self._lock:
-            t0, found, retrieval_s, prompt = self._prepare(question, top_k)
+            r = self.prepare(question, top_k, history=history)
             ratio, source = self.recompute_ratio(recompute_ratio)
-            gen = self.engine.generate(prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio)
-        return self._answer(question, found, gen, retrieval_s, t0, source)
+            gen = self.engine.generate(r.prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio,
+                                       sampling=sampling)
+        return self._answer(r, gen, source)
 
     def stream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-               max_tokens: int | None = None, recompute_ratio: float | None = None) -> Iterator[str | Answer]:
-        """Yield the answer's text pieces as they are decoded, then the :class:`Answer`."""
+               max_tokens: int | None = None, recompute_ratio: float | None = None,
+               history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None) -> Iterator[str | Answer]:
+        """Yield the answer's text pieces as they are decoded, then the :class:`Answer` (arguments as
+        :meth:`query`)."""
+        self._require_sync("stream")
         with self._lock:
-            t0, found, retrieval_s, prompt = self._prepare(question, top_k)
+            r = self.prepare(question, top_k, history=history)
             ratio, source = self.recompute_ratio(recompute_ratio)
-            for item in self.engine.stream(prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio):
-                if isinstance(item, str):
-                    yield item
-                else:
-                    yield self._answer(question, found, item, retrieval_s, t0, source)
+            for item in self.engine.stream(r.prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio,
+                                           sampling=sampling):
+                yield item if isinstance(item, str) else self._answer(r, item, source)
+
+    # ---- async -----------------------------------------------------------------------------
+
+    async def aquery(self, question: str, mode: str | None = None, top_k: int | None = None, *,
+                     max_tokens: int | None = None, recompute_ratio: float | None = None,
+                     history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None) -> Answer:
+        """:meth:`query` as a coroutine: native on an AsyncBlendEngine (concurrent calls are batched by
+        vLLM), a worker thread on a BlendEngine. Cancelling it aborts the vLLM request (on a
+        BlendEngine the request runs to its end). Raises as :meth:`query`."""
+        r = await self.aprepare(question, top_k, history=history)
+        return await self.aanswer(r, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, sampling=sampling)
+
+    async def aanswer(self, r: Retrieval, mode: str | None = None, *, max_tokens: int | None = None,
+                      recompute_ratio: float | None = None, sampling: "SamplingOptions | None" = None) -> Answer:
+        """Answer a prepared :class:`Retrieval` (from :meth:`aprepare`); arguments as :meth:`query`."""
+        ratio, source = self.recompute_ratio(recompute_ratio)
+        kwargs = dict(max_tokens=max_tokens, recompute_ratio=ratio, sampling=sampling)
+        if self.is_async:
+            gen = await self.engine.generate(r.prompt, mode, **kwargs)
+        else:
+            gen = await asyncio.to_thread(self.engine.generate, r.prompt, mode, **kwargs)
+        return self._answer(r, gen, source)
+
+    async def astream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
+                      max_tokens: int | None = None, recompute_ratio: float | None = None,
+                      history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None
+                      ) -> AsyncIterator[str | Answer]:
+        """:meth:`stream` as an async iterator: text pieces, then the :class:`Answer`."""
+        r = await self.aprepare(question, top_k, history=history)
+        async with aclosing(self.astream_answer(r, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio,
+                                                sampling=sampling)) as items:
+            async for item in items:
+                yield item
+
+    async def astream_answer(self, r: Retrieval, mode: str | None = None, *, max_tokens: int | None = None,
+                             recompute_ratio: float | None = None,
+                             sampling: "SamplingOptions | None" = None) -> AsyncIterator[str | Answer]:
+        """Stream the answer to a prepared :class:`Retrieval` (from :meth:`aprepare`): text pieces, then
+        the :class:`Answer`. A consumer that stops early aborts the vLLM request (on a BlendEngine,
+        after the next decoded piece)."""
+        ratio, source = self.recompute_ratio(recompute_ratio)
+        kwargs = dict(max_tokens=max_tokens, recompute_ratio=ratio, sampling=sampling)
+        if self.is_async:
+            items = self.engine.stream(r.prompt, mode, **kwargs)
+        else:
+            items = _iterate_in_thread(lambda: self.engine.stream(r.prompt, mode, **kwargs))
+        async with aclosing(items):
+            async for item in items:
+                yield item if isinstance(item, str) else self._answer(r, item, source)
 
     # ---- cache -----------------------------------------------------------------------------
 
     def cache_stats(self) -> dict[str, Any]:
         """Per-tier KV store stats (hits, misses, hit_rate, occupancy, capacity, ...)."""
+        self._require_sync("cache_stats")
         return self.engine.store_stats()
+
+    async def acache_stats(self) -> dict[str, Any]:
+        """:meth:`cache_stats` as a coroutine (either engine)."""
+        if self.is_async:
+            return await self.engine.store_stats()
+        return await asyncio.to_thread(self.engine.store_stats)
+
+
+class _Failed:
+    """An exception raised by the producer thread of :func:`_iterate_in_thread`."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+_DONE = object()
+
+
+async def _iterate_in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+    """The items of the sync iterator ``make()``, produced in a worker thread, as an async iterator.
+
+    When the consumer stops early, the thread stops after its next item and closes the iterator
+    (a BlendEngine stream then aborts its vLLM request).
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stop = threading.Event()
+
+    def put(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            stop.set()
+
+    def produce() -> None:
+        it = make()
+        try:
+            for item in it:
+                if stop.is_set():
+                    return
+                put(item)
+            put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(_Failed(exc))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    loop.run_in_executor(None, produce)
+    try:
+        while (item := await queue.get()) is not _DONE:
+            if isinstance(item, _Failed):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()

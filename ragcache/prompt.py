@@ -2,14 +2,26 @@
 
 Owns: the prompt template (system prompt, chunk framing, question), the placement rule of cached
 KV (:func:`lead_in_for`) and the KV keys of the cached segments. Imports only ragcache.chunks,
-ragcache.config and ragcache.models' :func:`~ragcache.models.encode` (no vLLM), so the same prompt
-is built for every mode and the pieces can be tested with a plain tokenizer.
+ragcache.config, ragcache.conversation and ragcache.models' :func:`~ragcache.models.encode` (no
+vLLM), so the same prompt is built for every mode and the pieces can be tested with a plain tokenizer.
 
 The prompt is the model's chat template rendered around a placeholder and split there::
 
     head = <system prompt> <user turn opening> "Documents:\\n"       (the canonical lead-in)
     unit_i = chunk_i.token_ids + separator ids                       (one cached KV entry each)
-    tail = "Question: <q>" <end of user turn> <assistant turn opening>
+    tail = [history] "Question: <q>" <end of user turn> <assistant turn opening>
+
+Multi-turn: the earlier turns of a conversation (:class:`ragcache.conversation.Turn`) go into the
+tail, after the chunks, as plain text inside the same user turn (:func:`format_history`)::
+
+    Conversation so far:
+    User: <earlier question>
+    Assistant: <earlier answer>
+    <blank line>
+    Question: <q>
+
+so the head and every chunk unit are the same tokens, at the same positions, with or without a
+history: the chunk KV reuse is unchanged, and only the tail (prefilled by vLLM) grows.
 
 Token ids are concatenated, never re-tokenized, so a chunk's tokens are identical in every prompt
 and its KV can be reused. Where cached KV is computed is one rule, :func:`lead_in_for` (the
@@ -32,10 +44,24 @@ from typing import Any, Sequence
 
 from ragcache.chunks import Chunk, ChunkKey, kv_namespace
 from ragcache.config import PromptSettings
+from ragcache.conversation import Turn
 from ragcache.models import encode
 
 _CTX = "\u2063RAGCACHE_CONTEXT\u2063"
 _QUESTION = "\u2063RAGCACHE_QUESTION\u2063"
+_HISTORY = "\u2063RAGCACHE_HISTORY\u2063"
+
+#: how each role of an earlier turn is labelled in the history block
+HISTORY_LABELS = {"user": "User", "assistant": "Assistant", "system": "Instructions"}
+
+
+def format_history(history: Sequence[Turn]) -> str:
+    """The history block of the tail: ``"Conversation so far:\\n"``, one ``"<Label>: <text>\\n"``
+    line per turn (labels in :data:`HISTORY_LABELS`), then a blank line; ``""`` for no turns."""
+    if not history:
+        return ""
+    lines = [f"{HISTORY_LABELS.get(t.role, t.role.title())}: {t.content.strip()}" for t in history]
+    return "Conversation so far:\n" + "\n".join(lines) + "\n\n"
 
 
 def lead_in_for(start: int, head_ids: Sequence[int]) -> list[int]:
@@ -145,7 +171,7 @@ class PromptBuilder:
         return encode(self.tokenizer, text)
 
     def _split_template(self) -> tuple[str, str]:
-        user = f"Documents:\n{_CTX}Question: {_QUESTION}"
+        user = f"Documents:\n{_CTX}{_HISTORY}Question: {_QUESTION}"
         messages = [{"role": "system", "content": self.settings.system_prompt},
                     {"role": "user", "content": user}]
         if getattr(self.tokenizer, "chat_template", None):
@@ -184,15 +210,19 @@ class PromptBuilder:
         unit = self.unit_ids(chunk)
         return Segment(self.key(chunk, namespace), len(self.head_ids), len(unit), chunk.chunk_id)
 
-    def tail_ids(self, question: str) -> list[int]:
-        return self._encode(self._tail_template.replace(_QUESTION, question.strip()))
+    def tail_ids(self, question: str, history: Sequence[Turn] = ()) -> list[int]:
+        """Token ids of the tail: the history block (:func:`format_history`), the question, the
+        end of the user turn and the opening of the assistant turn."""
+        before, after = self._tail_template.split(_QUESTION)  # user text is inserted once, never searched
+        return self._encode(before.replace(_HISTORY, format_history(history)) + question.strip() + after)
 
     def build(self, question: str, chunks: Sequence[Chunk], max_len: int | None = None, *,
-              namespace: str = "") -> AssembledPrompt:
+              namespace: str = "", history: Sequence[Turn] = ()) -> AssembledPrompt:
         """Assemble the prompt for ``question`` over ``chunks`` (already in stable order).
 
         ``max_len`` overrides the builder's limit for this call; ``namespace`` is the index's own
-        KV namespace ("" = the store namespace alone), see :meth:`key`.
+        KV namespace ("" = the store namespace alone), see :meth:`key`. ``history``: earlier turns
+        of the conversation, oldest first; they go into the tail (see the module docstring).
 
         Raises:
             EmptyQuestionError: empty question.
@@ -206,11 +236,12 @@ class PromptBuilder:
             segments.append(Segment(self.key(chunk, namespace), len(ids), len(unit), chunk.chunk_id))
             ids.extend(unit)
         ctx_len = len(ids)
-        ids.extend(self.tail_ids(question))
+        ids.extend(self.tail_ids(question, history))
         max_len = self.max_len if max_len is None else max_len
         if max_len is not None and len(ids) + 1 > max_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens but the model's context is {max_len} "
                 f"(engine.max_model_len): use a smaller top_k or chunk_size, or a shorter question"
+                + (" or conversation" if history else "")
             )
         return AssembledPrompt(ids, segments, ctx_len, len(self.head_ids))

@@ -127,3 +127,36 @@ def test_cli_ingest_then_ask_json(corpus, tmp_path):
     r = subprocess.run(cli + ["ask", "anything?", "--index", "cli", "--recompute-ratio", "2"], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--recompute-ratio 2.0: must be in [0, 1]" in r.stderr
+
+
+def test_aquery_and_astream_on_the_sync_engine_match_query_and_stream(rag):
+    """On a BlendEngine the async methods run the sync call in a worker thread: same answers."""
+    import asyncio
+
+    from ragcache.pipeline import Answer
+
+    question = "What is the capital of Zorbia?"
+    alone = rag.query(question, top_k=2, max_tokens=12)
+
+    async def run() -> tuple[Answer, list]:
+        answer = await rag.aquery(question, top_k=2, max_tokens=12)
+        items = [item async for item in rag.astream(question, top_k=2, max_tokens=12)]
+        return answer, items
+
+    answer, items = asyncio.run(run())
+    assert answer.text == alone.text and answer.metrics.reused_tokens > 0
+    assert isinstance(items[-1], Answer) and "".join(items[:-1]).strip() == items[-1].text == alone.text
+
+
+def test_a_follow_up_sees_the_conversation_and_retrieves_with_the_previous_question(rag):
+    from ragcache.conversation import Turn
+
+    follow_q = "Tell me more about that."  # no content of its own: only the rule can find the right document
+    alone = rag.retrieve(follow_q, top_k=1)[0].chunk.doc_id
+    q1 = next(q for q in ("What is the capital of Zorbia?", "What is kelmet?", "How many seats has the Amber Hall?")
+              if rag.retrieve(q, top_k=1)[0].chunk.doc_id != alone)
+    first = rag.query(q1, top_k=1, max_tokens=12)
+    follow = rag.query(follow_q, top_k=1, max_tokens=12, history=[Turn("user", q1), Turn("assistant", first.text)])
+    assert follow.sources[0].doc_id == first.sources[0].doc_id != alone
+    tail = rag.engine.tokenizer.decode(follow.prompt.token_ids[follow.prompt.ctx_len:])
+    assert f"Assistant: {first.text}" in tail and follow.metrics.reused_tokens > 0

@@ -85,3 +85,24 @@ def test_empty_question_and_too_long_prompt_are_refused_with_the_fix(tokenizer, 
     with pytest.raises(PromptTooLongError, match=r"max_model_len.*top_k"):
         b.build("Where?", chunks)
     assert b.build("Where?", chunks, max_len=4096).ctx_len > 0  # a per-call limit overrides
+
+
+def test_history_goes_into_the_tail_and_leaves_head_and_chunk_units_unchanged(tokenizer, chunks):
+    from ragcache.conversation import Turn
+    from ragcache.prompt import format_history
+
+    b = builder(tokenizer)
+    history = [Turn("user", "What is the capital of Zorbia?"), Turn("assistant", "Velmora.")]
+    alone = b.build("Who founded it?", chunks)
+    follow_up = b.build("Who founded it?", chunks, history=history)
+    # the reused KV is served for the same tokens at the same positions, under the same keys
+    assert follow_up.segments == alone.segments and follow_up.ctx_len == alone.ctx_len
+    assert follow_up.token_ids[:follow_up.ctx_len] == alone.token_ids[:alone.ctx_len]
+    tail = tokenizer.decode(follow_up.token_ids[follow_up.ctx_len:])
+    assert tail.index("Conversation so far:\nUser: What is the capital of Zorbia?\nAssistant: Velmora.") \
+        < tail.index("Question: Who founded it?")
+    assert format_history([]) == "" and format_history([Turn("system", "Be brief.")]).endswith(
+        "Instructions: Be brief.\n\n")
+    assert b.tail_ids("Who founded it?", ()) == b.tail_ids("Who founded it?")  # no history: the old tail
+    with pytest.raises(PromptTooLongError, match="conversation"):
+        builder(tokenizer, max_len=alone.ctx_len + 20).build("Who founded it?", chunks, history=history * 5)

@@ -25,7 +25,11 @@ INDEX_KEY = "index"
 
 def index_sidebar(settings: Settings) -> str | None:
     """The index selector (on every page); None when there is no index yet."""
-    names = state.list_indexes(settings)
+    try:
+        names = state.list_indexes(settings)
+    except Exception as exc:  # the server of ui.server_url is down or refuses
+        st.sidebar.error(state.describe_error(exc), icon=":material/error:")
+        return None
     if state.PENDING_INDEX in st.session_state:
         pending = st.session_state.pop(state.PENDING_INDEX)
         if pending in names:

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 import streamlit as st
 
 from ragcache.config import MODES, Settings
+from ragcache.conversation import Turn
 from ui import components, state
 
 if TYPE_CHECKING:
     from ragcache.pipeline import Answer, RAGPipeline
+    from ragcache.server.client import RemotePipeline
 
 log = logging.getLogger("ui.chat_page")  # run as __main__ by st.navigation
 
@@ -68,8 +70,10 @@ def render(settings: Settings, index: str | None) -> None:
 
     st.title("ragcache chat")
     if index:
-        st.caption(f"Index **{index}** · answers come from the embedded vLLM engine, which reuses each "
-                   f"chunk's stored KV instead of prefilling it again.")
+        where = (f"the ragcache server at {settings.ui.server_url} (one batched engine for every browser)"
+                 if settings.ui.server_url else "the embedded vLLM engine")
+        st.caption(f"Index **{index}** · answers come from {where}, which reuses each chunk's stored KV instead of "
+                   "prefilling it again. Each answer sees the conversation so far.")
     # The overview sits above the conversation but is drawn again once this run's question is
     # answered, so its chart and cache numbers include it.
     left, right = st.container(border=True).columns([1, 1], gap="medium")
@@ -100,7 +104,8 @@ def render(settings: Settings, index: str | None) -> None:
             with st.spinner("Loading the index; the first time, starting the vLLM engine (once per server "
                             "process, 30-70 s on 2 CPU cores)…", show_time=True):
                 pipe = state.pipeline_for(settings, index)
-                _ = pipe.retriever  # load the index and the embedding model now, not in the first question
+                if hasattr(pipe, "retriever"):
+                    _ = pipe.retriever  # load the index and the embedding model now, not in the first question
         except Exception as exc:
             log.exception("cannot open index %s", index)
             st.error(state.describe_error(exc, index))
@@ -154,9 +159,25 @@ def _text_pieces(stream: Iterator["str | Answer"], holder: dict[str, Any]) -> It
                 holder["answer"] = item
 
 
-def ask(pipe: "RAGPipeline", index: str, question: str, opts: QueryOptions) -> None:
-    """Answer ``question`` (streamed), record it, show it; errors become an st.error with the fix."""
+def conversation(records: list[dict[str, Any]]) -> list[Turn]:
+    """The earlier turns of the chat as :class:`~ragcache.conversation.Turn` objects: each question
+    with its answer (questions whose answer failed are left out)."""
+    turns: list[Turn] = []
+    question = None
+    for record in records:
+        if record["role"] == "user":
+            question = record["content"]
+        elif "answer" in record and question is not None:
+            turns += [Turn("user", question), Turn("assistant", record["answer"].text)]
+            question = None
+    return turns
+
+
+def ask(pipe: "RAGPipeline | RemotePipeline", index: str, question: str, opts: QueryOptions) -> None:
+    """Answer ``question`` (streamed) with the conversation so far, record it, show it; errors become
+    an st.error with the fix."""
     history = st.session_state[MESSAGES]
+    turns = conversation(history)
     history.append({"role": "user", "content": question})
     with st.chat_message("user"):
         st.text(question)
@@ -167,7 +188,7 @@ def ask(pipe: "RAGPipeline", index: str, question: str, opts: QueryOptions) -> N
                 raise ValueError("the question is empty: type a question in the box below")
             holder: dict[str, Any] = {}
             pieces = _text_pieces(pipe.stream(question, mode=opts.mode, top_k=opts.top_k,
-                                              recompute_ratio=opts.recompute_ratio), holder)
+                                              recompute_ratio=opts.recompute_ratio, history=turns), holder)
             try:
                 st.write_stream(pieces)
             finally:
@@ -177,7 +198,7 @@ def ask(pipe: "RAGPipeline", index: str, question: str, opts: QueryOptions) -> N
             if opts.compare:
                 try:
                     with st.spinner("Running the same question with full prefill…"):
-                        record["full"] = pipe.query(question, mode="full", top_k=opts.top_k)
+                        record["full"] = pipe.query(question, mode="full", top_k=opts.top_k, history=turns)
                 except Exception as exc:
                     log.warning("full-prefill comparison failed: %s", exc)
                     record["compare_error"] = state.describe_error(exc, index)

@@ -7,7 +7,9 @@ errors into messages that say what to do. Must not render anything except spinne
 Concurrency: Streamlit runs each session's script in its own thread. The engine is created under a
 lock (and st.cache_resource computes one value per key at a time); queries on one pipeline are
 serialized by RAGPipeline, and the BlendEngine serializes generation, KV precompute and stats
-across pipelines, so sessions simply wait for each other.
+across pipelines, so sessions simply wait for each other. With ``ui.server_url`` set, questions go
+to that running ``ragcache serve`` instead (:class:`ragcache.server.client.RemotePipeline`): its
+one engine batches the questions of every browser, and this process starts no engine for chat.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ragcache.config import ConfigError, Settings
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine
     from ragcache.pipeline import RAGPipeline
+    from ragcache.server.client import RemotePipeline
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +82,17 @@ def _pipeline(index: str, index_dir: str, version: int, _settings: Settings, _en
     return RAGPipeline(_settings, index_path(_settings, index), _engine)
 
 
-def pipeline_for(settings: Settings, index: str) -> "RAGPipeline":
-    """The pipeline over ``index`` on the shared engine (starts the engine on first use).
+def pipeline_for(settings: Settings, index: str) -> "RAGPipeline | RemotePipeline":
+    """The pipeline over ``index`` on the shared engine (starts the engine on first use), or the
+    client of the server at ``ui.server_url`` when one is set.
 
     Keyed by the index's version on disk, so an ingest from another session or from the CLI is
     picked up by the next question.
     """
+    if settings.ui.server_url:
+        from ragcache.server.client import RemotePipeline
+
+        return RemotePipeline(settings.ui.server_url, index, api_key=settings.serve.api_key)
     engine = shared_engine(settings)
     return _pipeline(index, str(index_dir(settings)), index_version(settings, index), settings, engine)
 
@@ -108,7 +116,16 @@ def index_version(settings: Settings, index: str) -> int:
 
 
 def list_indexes(settings: Settings) -> list[str]:
-    """Names of the complete indexes under ``ingest.index_dir``, sorted."""
+    """Names of the complete indexes under ``ingest.index_dir``, sorted (those the server at
+    ``ui.server_url`` offers, when one is set).
+
+    Raises:
+        httpx.HTTPError / ServerError: the server cannot be reached or refused.
+    """
+    if settings.ui.server_url:
+        from ragcache.server.client import server_indexes
+
+        return server_indexes(settings.ui.server_url, settings.serve.api_key)
     from ragcache.index import list_indexes as names
 
     return names(index_dir(settings))
@@ -140,6 +157,9 @@ def describe_error(exc: BaseException, index: str | None = None) -> str:
     from ragcache.prompt import PromptTooLongError
 
     name = index or "NAME"
+    if type(exc).__module__.startswith(("httpx", "httpcore")):
+        return (f"Cannot reach the ragcache server at {load_settings().ui.server_url} ({type(exc).__name__}: {exc}). "
+                "Start it with `ragcache serve`, or empty ui.server_url to use the embedded engine.")
     if isinstance(exc, PromptTooLongError):
         return f"The prompt is too long: {exc}. In the sidebar, lower **top_k**."
     if isinstance(exc, (EmptyIndexError, IndexNotFoundError)):

@@ -142,10 +142,23 @@ def _ingest_tables(result: Mapping[str, Any]) -> list[Table]:
     return [(f"ingest ({result['chunks']} chunks, {result['unit_tokens']} tokens)", h, rows)]
 
 
+def _serve_tables(result: Mapping[str, Any]) -> list[Table]:
+    h = ["C", "mode", "req/s", "output tok/s", "client TTFT p50 (s)", "client TTFT p90 (s)", "server TTFT p50 (s)",
+         "e2e p50 (s)", "cached tok", "errors"]
+    rows = [[r["concurrency"], r["mode"], r["requests_per_s"], r["output_tokens_per_s"], r["ttft_p50_s"],
+             r["ttft_p90_s"], r["server_ttft_p50_s"], r["e2e_p50_s"], r["cached_tokens_mean"], r["errors"]]
+            for r in result["rows"]]
+    prompt = next((r["prompt_tokens_mean"] for r in result["rows"] if r["prompt_tokens_mean"]), 0) or 0
+    rr = [[r["concurrency"], r["requests_per_s"], r["ttft_p50_speedup"]] for r in result["blend_vs_full"]]
+    return [(f"bench serve: {result['n']} questions, top_k {result['top_k']}, ~{prompt:.0f}-token prompts, "
+             f"{result['max_tokens']} tokens out, in-process SDK TTFT p50 {result['sdk']['ttft_p50_s']} s", h, rows),
+            ("blend over full", ["C", "req/s ratio", "client TTFT p50 speedup"], rr)]
+
+
 #: ``result["benchmark"]`` -> its tables
 TABLES: dict[str, Callable[[Mapping[str, Any]], list[Table]]] = {
     "ttft": _ttft_tables, "eval": _eval_tables, "hotset": _hotset_tables, "throughput": _throughput_tables,
-    "tiers": _tiers_tables, "ingest": _ingest_tables,
+    "tiers": _tiers_tables, "ingest": _ingest_tables, "serve": _serve_tables,
 }
 
 
@@ -257,14 +270,29 @@ def _throughput_plot(plt: Any, result: Mapping[str, Any]) -> Any:
     return fig
 
 
+def _serve_plot(plt: Any, result: Mapping[str, Any]) -> Any:
+    """Requests/s and client TTFT p50 against the number of concurrent clients, one line per mode."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for m in dict.fromkeys(r["mode"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["mode"] == m]
+        cs = [r["concurrency"] for r in rows]
+        axes[0].plot(cs, [r["requests_per_s"] for r in rows], "o-", label=m)
+        axes[1].plot(cs, [r["ttft_p50_s"] for r in rows], "o-", label=m)
+    _label(axes[0], "concurrent streaming clients", "requests/s", legend=True)
+    _log_axis(axes[1].yaxis)
+    _label(axes[1], "concurrent streaming clients", "client TTFT p50 (s, log scale)", legend=True)
+    fig.suptitle("bench serve: one ragcache server, concurrent OpenAI-style streaming clients")
+    return fig
+
+
 #: ``result["benchmark"]`` -> its figure, drawn with ``matplotlib.pyplot``
 PLOTS: dict[str, Callable[[Any, Mapping[str, Any]], Any]] = {
-    "ttft": _ttft_plot, "hotset": _hotset_plot, "throughput": _throughput_plot,
+    "ttft": _ttft_plot, "hotset": _hotset_plot, "throughput": _throughput_plot, "serve": _serve_plot,
 }
 
 
 def plot(result: Mapping[str, Any], path: Path) -> Path | None:
-    """A PNG for ttft (quality vs TTFT), hotset (TTFT over the sequence) and throughput; None otherwise."""
+    """A PNG for ttft (quality vs TTFT), hotset (TTFT over the sequence), throughput and serve; None otherwise."""
     draw = PLOTS.get(result["benchmark"])
     if draw is None:
         return None

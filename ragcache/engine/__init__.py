@@ -1,15 +1,19 @@
-"""The vLLM adapter: KV connector (scheduler + worker side), worker extension, BlendEngine facade.
+"""The vLLM adapter: KV connector (scheduler + worker side), worker extension, engine facades.
 
-Modules: ``messages`` (typed data crossing the driver/worker boundary), ``engine`` (BlendEngine,
-the driver side), ``connector`` (the KV connector vLLM loads by module path), ``worker`` (the
-worker runtime and extension), ``ops`` (DecoderOps adapters per model family, one registry),
-``selfcheck`` (the start-up self-check and the gate that keeps reuse/blend off when it fails).
-Importing this package does not import vLLM; ``BlendEngine`` does when constructed.
+Modules: ``messages`` (typed data crossing the driver/worker boundary), ``base`` (what both
+engines share: engine arguments, request building, Generation), ``engine`` (BlendEngine over
+``vllm.LLM``, the default), ``async_engine`` (AsyncBlendEngine over vLLM's AsyncLLM, for servers),
+``connector`` (the KV connector vLLM loads by module path), ``worker`` (the worker runtime and
+extension), ``ops`` (DecoderOps adapters per model family, one registry), ``selfcheck`` (the
+start-up self-check and the gate that keeps reuse/blend off when it fails).
+Importing this package does not import vLLM; the engines do when constructed.
 """
 
-from ragcache.engine.engine import BlendEngine, Generation
+from ragcache.engine.async_engine import AsyncBlendEngine
+from ragcache.engine.base import Generation, SamplingOptions
+from ragcache.engine.engine import BlendEngine
 from ragcache.engine.messages import ContextStats, RequestMetrics
 from ragcache.engine.selfcheck import BlendSupport, BlendUnavailableError, ContextBeyondWindowError
 
-__all__ = ["BlendEngine", "Generation", "RequestMetrics", "ContextStats", "BlendSupport", "BlendUnavailableError",
-           "ContextBeyondWindowError"]
+__all__ = ["BlendEngine", "AsyncBlendEngine", "Generation", "SamplingOptions", "RequestMetrics", "ContextStats",
+           "BlendSupport", "BlendUnavailableError", "ContextBeyondWindowError"]

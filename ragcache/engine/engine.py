@@ -1,10 +1,12 @@
 """BlendEngine: the embedded vLLM engine with ragcache's KV connector and worker extension.
 
-Owns: creating ``vllm.LLM`` with the connector (by module path) and the worker extension, the
-four query modes, KV precompute calls, scoring (first-token distributions, teacher-forced
-continuation log-probabilities) and per-request metrics. Streaming and batches go through the
-same engine (``LLMEngine.add_request`` / ``step`` with DELTA outputs), so one engine serves
-``generate``, ``generate_many`` and ``stream``; a lock keeps callers from stepping it concurrently.
+Owns: driving ``vllm.LLM`` (created with the connector and worker extension of
+:class:`~ragcache.engine.base.EngineBase`, which also builds each request and its metrics), KV
+precompute calls and scoring (first-token distributions, teacher-forced continuation
+log-probabilities). Streaming and batches go through the same engine (``LLMEngine.add_request`` /
+``step`` with DELTA outputs), so one engine serves ``generate``, ``generate_many`` and ``stream``;
+a lock keeps callers from stepping it concurrently. For concurrent callers (a server), use
+:class:`~ragcache.engine.async_engine.AsyncBlendEngine`: same requests, no lock, vLLM batches them.
 
 Modes (one prompt, four ways):
   ``full``   normal prefill, no reuse (a unique ``cache_salt`` defeats prefix caching);
@@ -21,59 +23,20 @@ import logging
 import os
 import threading
 import time
-import uuid
 import weakref
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ragcache.chunks import KV_LAYOUT_VERSION, Chunk
-from ragcache.config import MODES, Settings
-from ragcache.engine.dtype import resolve_dtype
-from ragcache.engine.limits import check_engine_limits
-from ragcache.engine.messages import CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, Rpc, SegmentRef
-from ragcache.engine.selfcheck import BlendSupport, run_self_check
-from ragcache.models import LLMInfo, resolve_llm
-from ragcache.prompt import AssembledPrompt, PromptBuilder
+from ragcache.chunks import Chunk
+from ragcache.config import Settings
+from ragcache.engine.base import EngineBase, Generation, SamplingOptions, StreamState
+from ragcache.engine.messages import Rpc
+from ragcache.engine.selfcheck import run_self_check
+from ragcache.models import LLMInfo
+from ragcache.prompt import AssembledPrompt
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Generation:
-    """An answer: text, token ids and metrics.
-
-    Attributes:
-        first_token_logprobs: ``{token_id: logprob}`` (nats) of the first generated position when
-            requested with ``logprobs`` (the whole vocabulary with ``logprobs=-1``), else None.
-    """
-
-    text: str
-    token_ids: list[int]
-    metrics: RequestMetrics
-    first_token_logprobs: dict[int, float] | None = None
-
-
-@dataclass
-class _Request:
-    """One prepared vLLM request (ids, inputs, sampling params) and what metrics need of it."""
-
-    rid: str
-    prompt: AssembledPrompt
-    mode: str
-    recompute_ratio: float | None
-    inputs: dict[str, Any]
-    sampling: Any  # vllm.SamplingParams
-
-
-def _first_position(logprobs: Any) -> dict[int, float] | None:
-    """``{token_id: logprob}`` of the first generated position, from vLLM flat or per-position logprobs."""
-    if not logprobs:
-        return None
-    if hasattr(logprobs, "start_indices"):  # vllm.logprobs.FlatLogprobs
-        a, b = logprobs.start_indices[0], logprobs.end_indices[0]
-        return dict(zip(logprobs.token_ids[a:b], logprobs.logprobs[a:b]))
-    return {tok: lp.logprob for tok, lp in logprobs[0].items()}
-
+__all__ = ["BlendEngine", "Generation", "SamplingOptions"]
 
 #: the in-process engine of this process, if any (vLLM's KV connector agent is process-global)
 _IN_PROCESS: "weakref.ref[BlendEngine] | None" = None
@@ -104,14 +67,7 @@ def _release_in_process_slot(engine: "BlendEngine") -> None:
         _IN_PROCESS = None
 
 
-def _set_engine_environment(settings: Settings) -> None:
-    """Environment that vLLM reads when an engine is created (``vllm.envs`` is evaluated lazily)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.engine.in_process else "1"
-    # vLLM lowers torch to one thread per worker unless OMP_NUM_THREADS is set (10x slower on CPU)
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-
-
-class BlendEngine:
+class BlendEngine(EngineBase):
     """Embedded vLLM with chunk-KV reuse and CacheBlend.
 
     Attributes:
@@ -120,9 +76,9 @@ class BlendEngine:
         tokenizer: the model's Hugging Face tokenizer.
         device: the device the model runs on (``str(torch.device)``), as vLLM loaded it.
         dtype: the compute dtype and why (:class:`~ragcache.engine.dtype.DtypeChoice`).
+        blend_support: whether reuse/blend may run on this model (the start-up self-check's verdict,
+            :class:`~ragcache.engine.selfcheck.BlendSupport`).
         startup_s: seconds from creating vLLM to ready (warm-up included).
-        blend_support: whether reuse/blend (and KV precompute) are available for this model, from
-            the start-up self-check (:mod:`ragcache.engine.selfcheck`); full and prefix always are.
 
     Args:
         settings: ragcache settings (engine, blend, store, prompt sections are used).
@@ -132,57 +88,30 @@ class BlendEngine:
         ModelNotFoundError: the configured model cannot be found (see ragcache.models).
         ConfigError: engine settings vLLM would refuse for this model (checked before vLLM starts,
             see :mod:`ragcache.engine.limits`).
+        RuntimeError: another in-process BlendEngine is alive in this process.
     """
 
-    blend_support: BlendSupport | None = None  # None until the self-check has run
-
     def __init__(self, settings: Settings, llm: LLMInfo | None = None):
-        self.settings = settings
-        self._lock = threading.RLock()
-        self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
-        eng = settings.engine
-        self.dtype = resolve_dtype(eng.dtype)
-        check_engine_limits(eng, self.llm_info.path, self.dtype.dtype)
-
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
+        self._lock = threading.RLock()
+        self._configure(settings, llm, in_process=settings.engine.in_process)
         t0 = time.perf_counter()
         _claim_in_process_slot(self, settings)
-        _set_engine_environment(settings)
-        kv_config = KVTransferConfig(
-            kv_connector="RagcacheConnector",
-            kv_connector_module_path="ragcache.engine.connector",
-            kv_role="kv_both",
-        )
-        self.llm = LLM(
-            model=str(self.llm_info.path),
-            dtype=self.dtype.dtype,
-            max_model_len=eng.max_model_len,
-            kv_cache_memory_bytes=eng.kv_cache_memory_bytes,
-            enforce_eager=eng.enforce_eager,
-            enable_prefix_caching=True,
-            disable_log_stats=False,
-            max_logprobs=-1,  # full first-token distributions for quality checks (KL)
-            kv_transfer_config=kv_config,
-            worker_extension_cls="ragcache.engine.worker.RagcacheWorkerExtension",
-            use_tqdm_on_load=os.environ.get("RAGCACHE_QUIET_LOADING") != "1",  # the CLI shows its own lines
-            seed=0,
-        )
-        self.device = self.llm.collective_rpc(
-            Rpc.INIT, args=(settings.store.model_dump(mode="json"), self.llm_info.fingerprint, KV_LAYOUT_VERSION),
-        )[0]
-        self.tokenizer = self.llm.get_tokenizer()
-        self.prompts = PromptBuilder(self.tokenizer, settings.prompt, self.llm_info.fingerprint,
-                                     max_len=eng.max_model_len, store_namespace=settings.store.namespace)
+        quiet = os.environ.get("RAGCACHE_QUIET_LOADING") == "1"  # the CLI shows its own lines
+        self.llm = LLM(**self._engine_kwargs(), use_tqdm_on_load=not quiet)
+        self.device = self.llm.collective_rpc(Rpc.INIT, args=self._init_args())[0]
+        self._set_tokenizer(self.llm.get_tokenizer())
         self.blend_support = run_self_check(self)  # its two requests warm vLLM and the layer-wise forward up
         if self.blend_support.check is None:
-            # one tiny request: the first one pays for lazy kernel and allocator set-up
-            self.generate(self.prompts.build("warm up", []), "blend" if self.blend_support.available else "full",
-                          max_tokens=1)
+            self._warm_up()
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready on %s in %.1f s; dtype %s (%s)", self.device, self.startup_s, self.dtype.dtype,
                  self.dtype.reason)
+
+    def _warm_up(self) -> None:
+        """One tiny request (blend where available): the first one pays for lazy kernel and allocator set-up."""
+        self.generate(self._warm_up_prompt(), self._warm_up_mode(), max_tokens=1)
 
     # ---- KV precompute ---------------------------------------------------------------------
 
@@ -227,57 +156,11 @@ class BlendEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def _request(self, prompt: AssembledPrompt, mode: str, *, max_tokens: int | None = None,
-                 recompute_ratio: float | None = None, selection: str | None = None,
-                 logprobs: int | None = None, delta: bool = False) -> _Request:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-        if self.blend_support is not None:
-            self.blend_support.require(mode, prompt.ctx_len)
-        rid = uuid.uuid4().hex
-        extra = None
-        ratio = None
-        if mode in CONNECTOR_MODES:
-            params = BlendParams.from_settings(
-                self.settings.blend, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
-                segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
-                recompute_ratio=recompute_ratio, selection=selection,
-            )
-            ratio = params.recompute_ratio if mode == "blend" else None
-            extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}
-        sp = SamplingParams(
-            temperature=0.0,
-            max_tokens=max_tokens or self.settings.engine.max_tokens,
-            logprobs=logprobs,
-            extra_args=extra,
-            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
-        )
-        if logprobs is not None:
-            # vLLM decodes the token of every logprob entry (~49k tokenizer.decode calls for the whole
-            # vocabulary) at every step, seconds per token on CPU: return ids, decode the answer here
-            sp.detokenize = False
-            sp.flat_logprobs = True
-        inputs: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
-        if mode != "prefix":
-            inputs["cache_salt"] = rid  # never share (or reuse) exact-prefix blocks with others
-        return _Request(rid, prompt, mode, ratio, inputs, sp)
-
-    def _generation(self, req: _Request, out: Any, total_s: float) -> Generation:
-        comp = out.outputs[0]
-        token_ids = list(comp.token_ids)
-        text = comp.text if req.sampling.detokenize else self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        first = _first_position(comp.logprobs) if req.sampling.logprobs is not None else None
-        metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=out,
-                                             total_s=total_s, recompute_ratio=req.recompute_ratio)
-        return Generation(text, token_ids, metrics, first)
-
     def generate_many(self, prompts: Sequence[AssembledPrompt], mode: str | None = None, *,
                       max_tokens: int | None = None, recompute_ratio: float | None = None,
-                      selection: str | None = None, logprobs: int | None = None) -> list[Generation]:
-        """Run several prompts as one batch (concurrent in vLLM); greedy decoding.
+                      selection: str | None = None, logprobs: int | None = None,
+                      sampling: SamplingOptions | None = None) -> list[Generation]:
+        """Run several prompts as one batch (concurrent in vLLM); greedy decoding unless ``sampling``.
 
         Args:
             mode: full, prefix, reuse or blend (default ``engine.mode``).
@@ -286,15 +169,15 @@ class BlendEngine:
             selection: blend's token selection for these requests (default ``blend.selection``).
             logprobs: when set, the first generated token's top-``logprobs`` log-probabilities are
                 returned (-1 = the whole vocabulary), for quality measurements.
+            sampling: temperature, top_p, stop strings, seed (default greedy).
 
         Raises:
-            ValueError: unknown mode, or a ratio outside [0, 1].
+            ValueError: unknown mode, a ratio outside [0, 1], or sampling values vLLM rejects.
             BlendUnavailableError: reuse/blend on a model whose adapter is missing or failed the
                 start-up self-check; ContextBeyondWindowError: a context beyond its sliding window.
         """
-        mode = mode or self.settings.engine.mode
         reqs = [self._request(p, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, selection=selection,
-                              logprobs=logprobs) for p in prompts]
+                              logprobs=logprobs, sampling=sampling) for p in prompts]
         t0 = time.perf_counter()
         with self._lock:
             outs = self.llm.generate([r.inputs for r in reqs], [r.sampling for r in reqs], use_tqdm=False)
@@ -338,17 +221,16 @@ class BlendEngine:
         return [float(row[tok].logprob) for row, tok in zip(rows, continuation)]
 
     def stream(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
-               recompute_ratio: float | None = None, selection: str | None = None) -> Iterator[str | Generation]:
+               recompute_ratio: float | None = None, selection: str | None = None,
+               sampling: SamplingOptions | None = None) -> Iterator[str | Generation]:
         """Yield text pieces as they are decoded, then the final :class:`Generation`.
 
         A reader that stops early aborts the request in vLLM (its KV slots are freed).
         """
-        mode = mode or self.settings.engine.mode
         req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, selection=selection,
-                            delta=True)
+                            delta=True, sampling=sampling)
         engine = self.llm.llm_engine
-        t0 = time.perf_counter()
-        text, token_ids, last = [], [], None
+        state = StreamState(req)
         with self._lock:
             req_id = engine.add_request(req.rid, req.inputs, req.sampling)  # internal id = rid + random suffix
             finished = False
@@ -357,20 +239,14 @@ class BlendEngine:
                     for out in engine.step():
                         if out.request_id not in (req.rid, req_id):
                             continue
-                        piece = out.outputs[0].text
-                        token_ids.extend(out.outputs[0].token_ids)
-                        last = out
+                        piece = state.add(out)
                         if piece:
-                            text.append(piece)
                             yield piece
                 finished = True
             finally:
                 if not finished:  # the reader stopped early: free the request's slots in vLLM
                     engine.abort_request([req_id], internal=True)
-        metrics = RequestMetrics.from_output(mode=mode, prompt_tokens=len(prompt.token_ids), output=last,
-                                             total_s=time.perf_counter() - t0, recompute_ratio=req.recompute_ratio)
-        metrics.output_tokens = len(token_ids)
-        yield Generation("".join(text), token_ids, metrics)
+        yield state.generation()
 
     # ---- store -----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Start-up self-check of chunk-KV reuse, and the gate that keeps reuse/blend off when it fails.
 
-Owns: :func:`run_self_check` (called once by ``BlendEngine.__init__`` after the worker's init),
+Owns: :func:`run_self_check` (called once by ``BlendEngine.__init__`` after the worker's init;
+:func:`arun_self_check` in ``AsyncBlendEngine.start``),
 :class:`BlendSupport` (what the engine may serve, and :meth:`BlendSupport.require`, the gate every
 reuse/blend request and KV precompute passes), :class:`BlendUnavailableError`,
 :class:`ContextBeyondWindowError`, :func:`first_token_error` and :data:`TOLERANCES`.
@@ -42,7 +43,10 @@ from ragcache.models import encode
 from ragcache.prompt import PromptTooLongError
 
 if TYPE_CHECKING:
+    from ragcache.engine.async_engine import AsyncBlendEngine
+    from ragcache.engine.base import EngineBase
     from ragcache.engine.engine import BlendEngine
+    from ragcache.prompt import AssembledPrompt
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +204,76 @@ def probe_chunks(tokenizer, texts: tuple[str, ...] | list[str] = PROBE_TEXTS,
             for i, text in enumerate(texts)]
 
 
-def run_self_check(engine: BlendEngine) -> BlendSupport:
+class _Plan:
+    """The self-check's prompt and decisions, shared by the sync and the async engine (which differ
+    only in how they make the calls: :func:`run_self_check`, :func:`arun_self_check`)."""
+
+    def __init__(self, engine: "EngineBase"):
+        self.t0 = time.perf_counter()
+        self.dtype = engine.dtype.dtype
+        self.settings = engine.settings
+        self.chunks = probe_chunks(engine.tokenizer)
+        self.prompt: AssembledPrompt | None = None
+        self.too_long: str | None = None
+        try:
+            self.prompt = engine.prompts.build(PROBE_QUESTION, self.chunks)
+        except PromptTooLongError as exc:
+            self.too_long = f"the self-check prompt does not fit ({exc})"
+
+    @property
+    def probe_ids(self) -> list[int]:
+        """Token ids the worker exercises the adapter on (:data:`Rpc.OPS_PROBE`)."""
+        return [] if self.prompt is None else self.prompt.token_ids[:min(self.prompt.ctx_len, PROBE_TOKENS)]
+
+    def early(self, found: OpsProbe) -> BlendSupport | None:
+        """The verdict without the two requests, or None when they must run."""
+        if self.prompt is None or found.error:
+            return _disabled(found, self.dtype, found.error or self.too_long)
+        if not self.settings.engine.self_check:
+            return _available(found, self.dtype)
+        if found.sliding_window is not None and self.prompt.ctx_len > found.sliding_window:
+            return _disabled(found, self.dtype, f"its sliding window ({found.sliding_window} tokens) is shorter "
+                                                f"than the self-check's context ({self.prompt.ctx_len} tokens)")
+        return None
+
+    def judge(self, found: OpsProbe, full: Mapping[int, float], reuse: Mapping[int, float] | BaseException) -> BlendSupport:
+        """Reuse at the canonical place against full (first-token distributions), or the reuse
+        request's exception."""
+        if isinstance(reuse, BaseException):  # the warm-up (full mode) then shows whether vLLM survived
+            return _disabled(found, self.dtype, f"the self-check's reuse request failed "
+                                                f"({type(reuse).__name__}: {reuse})")
+        error = first_token_error(full, reuse)
+        tolerance = tolerance_for(self.dtype, self.settings.store.kv_dtype)
+        check = SelfCheck(error=error, tolerance=tolerance,
+                          top1_agrees=max(full, key=full.get) == max(reuse, key=reuse.get),
+                          prompt_tokens=len(self.prompt.token_ids), seconds=time.perf_counter() - self.t0)
+        if not check.passed:
+            return _disabled(found, self.dtype, f"the start-up self-check found that the KV computed by the "
+                                                f"{found.adapter} adapter does not reproduce vLLM's own prefill "
+                                                f"(first-token error {error:.3g} > tolerance {tolerance:g} for "
+                                                f"{self.dtype})", check)
+        return replace(_available(found, self.dtype), check=check)
+
+    def report(self, support: BlendSupport) -> BlendSupport:
+        """Log the verdict once (a failure as a warning) and return it."""
+        if not support.available:
+            log.warning("%s", support.reason)
+        elif support.check is None:
+            log.info("reuse/blend self-check skipped (engine.self_check = false): %s via %s, unverified",
+                     support.architecture, support.adapter)
+        else:
+            log.info("reuse/blend self-check passed: %s via %s, first-token error %.2e <= %g (%s), %.2f s",
+                     support.architecture, support.adapter, support.check.error, support.check.tolerance,
+                     self.dtype, support.check.seconds)
+        return support
+
+
+def _available(found: OpsProbe, dtype: str) -> BlendSupport:
+    return BlendSupport(found.architecture, found.hf_architectures, found.adapter, dtype, found.sliding_window,
+                        available=True)
+
+
+def run_self_check(engine: "BlendEngine") -> BlendSupport:
     """Decide whether ``engine`` may serve reuse/blend: adapter probe, then reuse vs full.
 
     Called once from ``BlendEngine.__init__`` after the worker's init. Its two requests warm vLLM
@@ -212,58 +285,34 @@ def run_self_check(engine: BlendEngine) -> BlendSupport:
     Returns:
         the engine's :class:`BlendSupport`; a failure is logged once as a warning.
     """
-    t0 = time.perf_counter()
-    dtype = engine.dtype.dtype
-    chunks = probe_chunks(engine.tokenizer)
-
-    def probe(token_ids: list[int]) -> OpsProbe:
-        return OpsProbe.from_dict(engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(token_ids,))[0])
-
-    try:
-        prompt = engine.prompts.build(PROBE_QUESTION, chunks)
-    except PromptTooLongError as exc:
-        found = probe([])
-        support = _disabled(found, dtype, found.error or f"the self-check prompt does not fit ({exc})")
-    else:
-        found = probe(prompt.token_ids[:min(prompt.ctx_len, PROBE_TOKENS)])
-        support = _disabled(found, dtype, found.error) if found.error else _verdict(engine, found, dtype, prompt,
-                                                                                      chunks)
-    elapsed = time.perf_counter() - t0
-    if support.check is not None:
-        support = replace(support, check=replace(support.check, seconds=elapsed))
-    if not support.available:
-        log.warning("%s", support.reason)
-    elif support.check is None:
-        log.info("reuse/blend self-check skipped (engine.self_check = false): %s via %s, unverified",
-                 support.architecture, support.adapter)
-    else:
-        log.info("reuse/blend self-check passed: %s via %s, first-token error %.2e <= %g (%s), %.2f s",
-                 support.architecture, support.adapter, support.check.error, support.check.tolerance, dtype, elapsed)
-    return support
+    plan = _Plan(engine)
+    found = OpsProbe.from_dict(engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(plan.probe_ids,))[0])
+    support = plan.early(found)
+    if support is None:
+        full = engine.generate(plan.prompt, "full", max_tokens=1, logprobs=-1).first_token_logprobs
+        try:
+            reuse = engine.generate(plan.prompt, "reuse", max_tokens=1, logprobs=-1).first_token_logprobs
+        except Exception as exc:
+            reuse = exc
+        finally:
+            engine.forget(plan.chunks)
+        support = plan.judge(found, full, reuse)
+    return plan.report(support)
 
 
-def _verdict(engine: "BlendEngine", probe: OpsProbe, dtype: str, prompt, chunks: list[Chunk]) -> BlendSupport:
-    """Reuse at the canonical place against full on ``prompt``; the adapter probe already passed."""
-    ok = BlendSupport(probe.architecture, probe.hf_architectures, probe.adapter, dtype, probe.sliding_window,
-                      available=True)
-    if not engine.settings.engine.self_check:
-        return ok
-    if probe.sliding_window is not None and prompt.ctx_len > probe.sliding_window:
-        return _disabled(probe, dtype, f"its sliding window ({probe.sliding_window} tokens) is shorter than the "
-                                       f"self-check's context ({prompt.ctx_len} tokens)")
-    full = engine.generate(prompt, "full", max_tokens=1, logprobs=-1).first_token_logprobs
-    try:
-        reuse = engine.generate(prompt, "reuse", max_tokens=1, logprobs=-1).first_token_logprobs
-    except Exception as exc:  # the engine's warm-up (full mode) then shows whether vLLM itself survived
-        return _disabled(probe, dtype, f"the self-check's reuse request failed ({type(exc).__name__}: {exc})")
-    finally:
-        engine.forget(chunks)
-    error = first_token_error(full, reuse)
-    tolerance = tolerance_for(dtype, engine.settings.store.kv_dtype)
-    check = SelfCheck(error=error, tolerance=tolerance, top1_agrees=max(full, key=full.get) == max(reuse, key=reuse.get),
-                      prompt_tokens=len(prompt.token_ids), seconds=0.0)
-    if not check.passed:
-        return _disabled(probe, dtype, f"the start-up self-check found that the KV computed by the {probe.adapter} "
-                                       f"adapter does not reproduce vLLM's own prefill (first-token error "
-                                       f"{error:.3g} > tolerance {tolerance:g} for {dtype})", check)
-    return replace(ok, check=check)
+async def arun_self_check(engine: "AsyncBlendEngine") -> BlendSupport:
+    """:func:`run_self_check` for :class:`~ragcache.engine.async_engine.AsyncBlendEngine` (same
+    prompt, requests and verdict; the calls are awaited)."""
+    plan = _Plan(engine)
+    found = OpsProbe.from_dict((await engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(plan.probe_ids,)))[0])
+    support = plan.early(found)
+    if support is None:
+        full = (await engine.generate(plan.prompt, "full", max_tokens=1, logprobs=-1)).first_token_logprobs
+        try:
+            reuse = (await engine.generate(plan.prompt, "reuse", max_tokens=1, logprobs=-1)).first_token_logprobs
+        except Exception as exc:
+            reuse = exc
+        finally:
+            await engine.forget(plan.chunks)
+        support = plan.judge(found, full, reuse)
+    return plan.report(support)

@@ -1,0 +1,173 @@
+"""AsyncBlendEngine: the embedded engine on vLLM's ``AsyncLLM``, for many concurrent requests.
+
+Owns: driving ``vllm.v1.engine.async_llm.AsyncLLM`` with the same KV connector, worker extension,
+requests and metrics as :class:`~ragcache.engine.engine.BlendEngine` (all from
+:class:`~ragcache.engine.base.EngineBase`), without a lock: every ``generate`` / ``stream`` call is
+a separate vLLM request, and vLLM's scheduler batches the ones in flight (chunk KV is still
+loaded and blended per request in the connector, inside the engine core).
+
+Facts this relies on (vLLM 0.32): ``AsyncLLM`` always runs its engine core in a child process
+(start-up ~30 s on 2 CPU cores, against ~6 s for the in-process ``vllm.LLM``, which is why the
+CLI, SDK and UI default to BlendEngine); it binds to the event loop it is first used in, so
+create it with :meth:`AsyncBlendEngine.start` inside that loop; ``AsyncLLM.generate`` aborts its
+request when the consuming task is cancelled or the generator is closed, which frees the
+request's KV slots (an HTTP client that disconnects mid-stream cancels its task).
+
+Example::
+
+    engine = await AsyncBlendEngine.start(Settings.load())
+    gen = await engine.generate(engine.prompts.build("Where is Velmora?", chunks), "blend")
+    async for item in engine.stream(prompt):   # str pieces, then the Generation
+        ...
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Sequence
+
+from ragcache.chunks import Chunk
+from ragcache.config import Settings
+from ragcache.engine.base import EngineBase, Generation, SamplingOptions, StreamState
+from ragcache.engine.messages import Rpc
+from ragcache.engine.selfcheck import arun_self_check
+from ragcache.models import LLMInfo
+from ragcache.prompt import AssembledPrompt
+
+log = logging.getLogger(__name__)
+
+
+class AsyncBlendEngine(EngineBase):
+    """Chunk-KV reuse and CacheBlend on vLLM's AsyncLLM; safe for concurrent coroutines of one event loop.
+
+    Create with ``await AsyncBlendEngine.start(settings)``. Attributes as
+    :class:`~ragcache.engine.base.EngineBase` (``prompts``, ``tokenizer``, ``device``, ``startup_s``...).
+
+    Raises:
+        ModelNotFoundError: the configured model cannot be found (see ragcache.models).
+        ConfigError: engine settings vLLM would refuse for this model (see :mod:`ragcache.engine.limits`).
+    """
+
+    #: the pipeline calls this engine's coroutines natively (see RAGPipeline.aquery)
+    is_async = True
+
+    def __init__(self, settings: Settings, llm: LLMInfo | None = None):
+        """Create the AsyncLLM (blocks for the engine core's start-up). Prefer :meth:`start`."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._t0 = time.perf_counter()
+        self._configure(settings, llm, in_process=False)  # AsyncLLM's engine core is always a child process
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs()))
+        self._set_tokenizer(self.llm.get_tokenizer())
+        self._closed = False
+
+    @classmethod
+    async def start(cls, settings: Settings, llm: LLMInfo | None = None) -> "AsyncBlendEngine":
+        """Start vLLM, set up the worker's KV store, run the reuse/blend self-check
+        (:func:`~ragcache.engine.selfcheck.arun_self_check`, which also warms the engine up).
+
+        Blocks the running event loop while the engine core starts (~30 s on 2 CPU cores), then
+        awaits the worker set-up. Call it inside the loop that will use the engine.
+        """
+        engine = cls(settings, llm)
+        try:
+            engine.device = (await engine.llm.collective_rpc(Rpc.INIT, args=engine._init_args()))[0]
+            engine.blend_support = await arun_self_check(engine)
+            if engine.blend_support.check is None:
+                await engine._warm_up()
+        except BaseException:
+            engine.close()
+            raise
+        engine.startup_s = time.perf_counter() - engine._t0
+        log.info("async engine ready on %s in %.1f s; dtype %s (%s)", engine.device, engine.startup_s,
+                 engine.dtype.dtype, engine.dtype.reason)
+        return engine
+
+    async def _warm_up(self) -> None:
+        """One tiny request (blend where available): the first one pays for lazy kernel and allocator set-up."""
+        await self.generate(self._warm_up_prompt(), self._warm_up_mode(), max_tokens=1)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def generate(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
+                       recompute_ratio: float | None = None, selection: str | None = None,
+                       logprobs: int | None = None, sampling: SamplingOptions | None = None) -> Generation:
+        """Answer one prompt; concurrent calls are batched by vLLM. Arguments as
+        :meth:`BlendEngine.generate_many <ragcache.engine.engine.BlendEngine.generate_many>`.
+
+        Cancelling the awaiting task aborts the request in vLLM.
+
+        Raises:
+            ValueError: unknown mode, a ratio outside [0, 1], or sampling values vLLM rejects.
+            BlendUnavailableError: reuse/blend on a model whose adapter is missing or failed the
+                start-up self-check; ContextBeyondWindowError: a context beyond its sliding window.
+        """
+        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio,
+                            selection=selection, logprobs=logprobs, sampling=sampling)
+        t0 = time.perf_counter()
+        final = None
+        async for out in self.llm.generate(req.inputs, req.sampling, req.rid):
+            final = out
+        return self._generation(req, final, time.perf_counter() - t0)
+
+    async def stream(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
+                     recompute_ratio: float | None = None, selection: str | None = None,
+                     sampling: SamplingOptions | None = None) -> AsyncIterator[str | Generation]:
+        """Yield text pieces as they are decoded, then the final :class:`Generation`.
+
+        A consumer that stops early (``aclose()``, or its task is cancelled) aborts the request in
+        vLLM, which frees its KV slots.
+        """
+        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio,
+                            selection=selection, sampling=sampling, delta=True)
+        state = StreamState(req)
+        outputs = self.llm.generate(req.inputs, req.sampling, req.rid)
+        try:
+            async for out in outputs:
+                piece = state.add(out)
+                if piece:
+                    yield piece
+        finally:
+            await outputs.aclose()  # no-op when finished; aborts the vLLM request otherwise
+        yield state.generation()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests vLLM holds now (waiting or running); 0 once every stream finished or was aborted."""
+        return 0 if self._closed else int(self.llm.get_num_unfinished_requests())
+
+    # ---- store -----------------------------------------------------------------------------
+
+    async def store_stats(self) -> dict[str, Any]:
+        """Per-tier stats of the worker's KV store (see ragcache.kvstore.TieredStore.stats)."""
+        return (await self.llm.collective_rpc(Rpc.STORE_STATS))[0]
+
+    async def stored_tiers(self, chunks: Sequence[Chunk], namespace: str = "") -> list[str | None]:
+        """For each chunk, the highest tier holding its KV (in index namespace ``namespace``), or None."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
+        return (await self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,)))[0]
+
+    async def forget(self, chunks: Sequence[Chunk], namespace: str = "") -> int:
+        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier;
+        returns how many entries were removed."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
+        return (await self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,)))[0]
+
+    async def flush(self) -> None:
+        """Write the store's lookup counts to its counter file (call before :meth:`close`: the
+        engine core's worker is killed on shutdown)."""
+        if not self._closed:
+            try:
+                await self.llm.collective_rpc(Rpc.STORE_FLUSH)
+            except Exception:  # closing must not fail the caller
+                log.debug("flushing the store's counters failed", exc_info=True)
+
+    def close(self) -> None:
+        """Shut the engine core and its worker down; the engine is unusable afterwards. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.llm.shutdown()
+            self.llm = None  # collected now, not at interpreter exit (where AsyncLLM.__del__ fails noisily)

@@ -1,0 +1,276 @@
+"""What the sync and the async engine share: vLLM engine arguments, request building, results.
+
+Owns: :class:`Generation` (one answer: text, token ids, metrics), :class:`SamplingOptions` (the
+sampling knobs a caller may set per request), :class:`PreparedRequest`, :class:`StreamState` (a
+streamed request's pieces turned into a Generation) and :class:`EngineBase`, the part of
+:class:`~ragcache.engine.engine.BlendEngine` (over ``vllm.LLM``) and
+:class:`~ragcache.engine.async_engine.AsyncBlendEngine` (over ``vllm.v1.engine.async_llm.AsyncLLM``)
+that does not depend on how vLLM is driven: one set of engine arguments (the same connector and
+worker extension), one way a prompt becomes a vLLM request in each mode, one way vLLM's output
+becomes a :class:`Generation`. vLLM is imported inside the methods only, so importing this module
+costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ragcache.chunks import KV_LAYOUT_VERSION
+from ragcache.config import MODES, Settings
+from ragcache.engine.dtype import DtypeChoice, resolve_dtype
+from ragcache.engine.limits import check_engine_limits
+from ragcache.engine.messages import CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, SegmentRef
+from ragcache.models import LLMInfo, resolve_llm
+from ragcache.prompt import AssembledPrompt, PromptBuilder
+
+if TYPE_CHECKING:
+    from ragcache.engine.selfcheck import BlendSupport
+
+
+@dataclass
+class Generation:
+    """An answer: text, token ids and metrics.
+
+    Attributes:
+        first_token_logprobs: ``{token_id: logprob}`` (nats) of the first generated position when
+            requested with ``logprobs`` (the whole vocabulary with ``logprobs=-1``), else None.
+        finish_reason: vLLM's reason the request stopped: ``"stop"`` (end of sequence or a stop
+            string), ``"length"`` (``max_tokens`` reached), ``"abort"``; None when unknown.
+    """
+
+    text: str
+    token_ids: list[int]
+    metrics: RequestMetrics
+    first_token_logprobs: dict[int, float] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Per-request sampling (vLLM ``SamplingParams`` fields of the same names).
+
+    The default is greedy decoding (``temperature=0``): answers are reproducible and the modes
+    can be compared token for token. ``stop`` strings end the answer (not included in it);
+    ``seed`` makes sampling at ``temperature > 0`` reproducible; ``ignore_eos`` and ``min_tokens``
+    fix the answer length (load tests). Values are checked by vLLM: a bad one raises ValueError.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+GREEDY = SamplingOptions()
+
+
+@dataclass
+class PreparedRequest:
+    """One prepared vLLM request (ids, inputs, sampling params) and what its metrics need.
+
+    Attributes:
+        rid: the request id (also its ``cache_salt`` outside ``prefix`` mode).
+        recompute_ratio: the blend's ratio for this request; None outside blend mode.
+        inputs: vLLM's prompt dict (``prompt_token_ids`` and ``cache_salt``).
+        sampling: the ``vllm.SamplingParams``.
+    """
+
+    rid: str
+    prompt: AssembledPrompt
+    mode: str
+    recompute_ratio: float | None
+    inputs: dict[str, Any]
+    sampling: Any
+
+
+def first_position(logprobs: Any) -> dict[int, float] | None:
+    """``{token_id: logprob}`` of the first generated position, from vLLM flat or per-position logprobs."""
+    if not logprobs:
+        return None
+    if hasattr(logprobs, "start_indices"):  # vllm.logprobs.FlatLogprobs
+        a, b = logprobs.start_indices[0], logprobs.end_indices[0]
+        return dict(zip(logprobs.token_ids[a:b], logprobs.logprobs[a:b]))
+    return {tok: lp.logprob for tok, lp in logprobs[0].items()}
+
+
+def set_engine_environment(*, in_process: bool) -> None:
+    """Environment that vLLM reads when an engine is created (``vllm.envs`` is evaluated lazily)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    # vLLM lowers torch to one thread per worker unless OMP_NUM_THREADS is set (10x slower on CPU)
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+
+
+class StreamState:
+    """The DELTA outputs of one streamed request, collected into a :class:`Generation`.
+
+    vLLM's last DELTA output carries the connector's stats (``kv_transfer_params``), the metrics
+    and the finish reason, but only the last piece's token ids: the output token count is summed here.
+    """
+
+    def __init__(self, req: PreparedRequest):
+        self.req = req
+        self.t0 = time.perf_counter()
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.last: Any = None
+
+    def add(self, out: Any) -> str:
+        """Take one DELTA ``RequestOutput``; returns its new text ("" when it decoded no text)."""
+        comp = out.outputs[0]
+        self.token_ids.extend(comp.token_ids)
+        self.last = out
+        if comp.text:
+            self.text.append(comp.text)
+        return comp.text
+
+    def generation(self) -> Generation:
+        """The finished request: all text, all token ids, metrics (``total_s`` since the state was made)."""
+        req = self.req
+        metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=self.last,
+                                             total_s=time.perf_counter() - self.t0,
+                                             recompute_ratio=req.recompute_ratio)
+        metrics.output_tokens = len(self.token_ids)
+        reason = self.last.outputs[0].finish_reason if self.last is not None else None
+        return Generation("".join(self.text), self.token_ids, metrics, finish_reason=reason)
+
+
+class EngineBase:
+    """Engine arguments, the KV connector's per-request parameters and results, for both engines.
+
+    Attributes (set by the subclass's start-up):
+        settings: ragcache settings. llm_info: the provisioned model. dtype: the compute dtype and
+        why. tokenizer: the model's tokenizer. prompts: the :class:`~ragcache.prompt.PromptBuilder`
+        of this model and ``[prompt]`` settings. device: where vLLM loaded the model.
+        startup_s: seconds from creating vLLM to ready (warm-up included). blend_support: the
+        start-up self-check's verdict on reuse/blend (None until it has run).
+    """
+
+    settings: Settings
+    llm_info: LLMInfo
+    dtype: DtypeChoice
+    tokenizer: Any
+    prompts: PromptBuilder
+    device: str
+    startup_s: float = 0.0
+    blend_support: BlendSupport | None = None
+
+    def _configure(self, settings: Settings, llm: LLMInfo | None, *, in_process: bool) -> None:
+        """Settings, model and dtype; the environment vLLM reads at creation.
+
+        Raises:
+            ModelNotFoundError: the model cannot be found. ConfigError: engine settings vLLM would
+                refuse for this model (:func:`~ragcache.engine.limits.check_engine_limits`).
+        """
+        self.settings = settings
+        self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
+        self.dtype = resolve_dtype(settings.engine.dtype)
+        check_engine_limits(settings.engine, self.llm_info.path, self.dtype.dtype)
+        set_engine_environment(in_process=in_process)
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.LLM`` and ``AsyncEngineArgs``: the model, the paged cache, the
+        KV connector (by module path) and the worker extension."""
+        from vllm.config import KVTransferConfig
+
+        eng = self.settings.engine
+        return dict(
+            model=str(self.llm_info.path),
+            dtype=self.dtype.dtype,
+            max_model_len=eng.max_model_len,
+            kv_cache_memory_bytes=eng.kv_cache_memory_bytes,
+            enforce_eager=eng.enforce_eager,
+            enable_prefix_caching=True,
+            disable_log_stats=False,  # else RequestOutput.metrics (TTFT) is None
+            max_logprobs=-1,  # full first-token distributions for quality checks (KL)
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="RagcacheConnector",
+                kv_connector_module_path="ragcache.engine.connector",
+                kv_role="kv_both",
+            ),
+            worker_extension_cls="ragcache.engine.worker.RagcacheWorkerExtension",
+            seed=0,
+        )
+
+    def _init_args(self) -> tuple[Any, ...]:
+        """Arguments of the worker's ``Rpc.INIT``: store settings, model fingerprint, KV layout version."""
+        return (self.settings.store.model_dump(mode="json"), self.llm_info.fingerprint, KV_LAYOUT_VERSION)
+
+    def _set_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer, self.settings.prompt, self.llm_info.fingerprint,
+                                     max_len=self.settings.engine.max_model_len,
+                                     store_namespace=self.settings.store.namespace)
+
+    def _warm_up_prompt(self) -> AssembledPrompt:
+        """The tiny prompt of the start-up request (the first request pays for lazy kernel and
+        allocator set-up, seconds on CPU)."""
+        return self.prompts.build("warm up", [])
+
+    def _warm_up_mode(self) -> str:
+        """blend when the self-check left it available, else full."""
+        return "blend" if self.blend_support is None or self.blend_support.available else "full"
+
+    def _request(self, prompt: AssembledPrompt, mode: str | None, *, max_tokens: int | None = None,
+                 recompute_ratio: float | None = None, selection: str | None = None,
+                 logprobs: int | None = None, delta: bool = False,
+                 sampling: SamplingOptions | None = None) -> PreparedRequest:
+        """The vLLM request of ``prompt`` in ``mode`` (default ``engine.mode``).
+
+        Raises:
+            ValueError: unknown mode, a ratio outside [0, 1], or sampling values vLLM rejects.
+            BlendUnavailableError / ContextBeyondWindowError: see :meth:`BlendSupport.require
+                <ragcache.engine.selfcheck.BlendSupport.require>`.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        mode = mode or self.settings.engine.mode
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+        if self.blend_support is not None:
+            self.blend_support.require(mode, prompt.ctx_len)
+        rid = uuid.uuid4().hex
+        extra = None
+        ratio = None
+        if mode in CONNECTOR_MODES:
+            params = BlendParams.from_settings(
+                self.settings.blend, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
+                segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
+                recompute_ratio=recompute_ratio, selection=selection,
+            )
+            ratio = params.recompute_ratio if mode == "blend" else None
+            extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}
+        opts = sampling or GREEDY
+        sp = SamplingParams(
+            temperature=opts.temperature, top_p=opts.top_p, stop=list(opts.stop) or None, seed=opts.seed,
+            ignore_eos=opts.ignore_eos, min_tokens=opts.min_tokens,
+            max_tokens=max_tokens or self.settings.engine.max_tokens,
+            logprobs=logprobs,
+            extra_args=extra,
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+        )
+        if logprobs is not None:
+            # vLLM decodes the token of every logprob entry (~49k tokenizer.decode calls for the whole
+            # vocabulary) at every step, seconds per token on CPU: return ids, decode the answer here
+            sp.detokenize = False
+            sp.flat_logprobs = True
+        inputs: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
+        if mode != "prefix":
+            inputs["cache_salt"] = rid  # never share (or reuse) exact-prefix blocks with others
+        return PreparedRequest(rid, prompt, mode, ratio, inputs, sp)
+
+    def _generation(self, req: PreparedRequest, out: Any, total_s: float) -> Generation:
+        """A finished (FINAL_ONLY) ``RequestOutput`` as a :class:`Generation`."""
+        comp = out.outputs[0]
+        token_ids = list(comp.token_ids)
+        text = comp.text if req.sampling.detokenize else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        first = first_position(comp.logprobs) if req.sampling.logprobs is not None else None
+        metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=out,
+                                             total_s=total_s, recompute_ratio=req.recompute_ratio)
+        return Generation(text, token_ids, metrics, first, comp.finish_reason)

@@ -1,0 +1,157 @@
+"""A client of a running ``ragcache serve`` that answers with the SDK's objects.
+
+Owns: :class:`RemotePipeline`, which has the query side of :class:`~ragcache.pipeline.RAGPipeline`
+(``query``, ``stream``, ``cache_stats``) but sends each question to the server's
+/v1/chat/completions and rebuilds the :class:`~ragcache.pipeline.Answer` (sources, metrics) from
+the ``ragcache`` object of the response; and :func:`server_indexes` (GET /v1/models). So an app
+(the Streamlit UI with ``ui.server_url``) can talk to one shared, batched engine instead of
+embedding its own. Sources carry the server's ``snippet`` as their text. Uses httpx; no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, Sequence
+
+from ragcache.conversation import Turn
+from ragcache.engine.messages import RequestMetrics
+from ragcache.pipeline import Answer, Source
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error (its OpenAI-shaped message, which says what to fix)."""
+
+
+def _headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _raise_for(resp: Any) -> None:
+    if resp.status_code >= 400:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:300]
+        raise ServerError(f"{resp.status_code} from {resp.request.url}: {message}")
+
+
+def server_indexes(base_url: str, api_key: str = "", timeout_s: float = 10.0) -> list[str]:
+    """The indexes a server offers (GET /v1/models).
+
+    Raises:
+        ServerError: an error answer. httpx.HTTPError: the server cannot be reached.
+    """
+    import httpx
+
+    resp = httpx.get(f"{base_url}/v1/models", headers=_headers(api_key), timeout=timeout_s)
+    _raise_for(resp)
+    return [m["id"] for m in resp.json()["data"]]
+
+
+def answer_from(question: str, text: str, finish: str | None, extra: dict[str, Any],
+                usage: dict[str, Any]) -> Answer:
+    """An :class:`Answer` from a response's text, finish reason, ``ragcache`` object and usage."""
+    m = extra.get("metrics") or {}
+    sources = [Source(s["doc_id"], s["title"], s.get("snippet", ""), s["score"], s["chunk_id"], s.get("tier") or "")
+               for s in extra.get("sources") or []]
+    tiers = [s.tier for s in sources if s.tier]
+    metrics = RequestMetrics(
+        mode=m.get("mode", ""), ttft_s=m.get("ttft_s", 0.0), total_s=m.get("total_s", 0.0),
+        retrieval_s=m.get("retrieval_s", 0.0), prompt_tokens=usage.get("prompt_tokens", 0),
+        output_tokens=usage.get("completion_tokens", 0),
+        num_cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        recompute_ratio=m.get("recompute_ratio"), reused_tokens=m.get("reused_tokens", 0),
+        recomputed_tokens=m.get("recomputed_tokens", 0), chunk_tiers=tiers, load_s=m.get("load_s", 0.0),
+        worker_s=m.get("worker_s", 0.0))
+    return Answer(question, text.strip(), sources, metrics, finish)
+
+
+class RemotePipeline:
+    """The query side of RAGPipeline, answered by a ``ragcache serve`` at ``base_url``.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
+        index: the index to ask (the request's ``model``).
+        api_key: the server's ``serve.api_key``, if it has one.
+        timeout_s: seconds to wait for an answer (full prefill of long prompts takes tens of seconds on CPU).
+    """
+
+    def __init__(self, base_url: str, index: str, *, api_key: str = "", timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.index_name = index
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    def _body(self, question: str, mode: str | None, top_k: int | None, max_tokens: int | None,
+              recompute_ratio: float | None, history: Sequence[Turn], stream: bool) -> dict[str, Any]:
+        opts = {k: v for k, v in (("mode", mode), ("top_k", top_k), ("recompute_ratio", recompute_ratio))
+                if v is not None}
+        body: dict[str, Any] = {
+            "model": self.index_name, "stream": stream, "ragcache": opts,
+            "messages": [{"role": t.role, "content": t.content} for t in history]
+            + [{"role": "user", "content": question}]}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        return body
+
+    def stream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
+               max_tokens: int | None = None, recompute_ratio: float | None = None,
+               history: Sequence[Turn] = ()) -> Iterator[str | Answer]:
+        """Yield the answer's text pieces as the server streams them, then the :class:`Answer`.
+
+        Raises:
+            ServerError: the server refused the question or failed while answering.
+        """
+        import httpx
+
+        body = self._body(question, mode, top_k, max_tokens, recompute_ratio, history, stream=True)
+        text: list[str] = []
+        finish, extra, usage = None, {}, {}
+        with httpx.stream("POST", f"{self.base_url}/v1/chat/completions", json=body,
+                          headers=_headers(self.api_key), timeout=self.timeout_s) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for(resp)
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    raise ServerError(chunk["error"].get("message", "the server failed while answering"))
+                if chunk.get("usage"):
+                    usage, extra = chunk["usage"], chunk.get("ragcache") or {}
+                elif chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    finish = choice.get("finish_reason") or finish
+                    piece = choice["delta"].get("content")
+                    if piece:
+                        text.append(piece)
+                        yield piece
+        yield answer_from(question, "".join(text), finish, extra, usage)
+
+    def query(self, question: str, mode: str | None = None, top_k: int | None = None, *,
+              max_tokens: int | None = None, recompute_ratio: float | None = None,
+              history: Sequence[Turn] = ()) -> Answer:
+        """The whole :class:`Answer` in one response.
+
+        Raises:
+            ServerError: the server refused the question or failed while answering.
+        """
+        import httpx
+
+        body = self._body(question, mode, top_k, max_tokens, recompute_ratio, history, stream=False)
+        resp = httpx.post(f"{self.base_url}/v1/chat/completions", json=body, headers=_headers(self.api_key),
+                          timeout=self.timeout_s)
+        _raise_for(resp)
+        data = resp.json()
+        choice = data["choices"][0]
+        return answer_from(question, choice["message"]["content"], choice.get("finish_reason"),
+                           data.get("ragcache") or {}, data.get("usage") or {})
+
+    def cache_stats(self) -> dict[str, Any]:
+        """The server's per-tier KV store stats (GET /v1/cache)."""
+        import httpx
+
+        resp = httpx.get(f"{self.base_url}/v1/cache", headers=_headers(self.api_key), timeout=30)
+        _raise_for(resp)
+        return resp.json()["tiers"]

@@ -1,0 +1,141 @@
+"""Prometheus metrics of ``ragcache serve`` (GET /metrics), with prometheus-client.
+
+Owns: the metric definitions, how one answered request moves them (:meth:`ServerMetrics.observe`)
+and the KV store snapshot behind the per-tier gauges. Names start with ``ragcache_`` (Prometheus
+reserves ``:`` for recording rules; vLLM's own metrics are ``vllm:*``); label values are bounded:
+``tier`` (device, cpu, disk, remote), ``index`` (indexes served), ``mode`` (full, prefix, reuse,
+blend), ``outcome`` (completed, aborted, error) — never chunk ids or request ids. Its own
+registry, so /metrics shows exactly these. Imports prometheus_client and ragcache.pipeline types.
+
+Per request (after it completes):
+  ragcache_time_to_first_token_seconds{index,mode}   histogram of vLLM's first-token latency
+                                                      (queueing + chunk KV load/blend + prefill of the tail)
+  ragcache_e2e_request_latency_seconds{index,mode}   histogram, question arrival to last token
+  ragcache_retrieval_seconds{index}                  histogram, question embedding + search
+  ragcache_prompt_tokens_total{index,mode}           prompt tokens
+  ragcache_cached_prompt_tokens_total{index,mode}    of which not computed for the request (usage.cached_tokens)
+  ragcache_recomputed_tokens_total{index,mode}       context tokens recomputed (blend's HKVD tokens)
+  ragcache_output_tokens_total{index,mode}           tokens decoded
+  ragcache_chunk_lookups_total{tier}                 retrieved chunks looked up in each tier (a chunk
+                                                      served by disk was looked up in cpu, then disk)
+  ragcache_chunk_hits_total{tier}                    retrieved chunks served by each tier; lookups
+                                                      minus hits are misses, so hits/lookups is the hit rate
+  ragcache_requests_total{index,mode,outcome}        requests that got an answer (completed), whose
+                                                      client went away (aborted) or that failed (error)
+Now:
+  ragcache_requests_in_flight                        chat completions being answered
+  ragcache_tier_bytes{tier}                          bytes of chunk KV each tier holds (at the last scrape)
+  ragcache_evictions_total{tier}                     entries each tier evicted since the server started
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ragcache.pipeline import Answer
+from ragcache.server.schemas import cached_tokens
+
+#: seconds; TTFT spans ~0.05 s (blend, short prompt) to ~60 s (full prefill of 6k tokens on 2 CPU cores)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+RETRIEVAL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+#: what a retrieved chunk's KV tier is called when it was missing and computed during the request
+COMPUTED = "computed"
+
+
+class _StoreCollector:
+    """``ragcache_tier_bytes`` and ``ragcache_evictions_total`` from the last store snapshot."""
+
+    def __init__(self) -> None:
+        self.stats: Mapping[str, Mapping[str, Any]] = {}
+
+    def collect(self) -> Iterable[Any]:
+        size = GaugeMetricFamily("ragcache_tier_bytes", "Bytes of chunk KV held by each tier", labels=["tier"])
+        evicted = CounterMetricFamily("ragcache_evictions", "Entries evicted by each tier to stay within its "
+                                      "capacity, since the server started", labels=["tier"])
+        for tier, s in self.stats.items():
+            size.add_metric([tier], float(s.get("occupancy_bytes") or 0))
+            evicted.add_metric([tier], float(s.get("evictions") or 0))
+        yield size
+        yield evicted
+
+
+class ServerMetrics:
+    """The server's Prometheus registry (see the module docstring for every metric).
+
+    Args:
+        tiers: the KV store's tiers, top-down (the keys of ``store_stats()``); a chunk served by a
+            tier counts as a lookup in that tier and every tier above it.
+    """
+
+    def __init__(self, tiers: Sequence[str] = ()):
+        disable_created_metrics()  # no `*_created` series (process-wide in prometheus-client)
+        r = self.registry = CollectorRegistry()
+        im = ["index", "mode"]
+        self.ttft = Histogram("ragcache_time_to_first_token_seconds", "Time to first token (vLLM's first-token "
+                              "latency: queueing, chunk KV load and blend, prefill of the tail)", im,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("ragcache_e2e_request_latency_seconds", "Question arrival to last token", im,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.retrieval = Histogram("ragcache_retrieval_seconds", "Question embedding and search", ["index"],
+                                   buckets=RETRIEVAL_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ragcache_prompt_tokens", "Prompt tokens", im, registry=r)
+        self.cached_tokens = Counter("ragcache_cached_prompt_tokens", "Prompt tokens whose KV was not computed "
+                                     "for the request (reused chunk KV, or prefix-cache hits)", im, registry=r)
+        self.recomputed_tokens = Counter("ragcache_recomputed_tokens", "Context tokens recomputed (the blend's "
+                                         "HKVD tokens and the layers before its check layer)", im, registry=r)
+        self.output_tokens = Counter("ragcache_output_tokens", "Tokens decoded", im, registry=r)
+        self.lookups = Counter("ragcache_chunk_lookups", "Retrieved chunks looked up in each KV tier", ["tier"],
+                               registry=r)
+        self.hits = Counter("ragcache_chunk_hits", "Retrieved chunks served by each KV tier", ["tier"], registry=r)
+        self.requests = Counter("ragcache_requests", "Chat completions by outcome (completed, aborted, error)",
+                                ["index", "mode", "outcome"], registry=r)
+        self.in_flight = Gauge("ragcache_requests_in_flight", "Chat completions being answered now", registry=r)
+        self.store = _StoreCollector()
+        r.register(self.store)
+        self.tiers: list[str] = []
+        self.set_tiers(tiers)
+
+    def set_tiers(self, tiers: Sequence[str]) -> None:
+        """The store's tiers, top-down; their lookup and hit series start at 0."""
+        self.tiers = list(tiers)
+        for t in self.tiers:
+            self.lookups.labels(t)
+            self.hits.labels(t)
+
+    def observe(self, index: str, answer: Answer) -> None:
+        """Count one completed request."""
+        m = answer.metrics
+        key = (index, m.mode)
+        self.ttft.labels(*key).observe(m.ttft_s)
+        self.e2e.labels(*key).observe(m.total_s)
+        self.retrieval.labels(index).observe(m.retrieval_s)
+        self.prompt_tokens.labels(*key).inc(m.prompt_tokens)
+        self.cached_tokens.labels(*key).inc(cached_tokens(answer))
+        self.recomputed_tokens.labels(*key).inc(m.recomputed_tokens)
+        self.output_tokens.labels(*key).inc(m.output_tokens)
+        for tier in m.chunk_tiers:
+            self._count_chunk(tier)
+        self.requests.labels(index, m.mode, "completed").inc()
+
+    def _count_chunk(self, tier: str) -> None:
+        if tier in self.tiers:
+            for t in self.tiers[: self.tiers.index(tier) + 1]:
+                self.lookups.labels(t).inc()
+            self.hits.labels(tier).inc()
+        elif tier == COMPUTED:  # missed in every tier, computed during the request
+            for t in self.tiers:
+                self.lookups.labels(t).inc()
+
+    def count_outcome(self, index: str, mode: str, outcome: str) -> None:
+        """Count a request that did not complete: ``aborted`` (the client left) or ``error``."""
+        self.requests.labels(index, mode, outcome).inc()
+
+    def render(self, store_stats: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
+        """The Prometheus text exposition, with the per-tier gauges from ``store_stats`` when given."""
+        if store_stats is not None:
+            self.store.stats = store_stats
+        return generate_latest(self.registry)

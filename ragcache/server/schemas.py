@@ -1,0 +1,273 @@
+"""The wire format of ``ragcache serve``: OpenAI-shaped chat requests, responses, stream chunks and errors.
+
+Owns: the request models (:class:`ChatCompletionRequest` with its :class:`RagcacheOptions`), the
+bodies of a ChatCompletion, of a ``chat.completion.chunk`` and of an error, and the ``ragcache``
+object added to them (sources and metrics). Shapes follow OpenAI's Chat Completions API
+(https://platform.openai.com/docs/api-reference/chat), as the ``openai`` SDK parses them; the
+``ragcache`` additions are top-level fields the SDK keeps in ``model_extra``. Imports pydantic and
+ragcache.config / conversation / pipeline types only; no engine, no FastAPI.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ragcache.config import Mode
+from ragcache.conversation import Turn, split_messages
+from ragcache.engine.base import SamplingOptions
+from ragcache.pipeline import Answer, Source
+
+#: characters of a source's text returned as its ``snippet``
+SNIPPET_CHARS = 240
+
+#: ``model`` values that mean "the server's default index" (``serve.index`` / ``--index``)
+DEFAULT_MODEL_ALIASES = ("", "ragcache", "default")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+    Args:
+        status: HTTP status (400 bad request, 401 key, 404 unknown model/index, 429 too many in
+            flight, 500 server error, 503 not ready).
+        message: what is wrong and how to fix it.
+        param: the request field at fault (``"temperature"``, ``"messages[1].role"``), if any.
+        code: a stable machine-readable code (``"model_not_found"``, ``"context_length_exceeded"``...).
+    """
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             429: "rate_limit_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response (also sent as an SSE ``data:`` line mid-stream)."""
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError | Any) -> APIError:
+    """A 400 naming the first invalid field of a pydantic / FastAPI validation error, its value and the rule."""
+    errors = exc.errors()
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+    loc = [p for p in err.get("loc", ()) if p != "body"]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({err.get('msg')}); send a JSON object")
+    if err.get("type") == "missing":
+        return APIError(400, f"{param} is required", param=param)
+    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    more = f"; {len(errors) - 1} more error(s)" if len(errors) > 1 else ""
+    return APIError(400, f"{param or 'body'}: {err.get('msg')}{got}{more}", param=param)
+
+
+# ---- request ------------------------------------------------------------------------------------
+
+
+class RagcacheOptions(BaseModel):
+    """The ``ragcache`` object of a request (the openai SDK's ``extra_body={"ragcache": {...}}``).
+
+    Every field is optional; unset ones take the server's settings.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: str | None = Field(None, description="index to answer from (overrides model)")
+    top_k: int | None = Field(None, ge=1, le=100, description="chunks retrieved (default retrieval.top_k)")
+    mode: Mode | None = Field(None, description="full, prefix, reuse or blend (default engine.mode)")
+    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0,
+                                          description="share of context tokens recomputed in blend mode")
+    return_sources: bool = Field(True, description="include the retrieved chunks in the response")
+    return_prompt: bool = Field(False, description="include the prompt text the model was given")
+
+
+class ChatMessage(BaseModel):
+    """One message; ``content`` is a string or a list of ``{"type": "text", "text"}`` parts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message text; text parts are joined with newlines.
+
+        Raises:
+            ValueError: a part that is not text.
+        """
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{j}] has type {part.get('type')!r}; only text parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(BaseModel):
+    """POST /v1/chat/completions. OpenAI's fields that ragcache honours, vLLM's ``ignore_eos`` /
+    ``min_tokens``, and ``ragcache``; other OpenAI fields are accepted and ignored.
+
+    ``temperature`` defaults to 0 (greedy), unlike OpenAI's 1: answers are reproducible and the
+    modes comparable token for token.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    ragcache: RagcacheOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _check_min_tokens(self) -> "ChatCompletionRequest":
+        limit = self.answer_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is larger than max_tokens ({limit})")
+        return self
+
+    @property
+    def answer_tokens(self) -> int | None:
+        """``max_completion_tokens`` or ``max_tokens``; None = the server's ``engine.max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def options(self) -> RagcacheOptions:
+        return self.ragcache or RagcacheOptions()
+
+    def conversation(self) -> tuple[str, list[Turn]]:
+        """The question (the last user message) and the earlier turns.
+
+        Raises:
+            APIError: 400 naming the message at fault.
+        """
+        msgs = []
+        for i, m in enumerate(self.messages):
+            try:
+                msgs.append({"role": m.role, "content": m.text()})
+            except ValueError as exc:
+                raise APIError(400, f"messages[{i}].{exc}", param=f"messages[{i}].content") from None
+        try:
+            return split_messages(msgs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
+    def sampling(self) -> SamplingOptions:
+        """temperature, top_p, stop, seed, ignore_eos and min_tokens as engine options."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
+                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
+
+
+# ---- response -----------------------------------------------------------------------------------
+
+
+def completion_id() -> str:
+    """A fresh ``chatcmpl-...`` id."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def source_body(s: Source, tier: str | None) -> dict[str, Any]:
+    """One source: ``{doc_id, title, chunk_id, score, tier, snippet}`` (tier None: not known yet)."""
+    return {"doc_id": s.doc_id, "title": s.title, "chunk_id": s.chunk_id, "score": round(float(s.score), 4),
+            "tier": tier, "snippet": " ".join(s.text.split())[:SNIPPET_CHARS]}
+
+
+def metrics_body(answer: Answer) -> dict[str, Any]:
+    """``{mode, ttft_s, retrieval_s, total_s, reused_tokens, recomputed_tokens, tier_hits,
+    recompute_ratio, load_s, worker_s}``; seconds are the engine's (TTFT: vLLM's first-token latency)."""
+    m = answer.metrics
+    return {"mode": m.mode, "ttft_s": round(m.ttft_s, 4), "retrieval_s": round(m.retrieval_s, 4),
+            "total_s": round(m.total_s, 4), "reused_tokens": m.reused_tokens,
+            "recomputed_tokens": m.recomputed_tokens, "tier_hits": m.tier_hits,
+            "recompute_ratio": m.recompute_ratio, "load_s": round(m.load_s, 4), "worker_s": round(m.worker_s, 4)}
+
+
+def cached_tokens(answer: Answer) -> int:
+    """Prompt tokens whose KV was not computed for this request: the reused chunk KV in reuse/blend
+    mode, vLLM's prefix-cache hits in prefix mode, 0 in full mode."""
+    m = answer.metrics
+    if m.mode in ("reuse", "blend"):
+        return m.reused_tokens
+    return m.num_cached_tokens if m.mode == "prefix" else 0
+
+
+def usage_body(answer: Answer) -> dict[str, Any]:
+    """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (see :func:`cached_tokens`)."""
+    m = answer.metrics
+    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
+            "total_tokens": m.prompt_tokens + m.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(answer)}}
+
+
+def ragcache_body(index: str, opts: RagcacheOptions, *, sources: list[Source] | None = None,
+                  answer: Answer | None = None, prompt_text: str | None = None) -> dict[str, Any]:
+    """The response's ``ragcache`` object: index, sources (when asked), metrics (once answered), prompt."""
+    out: dict[str, Any] = {"index": index}
+    if opts.return_sources:
+        srcs = answer.sources if answer is not None else sources or []
+        out["sources"] = [source_body(s, (s.tier or None) if answer is not None else None) for s in srcs]
+    if answer is not None:
+        out["metrics"] = metrics_body(answer)
+    if opts.return_prompt and prompt_text is not None:
+        out["prompt"] = prompt_text
+    return out
+
+
+def finish_reason(answer: Answer) -> str:
+    """OpenAI's finish reason: ``"length"`` when max_tokens (or the context) ended the answer, else ``"stop"``."""
+    return "length" if answer.finish_reason == "length" else "stop"
+
+
+def completion_body(cid: str, model: str, answer: Answer, extra: dict[str, Any]) -> dict[str, Any]:
+    """A ``chat.completion`` object with usage and the ``ragcache`` object ``extra``."""
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
+                         "finish_reason": finish_reason(answer), "logprobs": None}],
+            "usage": usage_body(answer), "ragcache": extra}
+
+
+def chunk_body(cid: str, model: str, created: int, *, delta: dict[str, Any] | None = None,
+               finish: str | None = None, usage: dict[str, Any] | None = None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``chat.completion.chunk``: one choice with ``delta`` (and ``finish``), or, with ``usage``, the
+    final usage chunk whose ``choices`` is empty."""
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    if usage is not None:
+        body["choices"] = []
+        body["usage"] = usage
+    else:
+        body["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+    if extra is not None:
+        body["ragcache"] = extra
+    return body

@@ -1,0 +1,378 @@
+"""`ragcache serve` end to end: a real uvicorn server on a free loopback port, the real AsyncBlendEngine
+(SmolLM2 through vLLM), the real `openai` client and httpx. One server for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.test_pipeline import DOCS  # the three Zorbia documents
+
+pytestmark = pytest.mark.integration
+
+INDEX = "zorbia"
+MAX_MODEL_LEN = 8192
+ASK = dict(model=INDEX, max_tokens=12, extra_body={"ragcache": {"top_k": 2}})
+
+
+class ServerThread:
+    """uvicorn serving ``app`` in a thread of this process (so tests can reach the app's engine)."""
+
+    def __init__(self, app, port: int):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="ragcache-test-server", daemon=True)
+
+    def start(self, timeout_s: float = 600) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server thread died during start-up (see the log above)"
+            assert time.monotonic() < deadline, "the server did not start in time"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(120)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(base URL, ServerState) of a server over a freshly ingested index. The chunk KV is not
+    precomputed: the first request computes and stores it (tier "computed"), later ones reuse it."""
+    from ragcache.config import Settings
+    from ragcache.ingest import Ingestor
+    from ragcache.server import create_app
+    from ragcache.bench.fixtures import free_port
+
+    root = tmp_path_factory.mktemp("serve")
+    docs = root / "docs"
+    docs.mkdir()
+    for name, text in DOCS.items():
+        (docs / name).write_text(text)
+    settings = Settings.load(
+        store={"ssd_cache_dir": str(root / "kv"), "remote_url": "", "cpu_kv_pool_gb": 1.0},
+        engine={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 16},
+        ingest={"index_dir": str(root / "idx")}, serve={"index": INDEX, "max_in_flight": 16},
+    )
+    assert Ingestor(settings, INDEX).ingest([docs]).chunks_added == len(DOCS)
+    app = create_app(settings)
+    port = free_port()
+    thread = ServerThread(app, port)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client(url).chat.completions.create(messages=user("What is Zorbia?"), model=INDEX,
+                                            extra_body={"ragcache": {"top_k": 3}}, max_tokens=2)  # computes chunk KV
+        yield url, app.state.server
+    finally:
+        thread.stop()
+
+
+def client(url: str, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300, **kwargs)
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def total(metrics: dict, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def wait_idle(url: str, timeout_s: float = 30) -> dict:
+    """/health once no request is in flight in the server nor in vLLM."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = httpx.get(f"{url}/health", timeout=10).json()
+        if h["in_flight"] == 0 and h["engine_unfinished_requests"] == 0:
+            return h
+        assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {h}"
+        time.sleep(0.2)
+
+
+# ---- completions ---------------------------------------------------------------------------------
+
+
+def test_models_list_one_entry_per_index_and_health_reports_the_engine(served):
+    url, _ = served
+    assert [m.id for m in client(url).models.list().data] == [INDEX]
+    h = httpx.get(f"{url}/health").json()
+    assert h["status"] == "ok" and h["default_index"] == INDEX and h["device"]
+
+
+def test_completion_returns_text_sources_and_reused_tokens_in_blend_and_none_in_full(served):
+    url, _ = served
+    c = client(url)
+    blend = c.chat.completions.create(messages=user("What is the capital of Zorbia?"), **ASK)
+    assert blend.choices[0].message.content and blend.choices[0].finish_reason in ("stop", "length")
+    rc = blend.model_extra["ragcache"]
+    assert rc["index"] == INDEX and len(rc["sources"]) == 2
+    assert any("Velmora" in s["snippet"] for s in rc["sources"])
+    assert all(s["tier"] in ("cpu", "disk") and s["chunk_id"] and s["doc_id"] for s in rc["sources"])
+    m = rc["metrics"]
+    assert m["mode"] == "blend" and m["ttft_s"] > 0 and m["retrieval_s"] > 0 and m["recompute_ratio"] == 0.15
+    assert m["reused_tokens"] > 0 and m["recomputed_tokens"] > 0 and sum(m["tier_hits"].values()) == 2
+    cached = blend.usage.prompt_tokens_details.cached_tokens
+    assert cached == m["reused_tokens"] and 0 < cached < blend.usage.prompt_tokens
+
+    full = c.chat.completions.create(messages=user("What is the capital of Zorbia?"), model=INDEX, max_tokens=12,
+                                     extra_body={"ragcache": {"top_k": 2, "mode": "full"}})
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    assert full.usage.prompt_tokens == blend.usage.prompt_tokens  # the same prompt, served without reuse
+    rc = full.model_extra["ragcache"]
+    assert rc["metrics"]["mode"] == "full" and rc["metrics"]["recompute_ratio"] is None
+    assert [s["tier"] for s in rc["sources"]] == [None, None]
+
+
+def test_stream_sends_sources_first_then_text_then_a_usage_chunk_then_done(served):
+    url, _ = served
+    question = "What is kelmet made of?"
+    alone = client(url).chat.completions.create(messages=user(question), **ASK).choices[0].message.content
+    chunks = list(client(url).chat.completions.create(messages=user(question), stream=True, **ASK))
+    first, last = chunks[0], chunks[-1]
+    assert first.choices[0].delta.role == "assistant"
+    assert [s["tier"] for s in first.model_extra["ragcache"]["sources"]] == [None, None]  # not served yet
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == alone
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert last.choices == [] and last.usage.prompt_tokens_details.cached_tokens > 0
+    rc = last.model_extra["ragcache"]
+    assert rc["metrics"]["reused_tokens"] == last.usage.prompt_tokens_details.cached_tokens
+    assert all(s["tier"] in ("cpu", "disk") for s in rc["sources"])
+    # the wire: only data: lines (no custom event names), ending with [DONE]
+    body = {"model": INDEX, "messages": user(question), "stream": True, "max_tokens": 4}
+    raw = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).text
+    lines = [ln for ln in raw.splitlines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_eight_concurrent_streams_finish_and_each_equals_its_question_asked_alone(served):
+    url, _ = served
+    questions = ["What is the capital of Zorbia?", "Who founded Velmora?", "What is kelmet?",
+                 "How many seats has the Amber Hall?", "When was Velmora founded?", "Where does parliament meet?",
+                 "What river flows through Velmora?", "How often are elections held in Zorbia?"]
+    c = client(url)
+    alone = [c.chat.completions.create(messages=user(q), **ASK).choices[0].message.content for q in questions]
+
+    async def one(aclient: openai.AsyncOpenAI, q: str) -> str:
+        stream = await aclient.chat.completions.create(messages=user(q), stream=True, **ASK)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices]).strip()
+
+    async def together() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(*(one(ac, q) for q in questions))
+
+    assert asyncio.run(together()) == alone
+    wait_idle(url)
+
+
+def test_second_turn_prompt_holds_the_first_turn_after_the_chunks(served):
+    url, _ = served
+    c = client(url)
+    q1 = "What is the capital of Zorbia?"
+    first = c.chat.completions.create(messages=user(q1), **ASK)
+    a1 = first.choices[0].message.content
+    turns = [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+             {"role": "user", "content": "Who founded it?"}]
+    second = c.chat.completions.create(messages=turns, model=INDEX, max_tokens=12,
+                                       extra_body={"ragcache": {"top_k": 2, "return_prompt": True}})
+    rc = second.model_extra["ragcache"]
+    prompt = rc["prompt"]
+    history = prompt.index("Conversation so far:")
+    assert prompt.index(f"Assistant: {a1.strip()}") > history > prompt.index("Velmora was founded")  # after chunks
+    assert prompt.index("Question: Who founded it?") > prompt.index(a1.strip())
+    # the follow-up retrieved with the previous question too, and still reused the chunk KV
+    assert any("Velmora" in s["snippet"] for s in rc["sources"])
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_metrics_move_by_the_right_amounts(served):
+    url, _ = served
+    c = client(url)
+    before = scrape(url)
+    answers = [c.chat.completions.create(messages=user(q), **ASK)
+               for q in ("What is kelmet?", "Where is the Amber Hall?")]
+    full = c.chat.completions.create(messages=user("What is kelmet?"), model=INDEX, max_tokens=4,
+                                     extra_body={"ragcache": {"top_k": 2, "mode": "full"}})
+    after = scrape(url)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    blend = {"index": INDEX, "mode": "blend"}
+    assert delta("ragcache_requests_total", outcome="completed", **blend) == 2
+    assert delta("ragcache_requests_total", outcome="completed", index=INDEX, mode="full") == 1
+    assert delta("ragcache_time_to_first_token_seconds_count", **blend) == 2
+    assert delta("ragcache_e2e_request_latency_seconds_count", index=INDEX) == 3
+    assert delta("ragcache_retrieval_seconds_count", index=INDEX) == 3
+    assert delta("ragcache_prompt_tokens_total", **blend) == sum(a.usage.prompt_tokens for a in answers)
+    assert delta("ragcache_cached_prompt_tokens_total", **blend) == sum(
+        a.usage.prompt_tokens_details.cached_tokens for a in answers)
+    assert delta("ragcache_recomputed_tokens_total", **blend) == sum(
+        a.model_extra["ragcache"]["metrics"]["recomputed_tokens"] for a in answers)
+    assert delta("ragcache_prompt_tokens_total", index=INDEX, mode="full") == full.usage.prompt_tokens
+    assert delta("ragcache_cached_prompt_tokens_total", index=INDEX, mode="full") == 0
+    assert delta("ragcache_output_tokens_total", index=INDEX) == sum(
+        a.usage.completion_tokens for a in [*answers, full])
+    assert delta("ragcache_chunk_hits_total") == 4  # 2 blend requests x 2 chunks; full mode loads no chunk KV
+    assert delta("ragcache_chunk_lookups_total", tier="cpu") == 4  # every lookup starts at the cpu tier
+    assert total(after, "ragcache_requests_in_flight") == 0
+    assert total(after, "ragcache_tier_bytes", tier="cpu") > 0
+    assert ("ragcache_evictions_total", (("tier", "cpu"),)) in after
+    assert not any(":" in name for name, _ in after)
+
+
+def test_a_client_disconnect_mid_stream_aborts_its_vllm_request(served):
+    url, _ = served
+    before = scrape(url)
+    body = {"model": INDEX, "messages": user("Tell me everything about Zorbia."), "stream": True,
+            "max_tokens": 4000, "ignore_eos": True}  # a minute or more of decoding unless aborted
+    t0 = time.monotonic()
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            chunk = json.loads(line[len("data: "):]) if line.startswith("data: {") else {}
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                break  # the first decoded piece: hang up
+    assert httpx.get(f"{url}/health").json()["in_flight"] in (0, 1)
+    wait_idle(url, timeout_s=30)
+    assert time.monotonic() - t0 < 60
+    after = scrape(url)
+    assert total(after, "ragcache_requests_total", outcome="aborted") - total(
+        before, "ragcache_requests_total", outcome="aborted") == 1
+    assert total(after, "ragcache_requests_in_flight") == 0
+
+
+def test_stop_strings_seed_and_max_tokens_are_honoured(served):
+    url, _ = served
+    c = client(url)
+    question = user("What is the capital of Zorbia?")
+    greedy = c.chat.completions.create(messages=question, **ASK).choices[0].message.content
+    word = greedy.split()[-1].strip(".")  # the last word the model says
+    stopped = c.chat.completions.create(messages=question, stop=[word], **ASK).choices[0]
+    assert word not in stopped.message.content and greedy.startswith(stopped.message.content.strip())
+    assert stopped.finish_reason == "stop"
+    sampled = [c.chat.completions.create(messages=question, temperature=1.0, seed=7, **ASK).choices[0].message.content
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    short = c.chat.completions.create(messages=question, model=INDEX, max_tokens=2,
+                                      extra_body={"ragcache": {"top_k": 2}})
+    assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "length"
+
+
+def test_the_remote_pipeline_answers_with_the_sdk_objects(served):
+    from ragcache.conversation import Turn
+    from ragcache.pipeline import Answer
+    from ragcache.server.client import RemotePipeline, ServerError, server_indexes
+
+    url, _ = served
+    assert server_indexes(url) == [INDEX]
+    remote = RemotePipeline(url, INDEX)
+    items = list(remote.stream("Who founded it?", top_k=2, max_tokens=12,
+                               history=[Turn("user", "What is the capital of Zorbia?"), Turn("assistant", "Velmora.")]))
+    answer = items[-1]
+    assert isinstance(answer, Answer) and "".join(items[:-1]).strip() == answer.text
+    assert answer.metrics.mode == "blend" and answer.metrics.reused_tokens > 0 and answer.metrics.ttft_s > 0
+    assert len(answer.sources) == 2 and all(s.tier in ("cpu", "disk") for s in answer.sources)
+    assert sum(answer.metrics.tier_hits.values()) == 2
+    full = remote.query("What is kelmet?", mode="full", top_k=2, max_tokens=4)
+    assert full.metrics.mode == "full" and full.metrics.num_cached_tokens == 0 and full.text
+    assert "cpu" in remote.cache_stats()
+    with pytest.raises(ServerError, match="names no index"):
+        RemotePipeline(url, "nope").query("hi")
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+def test_errors_come_in_openai_shape_naming_the_field_and_the_fix(served):
+    url, _ = served
+    c = client(url)
+    with pytest.raises(openai.NotFoundError, match="'nope' names no index") as e:
+        c.chat.completions.create(model="nope", messages=user("hi"))
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 2") as e:
+        c.chat.completions.create(model=INDEX, messages=user("hi"), temperature=5)
+    assert e.value.body["param"] == "temperature" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=INDEX, messages=user("hi"), extra_body={"ragcache": {"mode": "fast"}})
+    assert e.value.body["param"] == "ragcache.mode"
+    with pytest.raises(openai.BadRequestError, match="must be a non-empty user message"):
+        c.chat.completions.create(model=INDEX, messages=[{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": "hello"}])
+    with pytest.raises(openai.BadRequestError, match=f"context is {MAX_MODEL_LEN}") as e:
+        c.chat.completions.create(model=INDEX, messages=user("why? " * 6000))
+    assert e.value.body["code"] == "context_length_exceeded"
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_over_max_in_flight_gets_429_and_a_missing_key_401(served):
+    url, state = served
+    serve = state.settings.serve
+    body = {"model": INDEX, "messages": user("Describe Zorbia."), "stream": True, "max_tokens": 4000,
+            "ignore_eos": True}
+    serve.max_in_flight = 1
+    try:
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            it = r.iter_lines()
+            first = next(it)  # the first chunk: the request holds the only slot
+            h = httpx.get(f"{url}/health").json()
+            outcomes = {k: v for k, v in scrape(url).items() if k[0] == "ragcache_requests_total"}
+            assert h["in_flight"] == 1, (first, h, outcomes, [next(it, None) for _ in range(6)])
+            with pytest.raises(openai.RateLimitError, match="serve.max_in_flight = 1"):
+                client(url).chat.completions.create(model=INDEX, messages=user("hi"), max_tokens=2)
+    finally:
+        serve.max_in_flight = 16
+    wait_idle(url)
+    serve.api_key = "s3cret"
+    try:
+        with pytest.raises(openai.AuthenticationError, match="Authorization: Bearer"):
+            client(url).models.list()
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert [m.id for m in openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list().data] == [INDEX]
+        assert httpx.get(f"{url}/health").status_code == 200  # liveness stays open
+    finally:
+        serve.api_key = ""
+
+
+# ---- SDK -----------------------------------------------------------------------------------------
+
+
+def test_sdk_aquery_and_astream_on_the_async_engine_match_the_server(served):
+    from ragcache.pipeline import Answer, RAGPipeline
+
+    url, state = served
+    question = "What is the capital of Zorbia?"
+    over_http = client(url).chat.completions.create(messages=user(question), **ASK).choices[0].message.content
+    rag = RAGPipeline(state.settings, state.pipeline(INDEX).index_path, state.engine)
+
+    async def sdk() -> tuple[Answer, list]:
+        answer = await rag.aquery(question, top_k=2, max_tokens=12)
+        items = [item async for item in rag.astream(question, top_k=2, max_tokens=12)]
+        return answer, items
+
+    answer, items = asyncio.run_coroutine_threadsafe(sdk(), state.loop).result(timeout=300)
+    assert answer.text == over_http and answer.metrics.reused_tokens > 0 and len(answer.sources) == 2
+    assert isinstance(items[-1], Answer) and "".join(items[:-1]).strip() == items[-1].text == over_http
+    with pytest.raises(TypeError, match="aquery"):
+        rag.query(question)

@@ -1,0 +1,135 @@
+"""ragcache.server without a model: request validation and its errors, response bodies, metrics, start-up checks."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from ragcache.config import ConfigError, Settings
+from ragcache.conversation import Turn
+from ragcache.engine.messages import RequestMetrics
+from ragcache.pipeline import Answer, Source
+from ragcache.server.metrics import ServerMetrics
+from ragcache.server.run import check_serve_settings, is_loopback
+from ragcache.server.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    RagcacheOptions,
+    cached_tokens,
+    chunk_body,
+    completion_body,
+    ragcache_body,
+    validation_error,
+)
+
+USER = [{"role": "user", "content": "What is kelmet?"}]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "docs", "messages": USER, **fields})
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"temperature": 3}, "temperature", "less than or equal to 2 (got 3)"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"n": 2}, "n", "less than or equal to 1"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop sequences"),
+    ({"ragcache": {"mode": "fast"}}, "ragcache.mode", "'full', 'prefix', 'reuse' or 'blend'"),
+    ({"ragcache": {"recompute_ratio": 1.5}}, "ragcache.recompute_ratio", "less than or equal to 1"),
+    ({"ragcache": {"topk": 3}}, "ragcache.topk", "Extra inputs are not permitted"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'system', 'developer', 'user' or"),
+    ({"messages": []}, "messages", "at least 1 item"),
+])
+def test_a_bad_field_is_a_400_naming_the_field_and_the_rule(fields, param, words):
+    with pytest.raises(ValidationError) as e:
+        request(**fields)
+    err = validation_error(e.value)
+    assert err.status == 400 and err.param == param and words in err.message and err.message.startswith(param)
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_model_and_other_openai_fields_are_handled():
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": USER})
+    assert validation_error(e.value).message == "model is required"
+    r = request(presence_penalty=0.5, user="abc", stream_options={"include_usage": True})  # accepted, ignored
+    assert r.answer_tokens is None and r.options == RagcacheOptions()
+    assert request(max_completion_tokens=7, max_tokens=3).answer_tokens == 7
+
+
+def test_the_conversation_and_the_sampling_options_come_from_the_request():
+    r = request(messages=[{"role": "user", "content": "What is kelmet?"}, {"role": "assistant", "content": "A stew."},
+                          {"role": "user", "content": [{"type": "text", "text": "And its"}, {"type": "text",
+                                                                                            "text": "origin?"}]}],
+                temperature=0.7, top_p=0.9, stop="\n", seed=3, ignore_eos=True, min_tokens=2, max_tokens=5)
+    question, history = r.conversation()
+    assert question == "And its\norigin?"
+    assert history == [Turn("user", "What is kelmet?"), Turn("assistant", "A stew.")]
+    s = r.sampling()
+    assert (s.temperature, s.top_p, s.stop, s.seed, s.ignore_eos, s.min_tokens) == (0.7, 0.9, ("\n",), 3, True, 2)
+    assert request().sampling().temperature == 0.0  # greedy unless asked
+    with pytest.raises(APIError, match=r"messages\[0\]\.content\[0\] has type 'image_url'") as e:
+        image = {"type": "image_url", "image_url": {"url": "x"}}
+        request(messages=[{"role": "user", "content": [image]}]).conversation()
+    assert e.value.param == "messages[0].content"
+    with pytest.raises(ValidationError, match="min_tokens"):
+        request(min_tokens=9, max_tokens=4)
+
+
+def _answer(mode: str, tiers: list[str]) -> Answer:
+    m = RequestMetrics(mode=mode, ttft_s=0.2, total_s=0.5, retrieval_s=0.01, prompt_tokens=300, output_tokens=7,
+                       num_cached_tokens=250, ctx_tokens=250 if tiers else 0, reused_tokens=200 if tiers else 0,
+                       recomputed_tokens=50 if tiers else 0, chunk_tiers=tiers,
+                       recompute_ratio=0.15 if mode == "blend" else None)
+    sources = [Source(f"d{i}", f"t{i}", "some   chunk\ntext", 0.5, f"c{i}", t) for i, t in enumerate(tiers or ["", ""])]
+    return Answer("q", "An answer.", sources, m, "length")
+
+
+def test_responses_carry_usage_cached_tokens_sources_and_metrics():
+    blend = _answer("blend", ["cpu", "disk"])
+    assert cached_tokens(blend) == 200 and cached_tokens(_answer("full", [])) == 0
+    assert cached_tokens(_answer("prefix", [])) == 250  # vLLM's prefix-cache hits
+    extra = ragcache_body("docs", RagcacheOptions(), answer=blend)
+    body = completion_body("chatcmpl-1", "docs", blend, extra)
+    assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"] == "An answer."
+    assert body["usage"] == {"prompt_tokens": 300, "completion_tokens": 7, "total_tokens": 307,
+                             "prompt_tokens_details": {"cached_tokens": 200}}
+    assert [s["tier"] for s in body["ragcache"]["sources"]] == ["cpu", "disk"]
+    assert body["ragcache"]["sources"][0]["snippet"] == "some chunk text"
+    assert body["ragcache"]["metrics"]["tier_hits"] == {"cpu": 1, "disk": 1}
+    first = ragcache_body("docs", RagcacheOptions(), sources=blend.sources)
+    assert [s["tier"] for s in first["sources"]] == [None, None] and "metrics" not in first
+    assert "sources" not in ragcache_body("docs", RagcacheOptions(return_sources=False), answer=blend)
+    usage = chunk_body("c", "docs", 1, usage={"prompt_tokens": 1})
+    assert usage["choices"] == [] and usage["object"] == "chat.completion.chunk"
+
+
+def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks():
+    m = ServerMetrics(["cpu", "disk"])
+    m.observe("docs", _answer("blend", ["cpu", "disk", "computed"]))
+    m.count_outcome("docs", "blend", "aborted")
+    text = m.render({"cpu": {"occupancy_bytes": 123, "evictions": 2}, "disk": {"occupancy_bytes": 0}}).decode()
+    for line in ('ragcache_chunk_lookups_total{tier="cpu"} 3.0', 'ragcache_chunk_lookups_total{tier="disk"} 2.0',
+                 'ragcache_chunk_hits_total{tier="cpu"} 1.0', 'ragcache_chunk_hits_total{tier="disk"} 1.0',
+                 'ragcache_tier_bytes{tier="cpu"} 123.0', 'ragcache_evictions_total{tier="cpu"} 2.0',
+                 'ragcache_cached_prompt_tokens_total{index="docs",mode="blend"} 200.0',
+                 'ragcache_requests_total{index="docs",mode="blend",outcome="aborted"} 1.0',
+                 'ragcache_requests_in_flight 0.0'):
+        assert line in text
+    assert "c0" not in text and "_created" not in text
+
+
+def test_serving_beyond_loopback_needs_an_api_key_and_the_default_index_must_exist(tmp_path):
+    from ragcache.index import IndexNotFoundError
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+    s = Settings.load(serve={"host": "0.0.0.0"}, ingest={"index_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="set serve.api_key"):
+        check_serve_settings(s)
+    s = Settings.load(serve={"host": "0.0.0.0", "api_key": "k", "index": "docs"}, ingest={"index_dir": str(tmp_path)})
+    with pytest.raises(IndexNotFoundError, match="ragcache ingest PATH --index docs"):
+        check_serve_settings(s)
+    with pytest.raises(ConfigError, match="http://"):
+        Settings.load(ui={"server_url": "localhost:8000"})
