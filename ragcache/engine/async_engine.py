@@ -55,11 +55,12 @@ class AsyncBlendEngine(EngineBase):
 
     def __init__(self, settings: Settings, llm: LLMInfo | None = None):
         """Create the AsyncLLM (blocks for the engine core's start-up). Prefer :meth:`start`."""
+        self._t0 = time.perf_counter()
+        self._configure(settings, llm, in_process=False)  # AsyncLLM's engine core is always a child process
+
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._t0 = time.perf_counter()
-        self._configure(settings, llm, in_process=False)  # AsyncLLM's engine core is always a child process
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs()))
         self._set_tokenizer(self.llm.get_tokenizer())
         self._closed = False

@@ -92,10 +92,11 @@ class BlendEngine(EngineBase):
     """
 
     def __init__(self, settings: Settings, llm: LLMInfo | None = None):
+        self._lock = threading.RLock()
+        self._configure(settings, llm, in_process=settings.engine.in_process)  # refuses bad limits before vLLM
+
         from vllm import LLM
 
-        self._lock = threading.RLock()
-        self._configure(settings, llm, in_process=settings.engine.in_process)
         t0 = time.perf_counter()
         _claim_in_process_slot(self, settings)
         quiet = os.environ.get("RAGCACHE_QUIET_LOADING") == "1"  # the CLI shows its own lines
