@@ -4,8 +4,8 @@ Per family (one in-process engine each): the start-up self-check passes with the
 blend at ratio 1.0 gives full prefill's greedy tokens on a multi-chunk prompt; a chunk at its
 canonical position served by reuse equals full; K computed at p and moved to q equals transformers'
 K computed at q, with the family's rope scaling on. Then: Mistral's sliding window (exact within,
-refused beyond), a deliberately wrong adapter (Qwen3 served by the Llama adapter) failing the
-self-check, an architecture with no adapter (Gemma), and the self-check in bfloat16.
+refused beyond). The engines that fail or skip the self-check are in test_engine_selfcheck_gate.py
+(one in-process engine per process: this module's family engines live until its end).
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_ops import hf_layer_kv
-from tiny_models import build_tiny, tiny_engine_settings
+from tiny_models import ALMANAC, FACTS, start_engine
 
 from ragcache.blend import compute_kv, move_keys
-from ragcache.engine import ops as engine_ops
 from ragcache.engine.selfcheck import (
     TOLERANCES,
-    BlendUnavailableError,
     ContextBeyondWindowError,
     first_token_error,
     probe_chunks,
@@ -29,22 +27,6 @@ pytestmark = pytest.mark.integration
 
 ADAPTER_OF = {"llama3": "VLLMLlamaOps", "mistral": "VLLMMistralOps", "qwen2": "VLLMQwen2Ops",
               "qwen3": "VLLMQwen3Ops"}
-
-FACTS = [
-    "The Zorbian capital is Velmora, a city on the river Aster known for its glass bridges.",
-    "Velmora was founded in 1432 by the navigator Idris Kell after a storm wrecked his fleet.",
-    "The national dish of Zorbia is a stew of lentils, smoked fish and saffron called kelmet.",
-]
-#: a dozen chunks: ~370 context tokens, more than the tiny Mistral's window and two 128-token blocks
-ALMANAC = [f"{fact} Note {i} of the Zorbian almanac." for i in range(4) for fact in FACTS]
-
-
-def start_engine(tmp_path_factory, family: str, dtype: str = "float32"):
-    from ragcache.engine import BlendEngine
-
-    tiny = build_tiny(family, tmp_path_factory.mktemp(family))
-    return tiny, BlendEngine(tiny_engine_settings(tiny.folder, tmp_path_factory.mktemp("kv"), dtype))
-
 
 @pytest.fixture(scope="module", params=list(ADAPTER_OF))
 def family(request, tmp_path_factory):
@@ -134,55 +116,3 @@ def test_mistral_sliding_window_exact_within_and_refused_beyond(family):
         with pytest.raises(ContextBeyondWindowError, match=r"sliding window of 256 tokens.*--mode full"):
             engine.generate(long, mode)
     assert len(engine.generate(long, "full").token_ids) == 8  # full still serves it (vLLM's own window)
-
-
-def test_qwen3_served_by_the_llama_adapter_fails_the_self_check(tmp_path_factory, monkeypatch):
-    monkeypatch.setitem(engine_ops.ADAPTERS, "Qwen3ForCausalLM", engine_ops.VLLMLlamaOps)  # no q/k norms
-    _, engine = start_engine(tmp_path_factory, "qwen3")
-    try:
-        support = engine.blend_support
-        assert not support.available and support.adapter == "VLLMLlamaOps"
-        assert support.check is not None and support.check.error > 0.1 > TOLERANCES["float32"]
-        prompt = engine.prompts.build("What is the capital of Zorbia?", probe_chunks(engine.tokenizer, FACTS))
-        for mode in ("blend", "reuse"):
-            with pytest.raises(BlendUnavailableError, match=r"Qwen3ForCausalLM.*self-check.*--mode full") as err:
-                engine.generate(prompt, mode)
-            assert str(err.value) == support.reason
-        with pytest.raises(BlendUnavailableError):
-            engine.precompute(probe_chunks(engine.tokenizer, FACTS))
-        assert len(engine.generate(prompt, "full").token_ids) == 8
-        assert engine.generate(prompt, "prefix").token_ids == engine.generate(prompt, "full").token_ids
-    finally:
-        engine.close()
-
-
-def test_unsupported_architecture_gives_the_named_error_and_full_and_prefix_work(tmp_path_factory):
-    _, engine = start_engine(tmp_path_factory, "gemma")
-    try:
-        support = engine.blend_support
-        assert not support.available and support.adapter is None and support.check is None
-        message = support.reason
-        assert "GemmaForCausalLM" in message and "--mode full" in message and "ADAPTERS" in message
-        assert all(name in message for name in engine_ops.ADAPTERS)
-        prompt = engine.prompts.build("What is the capital of Zorbia?", probe_chunks(engine.tokenizer, ALMANAC))
-        for mode in ("blend", "reuse"):
-            with pytest.raises(BlendUnavailableError, match="no DecoderOps adapter is registered"):
-                engine.generate(prompt, mode)
-        with pytest.raises(BlendUnavailableError):
-            engine.precompute(probe_chunks(engine.tokenizer, FACTS))
-        full = engine.generate(prompt, "full")
-        first, second = engine.generate(prompt, "prefix"), engine.generate(prompt, "prefix")
-        assert len(full.token_ids) == 8 and first.token_ids == second.token_ids == full.token_ids
-        assert second.metrics.num_cached_tokens >= 128  # vLLM's own prefix cache serves whole blocks
-    finally:
-        engine.close()
-
-
-def test_self_check_passes_in_bfloat16(tmp_path_factory):
-    _, engine = start_engine(tmp_path_factory, "qwen3", dtype="bfloat16")
-    try:
-        support = engine.blend_support
-        assert support.available, support.reason
-        assert support.dtype == "bfloat16" and support.check.error < TOLERANCES["bfloat16"]
-    finally:
-        engine.close()

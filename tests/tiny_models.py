@@ -106,3 +106,20 @@ def tiny_engine_settings(folder: Path, kv_dir: Path, dtype: str = "float32"):
         engine={"in_process": True, "max_model_len": 1024, "kv_cache_memory_bytes": 32 << 20, "max_tokens": 8,
                 "dtype": dtype},
     )
+
+
+FACTS = [
+    "The Zorbian capital is Velmora, a city on the river Aster known for its glass bridges.",
+    "Velmora was founded in 1432 by the navigator Idris Kell after a storm wrecked his fleet.",
+    "The national dish of Zorbia is a stew of lentils, smoked fish and saffron called kelmet.",
+]
+#: a dozen chunks: ~370 context tokens, more than the tiny Mistral's window and two 128-token blocks
+ALMANAC = [f"{fact} Note {i} of the Zorbian almanac." for i in range(4) for fact in FACTS]
+
+
+def start_engine(tmp_path_factory, family: str, dtype: str = "float32"):
+    """A tiny ``family`` model in a temporary folder and an in-process BlendEngine on it."""
+    from ragcache.engine import BlendEngine
+
+    tiny = build_tiny(family, tmp_path_factory.mktemp(family))
+    return tiny, BlendEngine(tiny_engine_settings(tiny.folder, tmp_path_factory.mktemp("kv"), dtype))
