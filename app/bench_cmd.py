@@ -222,12 +222,16 @@ def _stamp(args: argparse.Namespace, result: dict[str, Any], **kwargs: Any) -> d
     return stamp(result, command=command_line(), dataset=str(resolve_dataset(args.dataset)), **kwargs)
 
 
-def _checkpoint(args: argparse.Namespace) -> Callable[[dict[str, Any]], None]:
-    """Write the partial result (JSON only, ``"partial": true``) after every example."""
+def _checkpoint(args: argparse.Namespace, engine: Any) -> Callable[[dict[str, Any]], None]:
+    """Write the partial result (JSON only, ``"partial": true``) after every example, stamped like
+    the final one (start time, machine, ``engine``: its dtype and settings)."""
+    from ragcache.bench.environment import utc_now
     from ragcache.bench.report import write_result
 
+    started = utc_now()
+
     def write(partial: dict[str, Any]) -> None:
-        _stamp(args, partial)
+        _stamp(args, partial, engine=engine, started=started)
         write_result(partial, args.out, with_plot=False)
     return write
 
@@ -273,7 +277,7 @@ def run_ttft(args: argparse.Namespace) -> int:
     return _with_engine(args, lambda eng: run(
         eng, examples, modes=args.modes, ratios=args.ratios, selections=args.selections or (),
         passages=args.passages, max_tokens=args.max_tokens, prefix_warmup=args.prefix_warmup, nll=not args.no_nll,
-        progress=_say, checkpoint=_checkpoint(args)))
+        progress=_say, checkpoint=_checkpoint(args, eng)))
 
 
 @_user_error
@@ -296,7 +300,7 @@ def run_hotset(args: argparse.Namespace) -> int:
     questions = build_hotset(_load(args, None), questions=args.questions, passages=args.passages,
                              overlap=args.overlap, hot_pool=args.hot_pool, seed=args.seed)
     return _with_engine(args, lambda eng: run(eng, questions, modes=args.modes, max_tokens=args.max_tokens,
-                                              window=args.window, progress=_say, checkpoint=_checkpoint(args)),
+                                              window=args.window, progress=_say, checkpoint=_checkpoint(args, eng)),
                         store={"cpu_kv_pool_gb": args.cpu_pool_gb})
 
 

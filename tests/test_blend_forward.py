@@ -155,6 +155,7 @@ def test_every_selection_at_ratio_one_reproduces_full_prefill(tiny, tiny_context
                             segment_starts=starts, exact=exact)
     n = tiny_context.token_ids.shape[0]
     assert result.selected.tolist() == list(range(n))
+    assert "question_probe_s" not in result.stages  # every token is recomputed: no scores needed
     for layer in range(ops.num_layers):
         torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)

@@ -339,6 +339,12 @@ def blend_kv(
     if use_tail and (tail_ids is None or tail_ids.dim() != 1 or tail_ids.shape[0] == 0):
         raise ValueError(f"selection {selection.strategy!r} needs the question tail's token ids (tail_ids)")
 
+    # With no budget, or a budget that covers every token, the choice does not depend on the scores:
+    # skip the question probe (~3% of a ratio-1.0 blend) and score with zeros.
+    num_forced = int(forced.sum()) if forced is not None else 0
+    scores_matter = 0 < budget < num_tokens - num_forced
+    use_tail = use_tail and scores_matter
+
     start = time.perf_counter()
     emit = _Timer(on_layer)
     clock = _Stages()
@@ -403,7 +409,10 @@ def blend_kv(
                         hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
             scores["question"] = attention_to_ctx / num_layers
         with clock("select_s"):
-            if selection.needs_deviation:
+            if not scores_matter:
+                zeros = torch.zeros(n_ctx, device=ops.device)
+                scores = {"question": zeros, "deviation": zeros} if selection.needs_question else {"deviation": zeros}
+            elif selection.needs_deviation:
                 if deviation == "value":
                     scores["deviation"] = deviation_scores(v_cached, v[:n_ctx])
                 else:
