@@ -40,3 +40,14 @@ def test_markdown_table_escapes_pipes_inside_cells():
     rows = md.splitlines()
     assert rows[2] == "| KL(full\\|\\|blend) | \\|x\\| ≤ 0.02 |"
     assert all(row.replace("\\|", "").count("|") == 3 for row in rows)
+
+
+def test_full_vs_plain_is_the_median_of_per_example_ratios_not_a_ratio_of_medians():
+    # plain's "speedup" is the median over examples of TTFT(full) / TTFT(plain): paired, as every ratio here
+    modes = {"full": _summary("full", "full", None, 10.0, 1.0, 0.0, 2.0, 0.0),
+             "plain": _summary("plain", "plain", None, 9.0, 1.02, None, None, None),
+             "blend": _summary("blend@0.15", "blend", 0.15, 2.0, 5.0, 0.1, 2.02, 0.01)}
+    modes["blend"]["speedup_vs_best_median"] = 4.5
+    t = ttft_targets(modes)
+    assert t["full_vs_plain"]["value"] == pytest.approx(1.02) and t["full_vs_plain"]["met"] is True
+    assert t["blend_ttft_speedup_vs_best"]["value"] == pytest.approx(4.5)
