@@ -65,6 +65,7 @@ PROBE_TOKENS = 16
 PROBE_TEXTS = ("The lighthouse keeper Mara Olin logged every ship.",)
 PROBE_QUESTION = "Who logged the ships?"
 
+
 def tolerance_for(dtype: str, kv_dtype: str = "model") -> float:
     """The self-check's bound for compute ``dtype`` with chunk KV stored in ``kv_dtype``
     (``store.kv_dtype``; "model" = the compute dtype): the looser of the two dtypes' bounds."""
