@@ -72,7 +72,20 @@ def _choices(allowed: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
 
 _modes = _choices(MODES, "modes")
 _bench_modes = _choices(BENCH_MODES, "modes")
-_selections = _choices(SELECTIONS, "selections")
+def _selections(text: str) -> list[str]:
+    """An argparse type: comma-separated selection specs, ``strategy`` or ``strategy/granule``."""
+    from ragcache.engine.messages import parse_selection
+
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        ok = bool(vals) and all(parse_selection(v)[0] in SELECTIONS and (parse_selection(v)[1] or 1) >= 1
+                                for v in vals)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"selections must be some of {','.join(SELECTIONS)}, each optionally with "
+                                         f"/GRANULE (e.g. question/16); got {text!r}")
+    return vals
 
 
 def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset: str = "musique") -> None:
@@ -105,7 +118,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3,1",
                    help="recompute ratios of the blend sweep (blend.recompute_ratio is always included)")
     t.add_argument("--selections", type=_selections, default=None,
-                   help="token-selection strategies of the blend sweep, e.g. deviation,question,hybrid "
+                   help="token-selection strategies of the blend sweep, e.g. deviation,question,hybrid, each "
+                   "optionally with /GRANULE, the tokens per recomputed run (question/1,question/16) "
                    "(default: blend.selection)")
     t.add_argument("--max-tokens", type=_positive, default=32, help="tokens decoded per answer (greedy)")
     t.add_argument("--prefix-warmup", choices=["chunks", "context", "none"], default="chunks",
@@ -202,7 +216,7 @@ def _with_engine(args: argparse.Namespace, work: Callable[[Any], dict[str, Any]]
         t0 = time.perf_counter()
         engine = BlendEngine(settings)
         start_s = time.perf_counter() - t0
-        _say(f"engine ready in {start_s:.1f} s; chunk KV in {kv_dir}")
+        _say(f"{engine.ready_line()}; chunk KV in {kv_dir}")
         result = work(engine)
         _stamp(args, result, engine=engine, started=started)
         result["engine"]["start_wall_s"] = round(start_s, 1)

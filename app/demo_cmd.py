@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"demo corpus: pydoc pages of {', '.join(DEMO_MODULES)} in {corpus}", flush=True)
 
     rag = RAGPipeline.open(settings, index=args.index)
-    print(f"engine ready on {rag.engine.device} in {rag.engine.startup_s:.1f} s", flush=True)
+    print(rag.engine.ready_line(), flush=True)
     report = rag.ingest(paths, show_progress=True)
     print(report.summary(), flush=True)
 

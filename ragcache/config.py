@@ -117,7 +117,13 @@ class BlendSettings(_Section):
         0.5, ge=0.0, le=1.0, description="hybrid: weight of question attention against KV deviation")
     max_chunk_share: float = Field(
         1.0, gt=0.0, le=1.0, description="hybrid: largest share of the budget one chunk may take")
+    granule: int = Field(
+        8, ge=1, le=256, description="tokens are recomputed in aligned runs of this many tokens within each chunk "
+        "(1 = token by token)")
     pipeline_overlap: bool = Field(True, description="load layer i+1 while computing layer i")
+    attention: Literal["auto", "kernel", "torch"] = Field(
+        "auto", description="the blend's attention: vLLM's own kernel over the paged KV cache (kernel), torch SDPA "
+        "(torch), or auto (the kernel where vLLM's backend offers one, unless torch measures faster on this host)")
 
     @field_validator("recompute_ratio", mode="before")
     @classmethod

@@ -68,10 +68,21 @@ class _SelfAttn(nn.Module):
         self.attn = _Attention(window)
 
 
+class _RMSNorm(nn.RMSNorm):
+    """vLLM's ``RMSNorm`` calling convention: ``norm(x)`` or ``norm(x, residual) -> (norm(x + residual),
+    x + residual)``."""
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return super().forward(x)
+        total = x + residual
+        return super().forward(total), total
+
+
 class _Layer(nn.Module):
     def __init__(self, rotary, window=None):
         super().__init__()
-        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        self.input_layernorm, self.post_attention_layernorm = _RMSNorm(HIDDEN), _RMSNorm(HIDDEN)
         self.self_attn, self.mlp = _SelfAttn(rotary, window), nn.Linear(HIDDEN, HIDDEN)
 
 
@@ -154,7 +165,7 @@ def test_qwen3_adapter_applies_the_head_norms_to_q_and_k_before_rope_and_leaves_
     add_head_norms(qwen3, factor=2.0)
     llama = VLLMLlamaOps(qwen3)  # the same weights read without the norms
     ops = adapter_for(qwen3)
-    hidden = torch.randn(5, HIDDEN)
+    hidden = torch.randn(5, 2, HIDDEN)  # the adapters' residual stream: (hidden_states, residual)
     with torch.inference_mode():
         (q, k, v), (q0, k0, v0) = ops.qkv(1, hidden), llama.qkv(1, hidden)
     torch.testing.assert_close(q, 2 * q0)
@@ -165,7 +176,7 @@ def test_qwen3_adapter_applies_the_head_norms_to_q_and_k_before_rope_and_leaves_
 def test_qwen2_adapter_applies_head_norms_only_when_the_config_asks():
     qwen2 = fake_model("Qwen2ForCausalLM")
     add_head_norms(qwen2, factor=3.0)
-    ops, hidden = adapter_for(qwen2), torch.randn(3, HIDDEN)
+    ops, hidden = adapter_for(qwen2), torch.randn(3, 2, HIDDEN)
     with torch.inference_mode():
         q_plain, _, _ = ops.qkv(0, hidden)
         qwen2.model.layers[0].self_attn.qk_norm = True  # vLLM sets it from config.qk_norm

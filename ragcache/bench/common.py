@@ -97,9 +97,16 @@ def make_variants(modes: Sequence[str], ratios: Sequence[float], default_ratio: 
     for r in [*ratios, default_ratio]:
         if not 0.0 <= r <= 1.0:
             raise BenchConfigError(f"recompute ratio {r} is outside [0, 1]")
+    from ragcache.engine.messages import parse_selection
+
     for sel in selections:
-        if sel not in SELECTIONS:
-            raise BenchConfigError(f"unknown selection {sel!r}; use some of {', '.join(SELECTIONS)}")
+        try:
+            known = parse_selection(sel)[0] in SELECTIONS
+        except ValueError:
+            known = False
+        if not known:
+            raise BenchConfigError(f"unknown selection {sel!r}; use some of {', '.join(SELECTIONS)}, each optionally "
+                                   f"with /GRANULE (e.g. question/16)")
     named = len(set(selections)) > 1 or (bool(selections) and selections[0] != default_selection)
     out = [Variant("full", "full")]
     for m in dict.fromkeys(modes):

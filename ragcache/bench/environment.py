@@ -72,6 +72,7 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
     """Model, device, start-up time and the engine/blend/store settings a result was measured with."""
     s = engine.settings
     choice = getattr(engine, "dtype", None)
+    worker = getattr(engine, "worker", None)
     return {
         "model": s.models.model, "device": getattr(engine, "device", None),
         "startup_s": round(float(getattr(engine, "startup_s", 0.0)), 2),
@@ -80,6 +81,8 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "in_process": s.engine.in_process,
         "recompute_ratio": s.blend.recompute_ratio, "check_layer": s.blend.check_layer,
         "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
+        "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
+        "attention_reason": getattr(worker, "attention_reason", None),
         "store": {"cpu_kv_pool_gb": s.store.cpu_kv_pool_gb, "ssd_cache_max_gb": s.store.ssd_cache_max_gb,
                   "remote": bool(s.store.remote_url), "kv_dtype": s.store.kv_dtype},
     }

@@ -7,7 +7,7 @@ Must not import vLLM or transformers, nor anything above it in ragcache: an engi
 implements ``DecoderOps`` and hands tensors and callables in.
 """
 
-from ragcache.blend.attention import causal_attention, expand_kv_heads
+from ragcache.blend.attention import Attention, causal_attention, expand_kv_heads, torch_attention
 from ragcache.blend.forward import BlendResult, LoadLayer, OnLayer, blend_kv, compute_kv, reuse_kv
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
@@ -23,6 +23,8 @@ from ragcache.blend.select import (
 
 __all__ = [
     "SELECTIONS",
+    "Attention",
+    "torch_attention",
     "BlendResult",
     "Selection",
     "deviation_scores",

@@ -1,6 +1,9 @@
 """Causal attention by absolute position, for any subset of queries over a full set of keys.
 
-Owns: ``causal_attention`` and the head expansion it uses. The blend's selective layers run n
+Owns: ``causal_attention`` and the head expansion it uses, and the blend's attention seam:
+:data:`Attention` (the callable an engine hands the layer-wise forwards to run the context's
+attention on its own kernel and KV cache) with :func:`torch_attention`, the reference
+implementation on ``causal_attention``. The blend's selective layers run n
 selected queries over all N context keys; torch SDPA's ``is_causal=True`` aligns its mask top-left
 when n < N, which is wrong there, so visibility is decided by absolute position: key j is visible to
 a query iff ``k_positions[j] <= query position`` (CacheBlend, Yao et al., EuroSys'25, §4: selective
@@ -17,10 +20,23 @@ Must not import vLLM, transformers, or anything above blend/ in ragcache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 QUERY_BLOCK = 256  # sorted queries per SDPA call in the masked path
+
+Attention = Callable[[int, torch.Tensor, torch.LongTensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attention(layer, q [n, Hq, D], index [n], k [N, Hkv, D], v [N, Hkv, D]) -> [n, Hq, D]``.
+
+Causal attention of the queries of the context tokens at ``index`` (int64, strictly ascending
+indices into the context, whose positions ascend) over the context's final K (post-RoPE) and V of
+``layer``: the query of token ``index[i]`` sees the context tokens ``0 .. index[i]``. The layer-wise
+forwards call it right after ``on_layer(layer, k, v)`` with the same ``k`` and ``v``, so an engine
+may read them back from where ``on_layer`` wrote them (its paged KV cache) and run its own
+attention kernel instead of using the tensors (CacheBlend's selective layers attend over the whole
+fused KV cache, §4.2). :func:`torch_attention` is the reference."""
 
 
 def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -139,3 +155,21 @@ def causal_attention(
     if order is not None:
         out = torch.empty_like(out).index_copy_(0, order, out)
     return out.contiguous()
+
+
+def torch_attention(positions: torch.LongTensor, scaling: float) -> Attention:
+    """The reference :data:`Attention` of a context at ``positions`` ``[N]``: :func:`causal_attention`
+    over the ``k``/``v`` it is handed (the engine's cache is not read).
+
+    Args:
+        positions: ``[N]`` int64 absolute positions of the context tokens (ascending).
+        scaling: softmax scale.
+    """
+
+    def attend(layer: int, q: torch.Tensor, index: torch.LongTensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        index = index.to(positions.device)
+        if index.numel() == positions.numel():  # every token: a plain causal prefill of the context
+            return causal_attention(q, positions, k, v, positions, scaling)
+        return causal_attention(q, positions[index], k, v, positions, scaling)
+
+    return attend

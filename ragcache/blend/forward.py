@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragcache.blend.attention import causal_attention
+from ragcache.blend.attention import Attention, torch_attention
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
 from ragcache.blend.select import (
@@ -64,13 +64,16 @@ class BlendResult:
             behind compute).
         compute_s: seconds of the blend's own compute (wall time minus ``load_s`` and ``on_layer_s``).
         on_layer_s: seconds spent inside the ``on_layer`` callbacks (e.g. writing a paged cache).
-        stages: seconds per stage (blend): ``full_layers_s`` (every token through the layers up to
-            the check layer's QKV), ``select_s`` (scores and selection), ``selective_attention_s``
-            and ``selective_proj_mlp_s`` (the selected tokens' attention, and their projections,
-            RoPE and MLP, from the check layer on), ``move_keys_s`` (RoPE of the reused K to the new
-            positions), ``merge_s`` (writing the recomputed rows into the layer's K/V),
-            ``load_wait_s`` (= load_s) and ``cache_write_s`` (= on_layer_s). On an accelerator
-            the stage times include only the launch unless kernels finish within the stage.
+        stages: seconds per stage, adding up to the wall time. Blend: ``full_layers_s`` (every
+            token's projections, RoPE and MLP in the layers up to the check layer's QKV) and
+            ``full_attention_s`` (their attention), ``question_probe_s`` (the question tail through
+            the later layers over the reused KV, K moves of those layers included), ``select_s``
+            (scores and selection), ``selective_layers_s`` (the selected tokens' projections, RoPE
+            and MLP from the check layer on, the reused K moved to the new positions, the merge of
+            the recomputed rows) and ``selective_attention_s`` (their attention); reuse:
+            ``move_keys_s``; both: ``load_wait_s`` (= load_s) and ``cache_write_s`` (= on_layer_s).
+            On an accelerator the stage times include only the launch unless kernels finish within
+            the stage.
     """
 
     selected: torch.LongTensor
@@ -97,8 +100,10 @@ class _LayerLoader:
         layers: Iterable[int],
         num_tokens: int,
         prefetch: bool,
+        clock: "_Stages | None" = None,
     ) -> None:
         self._ops = ops
+        self._clock = clock
         self._load_layer = load_layer
         self._shape = (num_tokens, ops.num_kv_heads, ops.head_dim)
         self._layers = deque(layers)
@@ -143,16 +148,25 @@ class _LayerLoader:
                 raise RuntimeError(f"layer {layer} requested out of the planned order")
             kv = self._next[1].result()
             self._submit_next()
-        self.wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.wait_s += waited
+        if self._clock is not None:
+            self._clock.inner("load_wait_s", waited)
         return kv
 
 
 class _Stages:
-    """Seconds per named stage: ``with stages("name"): ...`` adds the block's wall time."""
+    """Seconds per named stage: ``with stages("name"): ...`` adds the block's wall time.
+
+    Time spent inside a :class:`_Timer` (an engine callback, the attention, a wait for a load) is
+    booked to that timer's stage and taken out of the stage that was open around it, so the stages
+    add up to the wall time without double counting.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self._name: str | None = None
+        self._open: str | None = None
         self._t0 = 0.0
 
     def __call__(self, name: str) -> "_Stages":
@@ -160,23 +174,42 @@ class _Stages:
         return self
 
     def __enter__(self) -> None:
-        self._t0 = time.perf_counter()
+        self._open, self._t0 = self._name, time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds[self._name] = self.seconds.get(self._name, 0.0) + time.perf_counter() - self._t0
+        self.add(self._open, time.perf_counter() - self._t0)
+        self._open = None
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def inner(self, name: str | dict[str, str], seconds: float) -> None:
+        """Book ``seconds`` spent in a timed callable: to ``name`` (or, for a dict, to the name it
+        gives the open stage) and out of the open stage."""
+        if isinstance(name, dict):
+            name = name.get(self._open or "", next(iter(name.values())))
+        self.add(name, seconds)
+        if self._open is not None:
+            self.add(self._open, -seconds)
 
 
 class _Timer:
-    """Accumulates the seconds spent in ``on_layer``."""
+    """A callable timed into ``clock`` under ``stage`` (see :meth:`_Stages.inner`)."""
 
-    def __init__(self, on_layer: OnLayer) -> None:
-        self._on_layer = on_layer
+    def __init__(self, fn: Callable, clock: _Stages, stage: str | dict[str, str]) -> None:
+        self._fn = fn
+        self._clock = clock
+        self._stage = stage
         self.seconds = 0.0
 
-    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def __call__(self, *args):
         start = time.perf_counter()
-        self._on_layer(layer, k, v)
-        self.seconds += time.perf_counter() - start
+        try:
+            return self._fn(*args)
+        finally:
+            dt = time.perf_counter() - start
+            self.seconds += dt
+            self._clock.inner(self._stage, dt)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -201,6 +234,7 @@ def compute_kv(
     token_ids: torch.LongTensor,
     positions: torch.LongTensor,
     keep_from: int = 0,
+    attention: Attention | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain layer-wise prefill of ``token_ids`` at ``positions``; returns their pre-RoPE K and V.
 
@@ -213,6 +247,9 @@ def compute_kv(
         token_ids: ``[T]`` int64 token ids.
         positions: ``[T]`` int64 absolute positions (usually ``start + arange(T)``).
         keep_from: index of the first token whose KV is returned, in ``[0, T)``.
+        attention: the causal attention (:data:`~ragcache.blend.attention.Attention`; called with
+            every token as a query and the layer's K/V, nothing written before it: it must use the
+            ``k``/``v`` it is handed); default :func:`~ragcache.blend.attention.torch_attention`.
 
     Returns:
         ``(k_pre, v)``, each ``[num_layers, T - keep_from, Hkv, D]`` on ``ops.device`` in
@@ -229,6 +266,8 @@ def compute_kv(
     with torch.inference_mode():
         token_ids = token_ids.to(ops.device)
         positions = positions.to(ops.device)
+        attention = attention or torch_attention(positions, ops.scaling)
+        everything = torch.arange(num_tokens, device=ops.device)
         shape = (num_layers, num_tokens - keep_from, ops.num_kv_heads, ops.head_dim)
         k_out = torch.empty(shape, device=ops.device, dtype=ops.dtype)  # [L, T', Hkv, D]
         v_out = torch.empty(shape, device=ops.device, dtype=ops.dtype)  # [L, T', Hkv, D]
@@ -241,9 +280,159 @@ def compute_kv(
             if layer == num_layers - 1:
                 break  # the last layer's output is not part of any KV
             q, k = ops.rope(layer, positions, q, k)
-            attn = causal_attention(q, positions, k, v, positions, ops.scaling)  # [T, Hq, D]
+            attn = attention(layer, q, everything, k, v)  # [T, Hq, D]
             hidden = ops.finish_layer(layer, hidden, attn)  # [T, hidden]
     return k_out, v_out
+
+
+@dataclass
+class _Context:
+    """One blend's inputs on the compute device (set up by :func:`blend_kv`).
+
+    Attributes:
+        ids, positions: ``[N]`` context token ids and positions.
+        tail_ids, tail_positions: ``[T]`` the question tail's ids and positions, or None when the
+            selection does not score by the question.
+        forced, exact: ``[N]`` bool masks (see :func:`blend_kv`), or None.
+        everything: ``[N]`` the index of every context token (the queries of a full layer).
+    """
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    tail_ids: torch.Tensor | None
+    tail_positions: torch.Tensor | None
+    forced: torch.Tensor | None
+    exact: torch.Tensor | None
+    everything: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.everything = torch.arange(self.ids.shape[0], device=self.ids.device)
+
+    @property
+    def n(self) -> int:
+        return self.ids.shape[0]
+
+
+class _QuestionScores:
+    """The attention each context token receives from the question tail, summed over the layers seen."""
+
+    def __init__(self, scaling: float) -> None:
+        self.scaling = scaling
+        self.total: torch.Tensor | None = None  # [N] float32
+        self.layers = 0
+
+    def attend(self, q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.Tensor, v_ctx: torch.Tensor,
+               v_tail: torch.Tensor) -> torch.Tensor:
+        """The tail's attention output ``[T, Hq, D]`` over the context and itself; adds the layer's scores."""
+        out, s = question_attention(q_tail, k_ctx, k_tail, self.scaling, v_ctx=v_ctx, v_tail=v_tail)
+        self.total = s if self.total is None else self.total + s
+        self.layers += 1
+        return out
+
+    def mean(self) -> torch.Tensor:
+        """``[N]`` float32: the scores averaged over the layers seen."""
+        return self.total / max(self.layers, 1)
+
+
+def _full_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, on_layer: OnLayer,
+                attention: Attention, question: _QuestionScores | None) -> torch.Tensor:
+    """One layer for every context token (and the tail, when ``question`` scores it): fresh K/V of the
+    context to ``on_layer``, the context's causal attention through ``attention``, the tail's over the
+    context and itself. ``hidden`` ``[N(+T), hidden]`` -> the layer's output, same shape (§4.3: the
+    layers up to the check layer are computed in full)."""
+    n = ctx.n
+    all_pos = ctx.positions if question is None else torch.cat([ctx.positions, ctx.tail_positions])
+    q, k, v = ops.qkv(layer, hidden)  # [N(+T), Hq, D], [N(+T), Hkv, D], [N(+T), Hkv, D]
+    q, k = ops.rope(layer, all_pos, q, k)
+    k_ctx, v_ctx = k[:n], v[:n]
+    on_layer(layer, k_ctx, v_ctx)
+    attn = attention(layer, q[:n], ctx.everything, k_ctx, v_ctx)  # [N, Hq, D]
+    if question is not None:
+        attn = torch.cat([attn, question.attend(q[n:], k_ctx, k[n:], v_ctx, v[n:])])  # [N+T, Hq, D]
+    return ops.finish_layer(layer, hidden, attn)
+
+
+def _check_layer_kv(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, on_layer: OnLayer,
+                    question: _QuestionScores | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The check layer's fresh Q/K/V of every context token (K/V to ``on_layer``), and the tail's output.
+
+    Returns:
+        ``(q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], hidden_tail [T, hidden] or None)``; the tail
+        has gone through the whole check layer (its attention scores are added to ``question``).
+    """
+    n = ctx.n
+    all_pos = ctx.positions if question is None else torch.cat([ctx.positions, ctx.tail_positions])
+    q, k, v = ops.qkv(layer, hidden)
+    q, k = ops.rope(layer, all_pos, q, k)
+    on_layer(layer, k[:n], v[:n])
+    hidden_tail = None
+    if question is not None:
+        attn_tail = question.attend(q[n:], k[:n], k[n:], v[:n], v[n:])  # [T, Hq, D]
+        hidden_tail = ops.finish_layer(layer, hidden[n:], attn_tail)  # [T, hidden]
+    return q[:n], k[:n], v[:n], hidden_tail
+
+
+def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: torch.Tensor,
+                    loader: "_LayerLoader", question: _QuestionScores,
+                    moved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The question tail alone through ``layers`` over the reused KV of the context (ProphetKV-style
+    scores fused over layers, ICML'26): each layer's cached K is loaded, moved to the context's
+    positions and kept in ``moved`` for the selective layers, so the probe adds no context pass."""
+    for layer in layers:
+        k_pre, v_cached = loader.get(layer)
+        k_moved = move_keys(ops, layer, k_pre, ctx.positions)  # [N, Hkv, D]
+        moved[layer] = (k_moved, v_cached)
+        q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        q_t, k_t = ops.rope(layer, ctx.tail_positions, q_t, k_t)
+        attn = question.attend(q_t, k_moved, k_t, v_cached, v_t)  # [T, Hq, D]
+        if layer < ops.num_layers - 1:
+            hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
+
+
+def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: Selection, deviation: str,
+            segment_starts: Sequence[int], fresh: tuple[torch.Tensor, torch.Tensor],
+            cached: tuple[torch.Tensor, torch.Tensor], question: _QuestionScores | None,
+            scores_matter: bool) -> torch.Tensor:
+    """``[n]`` ascending indices of the tokens to recompute (§4.3 and :func:`select_tokens`).
+
+    ``fresh`` and ``cached`` are the check layer's ``(k, v)``: fresh (post-RoPE) and cached (K
+    before RoPE), compared for the KV deviation.
+    """
+    scores: dict[str, torch.Tensor] = {}
+    if not scores_matter:  # the choice cannot depend on the scores: zeros stand for them
+        zeros = torch.zeros(ctx.n, device=ops.device)
+        scores = {"deviation": zeros, **({"question": zeros} if selection.needs_question else {})}
+    else:
+        if question is not None:
+            scores["question"] = question.mean()
+        if selection.needs_deviation:
+            if deviation == "value":
+                scores["deviation"] = deviation_scores(cached[1], fresh[1])
+            else:
+                scores["deviation"] = deviation_scores(move_keys(ops, layer, cached[0], ctx.positions), fresh[0])
+    return select_tokens(budget, selection, forced=ctx.forced, exact=ctx.exact, segment_starts=segment_starts,
+                         **scores)
+
+
+def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
+                     k_all: torch.Tensor, v_all: torch.Tensor, on_layer: OnLayer, attention: Attention) -> torch.Tensor:
+    """One layer after the check layer for the selected tokens only (§4.2, selective KV recompute).
+
+    ``k_all`` / ``v_all`` ``[N, Hkv, D]`` hold the reused KV at the new positions; the selected rows
+    are replaced by their fresh K/V (in place), the layer's final K/V go to ``on_layer``, and the
+    selected queries attend over them through ``attention``. ``hidden`` ``[n, hidden]`` -> the
+    layer's output for the selected tokens (the last layer's is not needed: ``hidden`` is returned).
+    """
+    q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
+    q, k = ops.rope(layer, ctx.positions[selected], q, k)
+    k_all.index_copy_(0, selected, k)
+    v_all.index_copy_(0, selected, v)
+    on_layer(layer, k_all, v_all)
+    if layer == ops.num_layers - 1:
+        return hidden
+    attn = attention(layer, q, selected, k_all, v_all)  # [n, Hq, D]
+    return ops.finish_layer(layer, hidden, attn)
 
 
 def blend_kv(
@@ -261,38 +450,42 @@ def blend_kv(
     exact: torch.Tensor | None = None,
     forced: torch.Tensor | None = None,
     on_layer: OnLayer,
+    attention: Attention | None = None,
     prefetch: bool = True,
 ) -> BlendResult:
     """CacheBlend: fuse the cached KV of the context tokens, recomputing only a selected share.
 
-    Procedure (CacheBlend §4.2-4.3):
+    Procedure (CacheBlend §4.2-4.3), one step function each:
 
-    1. Layers ``0 .. check_layer - 1``: a plain prefill of all N tokens (cached KV is not loaded).
-       With ``tail_ids`` (the question tail that follows the context), the tail goes along, so
-       its queries see the exact context of these layers.
-    2. Layer ``check_layer``: fresh Q/K/V of all N tokens; the tokens to recompute are chosen by
-       :func:`~ragcache.blend.select.select_tokens` under ``selection``: by KV deviation (the fresh
-       V, or K with ``deviation="key"``, against the cached one), by the attention the question
-       tail's queries give each context token, or a hybrid. For the question's attention the tail
-       goes on alone through every later layer over the reused KV (moved to its positions), a
-       probe as cheap as decoding T tokens; the scores are averaged over all layers (exact up to
-       the check layer, over reused KV after it), in the spirit of ProphetKV (ICML'26). The
-       layers the probe loaded are kept for step 3. Only the selected tokens' attention and MLP
-       are computed.
-    3. Layers ``check_layer + 1 ..``: only the selected tokens go forward. K = cached K moved to
-       ``positions`` with the selected rows replaced by their fresh K, V likewise; the selected
-       queries attend over all N keys with the exact causal mask by position.
+    1. Layers ``0 .. check_layer - 1`` (:func:`_full_layer`): a plain prefill of all N tokens (cached
+       KV is not loaded). With ``tail_ids`` (the question tail that follows the context), the tail
+       goes along, so its queries see the exact context of these layers.
+    2. Layer ``check_layer`` (:func:`_check_layer_kv`): fresh Q/K/V of all N tokens. For the
+       question's attention the tail then goes on alone through every later layer over the reused
+       KV (moved to its positions) (:func:`_question_probe`), a probe as cheap as decoding T
+       tokens; the scores are averaged over all layers (exact up to the check layer, over reused KV
+       after it), in the spirit of ProphetKV (ICML'26). The layers the probe loaded and moved are
+       kept for step 3. The tokens to recompute are chosen by :func:`_select` under ``selection``:
+       by KV deviation (the fresh V, or K with ``deviation="key"``, against the cached one), by the
+       attention the question tail gives each context token, or a hybrid, token by token or in
+       runs (``selection.granule``). Only the selected tokens' attention and MLP are computed.
+    3. Layers ``check_layer + 1 ..`` (:func:`_selective_layer`): only the selected tokens go
+       forward. K = cached K moved to ``positions`` with the selected rows replaced by their fresh
+       K, V likewise; the selected queries attend over all N keys with the exact causal mask by
+       position.
 
-    ``on_layer`` receives, for every layer, the final K (post-RoPE) and V of all N context tokens:
-    fresh for layers ``<= check_layer``, fused afterwards (the tail's KV is never emitted: the
-    engine prefills the tail itself). With ``recompute_ratio=1.0`` these equal ``compute_kv``'s
-    output rotated to ``positions`` (up to float rounding); with ratio 0 and no forced tokens, the
-    layers after the check layer equal ``reuse_kv``'s.
+    Every attention over the context runs through ``attention`` (default :func:`torch_attention`),
+    right after ``on_layer`` received that layer's final K/V: an engine passes its own kernel over
+    the cache ``on_layer`` writes. ``on_layer`` receives, for every layer, the final K (post-RoPE)
+    and V of all N context tokens: fresh for layers ``<= check_layer``, fused afterwards (the
+    tail's KV is never emitted: the engine prefills the tail itself). With ``recompute_ratio=1.0``
+    these equal ``compute_kv``'s output rotated to ``positions`` (up to float rounding); with ratio
+    0 and no forced tokens, the layers after the check layer equal ``reuse_kv``'s.
 
     Args:
         ops: the model's per-layer callables.
         token_ids: ``[N]`` int64 context token ids, in prompt order.
-        positions: ``[N]`` int64 absolute positions of those tokens in the prompt.
+        positions: ``[N]`` int64 absolute positions of those tokens in the prompt (ascending).
         load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])`` cached KV of the context
             (rows of forced tokens are ignored and may hold anything finite). Called once per
             layer from ``check_layer`` on, in order; with ``prefetch`` from a background thread.
@@ -312,6 +505,8 @@ def blend_kv(
         (The defaults of ratio, check layer, deviation and selection live in one place:
         ``ragcache.config.BlendSettings``.)
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None``, see above.
+        attention: the context's causal attention (:data:`~ragcache.blend.attention.Attention`);
+            default :func:`~ragcache.blend.attention.torch_attention` over ``positions``.
         prefetch: load layer i+1 in a background thread while layer i computes (the
             ``pipeline_overlap`` setting).
 
@@ -335,134 +530,72 @@ def blend_kv(
     selection = selection or Selection("deviation")
     check_mask(forced, num_tokens, "forced")
     check_mask(exact, num_tokens, "exact")
-    use_tail = selection.needs_question
-    if use_tail and (tail_ids is None or tail_ids.dim() != 1 or tail_ids.shape[0] == 0):
+    if selection.needs_question and (tail_ids is None or tail_ids.dim() != 1 or tail_ids.shape[0] == 0):
         raise ValueError(f"selection {selection.strategy!r} needs the question tail's token ids (tail_ids)")
-
     # With no budget, or a budget that covers every token, the choice does not depend on the scores:
     # skip the question probe (~3% of a ratio-1.0 blend) and score with zeros.
     num_forced = int(forced.sum()) if forced is not None else 0
     scores_matter = 0 < budget < num_tokens - num_forced
-    use_tail = use_tail and scores_matter
+    use_tail = selection.needs_question and scores_matter
 
     start = time.perf_counter()
-    emit = _Timer(on_layer)
     clock = _Stages()
-    layers_to_load = range(check_layer, num_layers)
-    with torch.inference_mode(), _LayerLoader(ops, load_layer, layers_to_load, num_tokens, prefetch) as loader:
-        token_ids = token_ids.to(ops.device)
-        positions = positions.to(ops.device)
-        n_ctx = num_tokens
-        all_ids, all_pos = token_ids, positions
-        if use_tail:
-            tail_ids = tail_ids.to(ops.device)
-            tail_pos = positions[-1] + 1 + torch.arange(tail_ids.shape[0], device=ops.device)
-            all_ids, all_pos = torch.cat([token_ids, tail_ids]), torch.cat([positions, tail_pos])
-        hidden = ops.embed(all_ids)  # [N(+T), hidden]
-        attention_to_ctx = None  # [N] question scores summed over the layers seen so far
-
-        def question_layer(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.Tensor,
-                           v_ctx: torch.Tensor | None = None, v_tail: torch.Tensor | None = None) -> torch.Tensor | None:
-            """Add one layer's attention from the tail's queries to every context token's score;
-            returns the tail's attention output when the values are given."""
-            nonlocal attention_to_ctx
-            out, s = question_attention(q_tail, k_ctx, k_tail, ops.scaling, v_ctx=v_ctx, v_tail=v_tail)
-            attention_to_ctx = s if attention_to_ctx is None else attention_to_ctx + s
-            return out
+    emit = _Timer(on_layer, clock, "cache_write_s")
+    with torch.inference_mode(), _LayerLoader(ops, load_layer, range(check_layer, num_layers), num_tokens,
+                                              prefetch, clock) as loader:
+        ctx = _Context(
+            ids=token_ids.to(ops.device), positions=positions.to(ops.device),
+            tail_ids=tail_ids.to(ops.device) if use_tail else None,
+            tail_positions=(positions[-1] + 1 + torch.arange(tail_ids.shape[0])).to(ops.device) if use_tail else None,
+            forced=None if forced is None else forced.to(ops.device),
+            exact=None if exact is None else exact.to(ops.device),
+        )
+        attend = _Timer(attention or torch_attention(ctx.positions, ops.scaling), clock,
+                        {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
+        question = _QuestionScores(ops.scaling) if use_tail else None
 
         # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
-        for layer in range(check_layer):
-            with clock("full_layers_s"):
-                q, k, v = ops.qkv(layer, hidden)  # [N(+T), Hq, D], [N(+T), Hkv, D], [N(+T), Hkv, D]
-                q, k = ops.rope(layer, all_pos, q, k)
-            emit(layer, k[:n_ctx], v[:n_ctx])
-            with clock("full_layers_s"):
-                if use_tail:
-                    question_layer(q[n_ctx:], k[:n_ctx], k[n_ctx:])
-                attn = causal_attention(q, all_pos, k, v, all_pos, ops.scaling)  # [N(+T), Hq, D]
-                hidden = ops.finish_layer(layer, hidden, attn)  # [N(+T), hidden]
-
-        # 2. Check layer: fresh K/V of all tokens, selection, then only the selected go on.
-        k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
         with clock("full_layers_s"):
-            q, k, v = ops.qkv(check_layer, hidden)
-            q, k = ops.rope(check_layer, all_pos, q, k)
-        emit(check_layer, k[:n_ctx], v[:n_ctx])
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (moved K, V), probed ahead
-        scores = {}
-        if use_tail:
-            # The question probe (ProphetKV-style, fused over layers): the tail's queries go on
-            # through every later layer over the reused KV (moved to its positions); each context
-            # token is scored by the attention it receives, averaged over all layers.
+            hidden = ops.embed(ctx.ids if question is None else torch.cat([ctx.ids, ctx.tail_ids]))  # [N(+T), hidden]
+            for layer in range(check_layer):
+                hidden = _full_layer(ops, layer, ctx, hidden, emit, attend, question)
+        # 2. Check layer: fresh K/V of all tokens, the question probe, the selection.
+        with clock("full_layers_s"):
+            q, k, v, hidden_tail = _check_layer_kv(ops, check_layer, ctx, hidden, emit, question)
+        k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
+        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (moved K, V), loaded by the probe
+        if question is not None:
             with clock("question_probe_s"):
-                attn = question_layer(q[n_ctx:], k[:n_ctx], k[n_ctx:], v[:n_ctx], v[n_ctx:])  # [T, Hq, D]
-                hidden_tail = ops.finish_layer(check_layer, hidden[n_ctx:], attn)  # [T, hidden]
-            for layer in range(check_layer + 1, num_layers):
-                k_pre_cached, v_cached_l = loader.get(layer)
-                with clock("move_keys_s"):
-                    held[layer] = (move_keys(ops, layer, k_pre_cached, positions), v_cached_l)
-                with clock("question_probe_s"):
-                    q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-                    q_t, k_t = ops.rope(layer, all_pos[n_ctx:], q_t, k_t)
-                    attn = question_layer(q_t, held[layer][0], k_t, v_cached_l, v_t)  # [T, Hq, D]
-                    if layer < num_layers - 1:
-                        hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
-            scores["question"] = attention_to_ctx / num_layers
+                _question_probe(ops, range(check_layer + 1, num_layers), ctx, hidden_tail, loader, question, moved)
         with clock("select_s"):
-            if not scores_matter:
-                zeros = torch.zeros(n_ctx, device=ops.device)
-                scores = {"question": zeros, "deviation": zeros} if selection.needs_question else {"deviation": zeros}
-            elif selection.needs_deviation:
-                if deviation == "value":
-                    scores["deviation"] = deviation_scores(v_cached, v[:n_ctx])
+            selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
+                               (k_pre_cached, v_cached), question, scores_matter)  # [n]
+        # 3. The selected tokens through the check layer's attention and every later layer.
+        with clock("selective_layers_s"):
+            if selected.numel() > 0 and check_layer < num_layers - 1:
+                hidden = ops.finish_layer(check_layer, hidden[:ctx.n][selected],
+                                          attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
+            for layer in range(check_layer + 1, num_layers):
+                if layer in moved:
+                    k_all, v_all = moved.pop(layer)
                 else:
-                    k_cached = move_keys(ops, check_layer, k_pre_cached, positions)  # [N, Hkv, D]
-                    scores["deviation"] = deviation_scores(k_cached, k[:n_ctx])
-            selected = select_tokens(budget, selection, forced=forced, exact=exact,
-                                     segment_starts=segment_starts, **scores)  # [n]
-        q, k, v, hidden = q[:n_ctx], k[:n_ctx], v[:n_ctx], hidden[:n_ctx]
-        num_selected = selected.shape[0]
-        selected_positions = positions[selected]  # [n]
-        if num_selected > 0 and check_layer < num_layers - 1:
-            with clock("selective_attention_s"):
-                attn = causal_attention(q[selected], selected_positions, k, v, positions, ops.scaling)  # [n, Hq, D]
-            with clock("selective_proj_mlp_s"):
-                hidden = ops.finish_layer(check_layer, hidden[selected], attn)  # [n, hidden]
-
-        # 3. After the check layer: cached KV at the new positions, selected rows recomputed.
-        for layer in range(check_layer + 1, num_layers):
-            if layer in held:
-                k_all, v_all = held.pop(layer)  # moved by the question probe
-            else:
-                k_pre_cached, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
-                with clock("move_keys_s"):
-                    k_all = move_keys(ops, layer, k_pre_cached, positions)  # [N, Hkv, D]
-            if num_selected > 0:
-                with clock("selective_proj_mlp_s"):
-                    q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
-                    q, k = ops.rope(layer, selected_positions, q, k)
-                with clock("merge_s"):
-                    k_all.index_copy_(0, selected, k)
-                    v_all.index_copy_(0, selected, v)
-                if layer < num_layers - 1:
-                    with clock("selective_attention_s"):
-                        attn = causal_attention(q, selected_positions, k_all, v_all, positions, ops.scaling)
-                    with clock("selective_proj_mlp_s"):
-                        hidden = ops.finish_layer(layer, hidden, attn)  # [n, hidden]
-            emit(layer, k_all, v_all)
+                    k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
+                    k_all = move_keys(ops, layer, k_pre, ctx.positions)
+                if selected.numel() > 0:
+                    hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend)
+                else:
+                    emit(layer, k_all, v_all)
         _synchronize(ops.device)
 
     elapsed = time.perf_counter() - start
-    stages = clock.seconds
-    stages.update(load_wait_s=loader.wait_s, cache_write_s=emit.seconds)
     return BlendResult(
         selected=selected,
-        num_recomputed=num_selected,
+        num_recomputed=int(selected.numel()),
         num_tokens=num_tokens,
         load_s=loader.wait_s,
         compute_s=elapsed - loader.wait_s - emit.seconds,
         on_layer_s=emit.seconds,
-        stages=stages,
+        stages=clock.seconds,
     )
 
 
@@ -492,9 +625,10 @@ def reuse_kv(
         raise ValueError(f"positions must be a non-empty [N] tensor, got shape {tuple(positions.shape)}")
     num_tokens = positions.shape[0]
     start = time.perf_counter()
-    emit = _Timer(on_layer)
     clock = _Stages()
-    with torch.inference_mode(), _LayerLoader(ops, load_layer, range(ops.num_layers), num_tokens, prefetch) as loader:
+    emit = _Timer(on_layer, clock, "cache_write_s")
+    with torch.inference_mode(), _LayerLoader(ops, load_layer, range(ops.num_layers), num_tokens, prefetch,
+                                              clock) as loader:
         positions = positions.to(ops.device)
         for layer in range(ops.num_layers):
             k_pre_cached, v_cached = loader.get(layer)  # [N, Hkv, D] each
@@ -511,5 +645,5 @@ def reuse_kv(
         load_s=loader.wait_s,
         compute_s=elapsed - loader.wait_s - emit.seconds,
         on_layer_s=emit.seconds,
-        stages={**clock.seconds, "load_wait_s": loader.wait_s, "cache_write_s": emit.seconds},
+        stages=clock.seconds,
     )

@@ -23,7 +23,10 @@ class DecoderOps(Protocol):
 
     Contract the blend relies on: ``embed``, ``qkv`` and ``finish_layer`` act on each token
     independently (token-wise projections, norms and MLP), so they may be called on any subset of
-    tokens; all mixing between tokens happens in the attention that blend/ computes itself.
+    tokens; all mixing between tokens happens in the attention that blend/ computes itself. The
+    residual stream ``hidden`` is ``[n, ...]``: tokens along dim 0, the rest the adapter's own
+    (``[n, hidden]``, or e.g. vLLM's ``(hidden_states, residual)`` pair as ``[n, 2, hidden]``); the
+    blend only selects, slices and concatenates its rows.
 
     Attributes:
         num_layers: number of decoder layers.
@@ -44,7 +47,7 @@ class DecoderOps(Protocol):
     dtype: torch.dtype
 
     def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
-        """Token embeddings: ``[n]`` int64 -> ``[n, hidden]``."""
+        """Token embeddings: ``[n]`` int64 -> the residual stream entering layer 0, ``[n, ...]``."""
         ...
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,7 +55,7 @@ class DecoderOps(Protocol):
 
         Args:
             layer: layer index in ``[0, num_layers)``.
-            hidden: ``[n, hidden]`` residual stream entering the layer.
+            hidden: ``[n, ...]`` residual stream entering the layer.
 
         Returns:
             ``q [n, Hq, D]``, ``k [n, Hkv, D]``, ``v [n, Hkv, D]``; q and k before RoPE.
@@ -82,10 +85,10 @@ class DecoderOps(Protocol):
         """The rest of the layer after attention: o_proj + residual + post-attention norm + MLP + residual.
 
         Args:
-            hidden: ``[n, hidden]`` residual stream that entered the layer.
+            hidden: ``[n, ...]`` residual stream that entered the layer.
             attn_out: ``[n, Hq, D]`` attention output of the same tokens.
 
         Returns:
-            ``[n, hidden]`` residual stream leaving the layer.
+            ``[n, ...]`` residual stream leaving the layer.
         """
         ...

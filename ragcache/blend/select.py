@@ -20,6 +20,13 @@ indices under one of three strategies (:class:`Selection`):
     of every chunk whose KV moved (EPIC, Hu et al. 2024: a chunk's first tokens carry the attention
     sink its reused KV was computed with), with a cap on any one chunk's share of the budget.
 
+Any strategy may choose in runs (``granule`` > 1): each chunk is cut into aligned runs of
+``granule`` tokens (the last run of a chunk may be shorter), a run scores the mean of its tokens'
+scores, and the best runs are taken whole until the budget is spent (the last one trimmed to its
+best tokens). Recomputed tokens in runs cost less attention than scattered ones on a paged-attention
+kernel (each run is one causal query segment), and a run recomputes a token's neighbourhood, not
+only the token (../shared/DESIGN.md, docs/benchmarks.md for the granule sweep).
+
 Invariants of every strategy: the budget is exact (``min(ceil(ratio * N), N - forced)`` tokens
 plus the forced ones); tokens with no cached KV (``forced``) are always selected; tokens whose
 cached KV is already exact (``exact``: the prompt head and a chunk at its canonical place) are
@@ -48,12 +55,15 @@ class Selection:
         question_weight: hybrid: weight of the question-attention rank against the deviation rank,
             in [0, 1] (0 = deviation only, 1 = question only).
         max_chunk_share: hybrid: no chunk takes more than this share of the budget, in (0, 1].
+        granule: tokens are chosen in aligned runs of this many tokens within each chunk (1 = token
+            by token), >= 1.
     """
 
     strategy: str
     chunk_head_tokens: int = 0
     question_weight: float = 0.5
     max_chunk_share: float = 1.0
+    granule: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy not in SELECTIONS:
@@ -64,6 +74,8 @@ class Selection:
             raise ValueError(f"question_weight must be in [0, 1], got {self.question_weight}")
         if not 0.0 < self.max_chunk_share <= 1.0:
             raise ValueError(f"max_chunk_share must be in (0, 1], got {self.max_chunk_share}")
+        if self.granule < 1:
+            raise ValueError(f"granule must be >= 1, got {self.granule}")
 
     @property
     def needs_question(self) -> bool:
@@ -136,19 +148,25 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     t, num_heads, head_dim = q_tail.shape
     n, num_kv_heads, _ = k_ctx.shape
     g = num_heads // num_kv_heads
-    q = q_tail.reshape(t, num_kv_heads, g, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
-    logits_ctx = torch.matmul(q, k_ctx.permute(1, 2, 0).unsqueeze(1)) * scaling  # [Hkv, G, T, N]
-    logits_tail = torch.matmul(q, k_tail.permute(1, 2, 0).unsqueeze(1)) * scaling  # [Hkv, G, T, T]
-    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)  # tail token i sees tail tokens <= i
-    logits = torch.cat([logits_ctx, logits_tail.masked_fill(future, float("-inf"))], dim=-1)  # [Hkv, G, T, N+T]
-    weights = torch.softmax(logits.float(), dim=-1)  # [Hkv, G, T, N+T]
-    scores = weights[..., :n].mean(dim=(0, 1, 2))  # [N]
+    # rows ordered (group member, tail token): [Hkv, G * T, D]; batched matmuls over the KV heads
+    q = q_tail.reshape(t, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, g * t, head_dim)
+    logits_ctx = torch.bmm(q, k_ctx.permute(1, 2, 0).contiguous()).float() * scaling  # [Hkv, G*T, N]
+    logits_tail = torch.bmm(q, k_tail.permute(1, 2, 0)).float() * scaling  # [Hkv, G*T, T]
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)  # [G*T, T]: tail i sees <= i
+    logits_tail.masked_fill_(future, float("-inf"))
+    # one softmax over [context, tail] without concatenating them
+    top = torch.maximum(logits_ctx.amax(dim=-1, keepdim=True), logits_tail.amax(dim=-1, keepdim=True))
+    w_ctx = logits_ctx.sub_(top).exp_()  # [Hkv, G*T, N]
+    w_tail = logits_tail.sub_(top).exp_()  # [Hkv, G*T, T]
+    total = w_ctx.sum(dim=-1, keepdim=True) + w_tail.sum(dim=-1, keepdim=True)
+    w_ctx.div_(total)
+    w_tail.div_(total)
+    scores = w_ctx.mean(dim=(0, 1))  # [N]
     if v_ctx is None or v_tail is None:
         return None, scores
-    w = weights.to(v_ctx.dtype)
-    out = (torch.matmul(w[..., :n], v_ctx.permute(1, 0, 2).unsqueeze(1))
-           + torch.matmul(w[..., n:], v_tail.permute(1, 0, 2).unsqueeze(1)))  # [Hkv, G, T, D]
-    return out.permute(2, 0, 1, 3).reshape(t, num_heads, head_dim), scores
+    out = (torch.bmm(w_ctx.to(v_ctx.dtype), v_ctx.permute(1, 0, 2))
+           + torch.bmm(w_tail.to(v_tail.dtype), v_tail.permute(1, 0, 2)))  # [Hkv, G*T, D]
+    return out.reshape(num_kv_heads, g, t, head_dim).permute(2, 0, 1, 3).reshape(t, num_heads, head_dim), scores
 
 
 def _ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -249,35 +267,87 @@ def select_tokens(
             chosen |= heads
             budget -= int(heads.sum())
             priority[heads] = float("-inf")
-        if budget > 0 and selection.max_chunk_share < 1.0:
-            cap = max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))
-            taken = torch.bincount(chunk[chosen & ~forced], minlength=int(chunk.max()) + 1).tolist()
-            chunk_of = chunk.tolist()
-            # walk candidates best first, skipping chunks at their cap; exact ones only at the end
-            order = torch.argsort(priority, descending=True, stable=True)
-            open_ = (priority > float("-inf")).tolist()
-            picked: list[int] = []
-            skipped: list[int] = []
-            for idx in order.tolist():
-                if not open_[idx]:
-                    continue
-                c = chunk_of[idx]
-                if taken[c] < cap:
-                    picked.append(idx)
-                    taken[c] += 1
-                    if len(picked) == budget:
-                        break
-                else:
-                    skipped.append(idx)
-            if len(picked) < budget:  # every chunk at its cap: fill from the skipped, best first
-                picked += skipped[: budget - len(picked)]
-            chosen[torch.tensor(picked, dtype=torch.long, device=device)] = True
-            return chosen.nonzero().squeeze(1)
-
-    if budget > 0:
+    if budget <= 0:
+        return chosen.nonzero().squeeze(1)
+    capped = selection.strategy == "hybrid" and selection.max_chunk_share < 1.0
+    if selection.granule == 1 and not capped:
         top = torch.topk(priority, budget, sorted=False).indices
         chosen[top] = True
+        return chosen.nonzero().squeeze(1)
+    cap = None
+    if capped:
+        cap = max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))
+    picked = _take_runs(priority, budget, selection.granule, segment_starts, cap, chosen & ~forced)
+    chosen[picked] = True
     return chosen.nonzero().squeeze(1)
+
+
+def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts: Sequence[int],
+               cap: int | None, taken: torch.Tensor) -> torch.Tensor:
+    """``budget`` token indices chosen run by run, best run first (see the module docstring).
+
+    Args:
+        priority: ``[N]`` float32; ``-inf`` marks tokens that may not be chosen (forced or already
+            chosen), exact tokens are ``-1`` (below every other score, which is >= 0).
+        budget: tokens to choose, at most the number of open tokens.
+        granule: run length (1: every token is its own run).
+        segment_starts: first index of every chunk, ascending, from 0.
+        cap: at most this many chosen tokens per chunk (counting ``taken``), or None; when every
+            chunk is at its cap the rest is filled from the skipped runs, best first.
+        taken: ``[N]`` bool, tokens chosen already (they count against the cap).
+
+    Returns:
+        ``[budget]`` int64 indices (unordered).
+    """
+    num_tokens = priority.shape[0]
+    device = priority.device
+    chunk = _chunk_ids(num_tokens, segment_starts, device)  # [N]
+    starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
+    offset = torch.arange(num_tokens, device=device) - starts[chunk]
+    run_key = chunk * (num_tokens + 1) + offset // granule  # ascending along the context
+    new_run = torch.ones(num_tokens, dtype=torch.bool, device=device)
+    new_run[1:] = run_key[1:] != run_key[:-1]
+    run_of = torch.cumsum(new_run.long(), 0) - 1  # [N] run index of each token
+    bounds = torch.cat([new_run.nonzero().squeeze(1), torch.tensor([num_tokens], device=device)])  # [R + 1]
+    num_runs = bounds.shape[0] - 1
+    open_ = priority > float("-inf")
+    count = torch.zeros(num_runs, device=device).index_add_(0, run_of[open_], torch.ones(int(open_.sum()),
+                                                                                       device=device))
+    total = torch.zeros(num_runs, device=device).index_add_(0, run_of[open_], priority[open_])
+    run_score = (total / count.clamp(min=1)).masked_fill(count == 0, float("-inf"))  # [R] mean of open tokens
+    order = torch.argsort(run_score, descending=True, stable=True).tolist()
+    bounds_l, count_l, chunk_of_run = bounds.tolist(), count.long().tolist(), chunk[bounds[:-1]].tolist()
+    used = torch.bincount(chunk[taken], minlength=int(chunk.max()) + 1).tolist() if cap is not None else None
+    runs: list[int] = []
+    skipped: list[int] = []
+    left = budget
+    for r in order:
+        if left <= 0 or count_l[r] == 0:
+            break
+        c = chunk_of_run[r]
+        if used is not None and used[c] >= cap:
+            skipped.append(r)
+            continue
+        runs.append(r)
+        left -= count_l[r]
+        if used is not None:
+            used[c] += count_l[r]
+    for r in skipped:  # every chunk at its cap: fill from the skipped runs, best first
+        if left <= 0:
+            break
+        runs.append(r)
+        left -= count_l[r]
+    picked = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    for r in runs:
+        picked[bounds_l[r]:bounds_l[r + 1]] = True
+    picked &= open_
+    if left < 0:  # the last run overshot: drop its worst tokens
+        last = runs[-1]
+        lo, hi = bounds_l[last], bounds_l[last + 1]
+        inside = torch.arange(lo, hi, device=device)[open_[lo:hi]]
+        worst = inside[torch.argsort(priority[inside], stable=True)[:-left]]
+        picked[worst] = False
+    return picked.nonzero().squeeze(1)
 
 
 def select_hkvd(

@@ -75,7 +75,7 @@ class AsyncBlendEngine(EngineBase):
         """
         engine = cls(settings, llm)
         try:
-            engine.device = (await engine.llm.collective_rpc(Rpc.INIT, args=engine._init_args()))[0]
+            engine._worker_ready((await engine.llm.collective_rpc(Rpc.INIT, args=engine._init_args()))[0])
             engine.blend_support = await arun_self_check(engine)
             if engine.blend_support.check is None:
                 await engine._warm_up()
@@ -83,8 +83,7 @@ class AsyncBlendEngine(EngineBase):
             engine.close()
             raise
         engine.startup_s = time.perf_counter() - engine._t0
-        log.info("async engine ready on %s in %.1f s; dtype %s (%s)", engine.device, engine.startup_s,
-                 engine.dtype.dtype, engine.dtype.reason)
+        log.info("async %s", engine.ready_line())
         return engine
 
     async def _warm_up(self) -> None:

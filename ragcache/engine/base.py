@@ -23,7 +23,9 @@ from ragcache.chunks import KV_LAYOUT_VERSION
 from ragcache.config import MODES, Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
 from ragcache.engine.limits import check_engine_limits
-from ragcache.engine.messages import CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, SegmentRef
+from ragcache.engine.messages import (
+    CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, SegmentRef, WorkerReady,
+)
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.prompt import AssembledPrompt, PromptBuilder
 
@@ -148,7 +150,8 @@ class EngineBase:
         why. tokenizer: the model's tokenizer. prompts: the :class:`~ragcache.prompt.PromptBuilder`
         of this model and ``[prompt]`` settings. device: where vLLM loaded the model.
         startup_s: seconds from creating vLLM to ready (warm-up included). blend_support: the
-        start-up self-check's verdict on reuse/blend (None until it has run).
+        start-up self-check's verdict on reuse/blend (None until it has run). worker: what the
+        worker reported at start (device, the blend's attention path and why).
     """
 
     settings: Settings
@@ -157,6 +160,7 @@ class EngineBase:
     tokenizer: Any
     prompts: PromptBuilder
     device: str
+    worker: WorkerReady | None = None
     startup_s: float = 0.0
     blend_support: BlendSupport | None = None
 
@@ -198,8 +202,22 @@ class EngineBase:
         )
 
     def _init_args(self) -> tuple[Any, ...]:
-        """Arguments of the worker's ``Rpc.INIT``: store settings, model fingerprint, KV layout version."""
-        return (self.settings.store.model_dump(mode="json"), self.llm_info.fingerprint, KV_LAYOUT_VERSION)
+        """Arguments of the worker's ``Rpc.INIT``: store settings, model fingerprint, KV layout version,
+        the ``blend.attention`` setting."""
+        return (self.settings.store.model_dump(mode="json"), self.llm_info.fingerprint, KV_LAYOUT_VERSION,
+                self.settings.blend.attention)
+
+    def _worker_ready(self, reply: Any) -> None:
+        """Take the worker's reply to ``Rpc.INIT`` (:class:`~ragcache.engine.messages.WorkerReady`)."""
+        self.worker = WorkerReady.from_dict(reply)
+        self.device = self.worker.device
+
+    def ready_line(self) -> str:
+        """One line for logs and the CLI: device, start-up seconds, dtype and blend attention, with reasons."""
+        worker = getattr(self, "worker", None)
+        attention = f"; blend attention {worker.attention} ({worker.attention_reason})" if worker else ""
+        return (f"engine ready on {self.device} in {self.startup_s:.1f} s; dtype {self.dtype.dtype} "
+                f"({self.dtype.reason}){attention}")
 
     def _set_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -101,14 +101,13 @@ class BlendEngine(EngineBase):
         _claim_in_process_slot(self, settings)
         quiet = os.environ.get("RAGCACHE_QUIET_LOADING") == "1"  # the CLI shows its own lines
         self.llm = LLM(**self._engine_kwargs(), use_tqdm_on_load=not quiet)
-        self.device = self.llm.collective_rpc(Rpc.INIT, args=self._init_args())[0]
+        self._worker_ready(self.llm.collective_rpc(Rpc.INIT, args=self._init_args())[0])
         self._set_tokenizer(self.llm.get_tokenizer())
         self.blend_support = run_self_check(self)  # its two requests warm vLLM and the layer-wise forward up
         if self.blend_support.check is None:
             self._warm_up()
         self.startup_s = time.perf_counter() - t0
-        log.info("engine ready on %s in %.1f s; dtype %s (%s)", self.device, self.startup_s, self.dtype.dtype,
-                 self.dtype.reason)
+        log.info("%s", self.ready_line())
 
     def _warm_up(self) -> None:
         """One tiny request (blend where available): the first one pays for lazy kernel and allocator set-up."""

@@ -54,7 +54,7 @@ class Rpc:
 
 #: the [blend] settings every reuse/blend request carries
 _BLEND_KNOBS = {"recompute_ratio", "check_layer", "deviation", "selection", "chunk_head_tokens", "question_weight",
-                "max_chunk_share", "pipeline_overlap"}
+                "max_chunk_share", "granule", "pipeline_overlap"}
 
 
 def _pick(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,6 +72,23 @@ class SegmentRef:
     length: int
 
 
+def parse_selection(spec: str) -> tuple[str, int | None]:
+    """``"question"`` -> ``("question", None)``; ``"question/16"`` -> ``("question", 16)``: a selection
+    strategy with an optional granule (tokens per recomputed run; the settings' ``blend.granule``
+    when absent). Values are range-checked where they are used (:class:`~ragcache.config.BlendSettings`).
+
+    Raises:
+        ValueError: a granule that is not an integer.
+    """
+    strategy, sep, granule = spec.partition("/")
+    if not sep:
+        return spec, None
+    try:
+        return strategy, int(granule)
+    except ValueError:
+        raise ValueError(f"selection {spec!r}: the granule after '/' must be an integer (e.g. question/16)") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlendParams:
     """What one reuse/blend request asks of the KV connector.
@@ -83,7 +100,7 @@ class BlendParams:
         lead_in_len: tokens of the prompt head; chunk KV is computed right after them.
         segments: the cached spans covering ``[0, ctx_len)`` in order; ``segments[0]`` is the head.
         recompute_ratio, check_layer, deviation, selection, chunk_head_tokens, question_weight,
-            max_chunk_share, pipeline_overlap: the ``[blend]`` settings in force for this request
+            max_chunk_share, granule, pipeline_overlap: the ``[blend]`` settings in force for this request
             (see :class:`ragcache.config.BlendSettings`).
     """
 
@@ -98,6 +115,7 @@ class BlendParams:
     chunk_head_tokens: int
     question_weight: float
     max_chunk_share: float
+    granule: int
     pipeline_overlap: bool
 
     @classmethod
@@ -105,18 +123,20 @@ class BlendParams:
                       segments: tuple[SegmentRef, ...], recompute_ratio: float | None = None,
                       selection: str | None = None) -> "BlendParams":
         """Parameters for one request from the ``[blend]`` settings, with optional per-request
-        ratio and selection strategy.
+        ratio and selection (a strategy, or ``strategy/granule`` such as ``question/16``, see
+        :func:`parse_selection`).
 
         Raises:
             ValueError: ``mode`` is not reuse/blend, ``recompute_ratio`` is outside [0, 1], or
-                ``selection`` is not a known strategy.
+                ``selection`` is not a known strategy with a granule in range.
         """
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
         # validated like the settings themselves (same ranges, same messages)
         ratio = blend.static_ratio if recompute_ratio is None else recompute_ratio
-        knobs = blend.model_copy(update={k: v for k, v in (("recompute_ratio", ratio),
-                                                           ("selection", selection)) if v is not None})
+        strategy, granule = parse_selection(selection) if selection is not None else (None, None)
+        knobs = blend.model_copy(update={k: v for k, v in (("recompute_ratio", ratio), ("selection", strategy),
+                                                           ("granule", granule)) if v is not None})
         try:
             knobs = BlendSettings.model_validate(knobs.model_dump())
             if knobs.recompute_ratio == "auto":
@@ -147,10 +167,36 @@ class BlendParams:
                 recompute_ratio=float(data["recompute_ratio"]), check_layer=int(data["check_layer"]),
                 deviation=str(data["deviation"]), selection=str(data["selection"]),
                 chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),
-                max_chunk_share=float(data["max_chunk_share"]), pipeline_overlap=bool(data["pipeline_overlap"]),
+                max_chunk_share=float(data["max_chunk_share"]), granule=int(data["granule"]),
+                pipeline_overlap=bool(data["pipeline_overlap"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """What the worker says once its runtime is set up (worker -> driver, the reply to ``Rpc.INIT``).
+
+    Attributes:
+        device: where vLLM loaded the model (``str(torch.device)``).
+        attention: the blend's attention path: ``"kernel"`` (vLLM's own attention kernel over the
+            paged cache) or ``"torch"`` (torch SDPA); see :mod:`ragcache.engine.paged_attention`.
+        attention_reason: why that path (one phrase, for the engine's start line).
+    """
+
+    device: str
+    attention: str = "torch"
+    attention_reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``collective_rpc``'s return value."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "WorkerReady":
+        """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
+        return cls(**_pick(cls, data))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,11 @@ import torch
 
 from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv
 from ragcache.config import StoreSettings
-from ragcache.engine.messages import ContextStats, LoadRequest, OpsProbe
+from ragcache.engine.messages import ContextStats, LoadRequest, OpsProbe, WorkerReady
 from ragcache.engine.ops import UnsupportedArchitectureError, adapter_for, exercise, kv_layout, sliding_window
+from ragcache.engine.paged_attention import (
+    AttentionChoice, PagedKernelAttention, ScratchKernelAttention, choose_attention,
+)
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
 from ragcache.prompt import is_canonical, lead_in_for
 
@@ -52,15 +55,18 @@ class WorkerRuntime:
         model_fingerprint: from :func:`ragcache.models.resolve_llm`.
         layout_version: :data:`ragcache.chunks.KV_LAYOUT_VERSION`.
         hf_architectures: the checkpoint's ``config.architectures`` (for messages).
+        attention: the ``blend.attention`` setting (auto, kernel, torch).
 
     Attributes:
         ops: the model's DecoderOps adapter (:func:`ragcache.engine.ops.adapter_for`), or None when
             no adapter serves the model (then only full and prefix requests reach the engine;
             ``ops_error`` says why).
+        attention: the blend's attention path on this host (:func:`ragcache.engine.paged_attention.
+            choose_attention`); resolved when the first blend needs it, or by :meth:`ready`.
     """
 
     def __init__(self, model: torch.nn.Module, store_settings: dict[str, Any], model_fingerprint: str,
-                 layout_version: int, hf_architectures: tuple[str, ...] = ()):
+                 layout_version: int, hf_architectures: tuple[str, ...] = (), attention: str = "auto"):
         self.architecture, self.hf_architectures = type(model).__name__, tuple(hf_architectures)
         self.ops_error: UnsupportedArchitectureError | None = None
         try:
@@ -75,9 +81,23 @@ class WorkerRuntime:
             else kv_layout(model)  # no adapter: size the store from vLLM's attention layers
         spec = KVSpec(model_fingerprint=model_fingerprint, layout_version=layout_version, num_layers=num_layers,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-        device = next(model.parameters()).device
-        self.store = TieredStore.from_settings(StoreSettings(**store_settings), spec=spec, device=device)
+        self.device = next(model.parameters()).device
+        self.store = TieredStore.from_settings(StoreSettings(**store_settings), spec=spec, device=self.device)
         self.lock = threading.Lock()
+        self.attention = AttentionChoice("torch", "no DecoderOps adapter")
+        self._scratch_attention: ScratchKernelAttention | None = None  # chunk KV precompute on the kernel
+        if self.ops is not None:
+            self.attention = choose_attention(attention, self.attn_layers, num_heads=ops.num_heads,
+                                              num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim,
+                                              dtype=ops.dtype, scaling=ops.scaling)
+            if self.attention.path == "kernel":
+                self._scratch_attention = ScratchKernelAttention(
+                    self.attn_layers, num_heads=ops.num_heads, num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim,
+                    dtype=ops.dtype)
+
+    def ready(self) -> WorkerReady:
+        """The reply to ``Rpc.INIT``: the device and the blend's attention path."""
+        return WorkerReady(str(self.device), self.attention.path, self.attention.reason)
 
     # ---- chunk KV -------------------------------------------------------------------------
 
@@ -94,7 +114,7 @@ class WorkerRuntime:
         lead_in = lead_in_for(start, head_ids)
         ids = torch.tensor(lead_in + list(unit), dtype=torch.long, device=self.ops.device)
         positions = torch.arange(len(ids), device=self.ops.device)
-        return compute_kv(self.ops, ids, positions, keep_from=len(lead_in))
+        return compute_kv(self.ops, ids, positions, keep_from=len(lead_in), attention=self._scratch_attention)
 
     def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int],
                            stored: dict[str, int] | None = None) -> _MemoryHandle:
@@ -207,10 +227,15 @@ class WorkerRuntime:
             layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slot_mapping)
 
         ids = torch.tensor(token_ids[:n], dtype=torch.long, device=device)
+        attention = None  # torch SDPA inside the blend
+        if self.attention.path == "kernel":
+            ops = self.ops
+            attention = PagedKernelAttention(self.attn_layers, load.block_ids, block_size, num_heads=ops.num_heads,
+                                             num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim, dtype=ops.dtype)
         if p.mode == "reuse":
             result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=p.pipeline_overlap)
         else:
-            selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share)
+            selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share, p.granule)
             exact = torch.zeros(n, dtype=torch.bool, device=device)
             for seg in segments:
                 if is_canonical(seg.start, head_ids):
@@ -221,7 +246,7 @@ class WorkerRuntime:
                 recompute_ratio=p.recompute_ratio, check_layer=p.check_layer, deviation=p.deviation,
                 selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
                 tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
-                on_layer=write_layer, prefetch=p.pipeline_overlap,
+                on_layer=write_layer, attention=attention, prefetch=p.pipeline_overlap,
             )
         recomputed = int(result.num_recomputed)
         # blend does not load layers below the check layer; a handle promotes its entry to the top
@@ -249,16 +274,18 @@ class RagcacheWorkerExtension:
     ``self`` is the vLLM worker: ``self.model_runner.model`` is the loaded model.
     """
 
-    def ragcache_init(self, store_settings: dict[str, Any], model_fingerprint: str, layout_version: int) -> str:
-        """Create the :class:`WorkerRuntime` and hand it to the worker-side connector. Returns the device."""
+    def ragcache_init(self, store_settings: dict[str, Any], model_fingerprint: str, layout_version: int,
+                      attention: str = "auto") -> dict[str, Any]:
+        """Create the :class:`WorkerRuntime` and hand it to the worker-side connector.
+        Returns :meth:`WorkerRuntime.ready` as plain data (``WorkerReady.to_dict()``)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         hf_architectures = tuple(getattr(self.model_runner.model_config, "architectures", None) or ())
         runtime = WorkerRuntime(self.model_runner.model, store_settings, model_fingerprint, layout_version,
-                                hf_architectures)
+                                hf_architectures, attention)
         get_kv_transfer_group().runtime = runtime
         self._ragcache = runtime
-        return str(next(self.model_runner.model.parameters()).device)
+        return runtime.ready().to_dict()
 
     def ragcache_ops_probe(self, token_ids: list[int]) -> dict[str, Any]:
         """See :meth:`WorkerRuntime.probe`; returns ``OpsProbe.to_dict()``."""

@@ -5,8 +5,8 @@ Owns: :class:`VLLMLlamaOps`, the adapter from vLLM's Llama-style module tree
 ``rotary_emb`` / ``o_proj`` / ``post_attention_layernorm`` / ``mlp``) to
 :class:`ragcache.blend.DecoderOps`, with two hooks the other families override (per-head q/k norms
 before RoPE, refusals of configurations whose KV cannot be moved); and :class:`VLLMMistralOps`.
-It never calls ``self_attn.attn`` (vLLM's paged attention); attention is computed by blend/ with
-torch SDPA. Checked against vLLM 0.32's ``vllm/model_executor/models/llama.py``
+It never calls ``self_attn.attn`` (vLLM's attention layer); attention is computed by blend/ (torch
+SDPA, or vLLM's kernel through the worker's attention callable, :mod:`ragcache.engine.paged_attention`). Checked against vLLM 0.32's ``vllm/model_executor/models/llama.py``
 (``LlamaAttention.forward``, ``LlamaDecoderLayer.forward``) and ``mistral.py``
 (``MistralAttention.forward``, ``MistralDecoderLayer.forward``).
 
@@ -91,20 +91,29 @@ class VLLMLlamaOps:
         return q, k
 
     # ---- DecoderOps ------------------------------------------------------------------------
+    #
+    # The residual stream is carried as vLLM carries it between decoder layers: a pair
+    # ``(hidden_states, residual)`` stacked as ``[n, 2, hidden]``. vLLM's norms add the pair in float32
+    # and normalise the unrounded sum (``fused_add_rms_norm``); adding first in the model's dtype and
+    # normalising the rounded sum differs by an ulp of bfloat16 here and there, which 30 layers turn
+    # into a visible drift from vLLM's own prefill. Carrying the pair keeps the arithmetic vLLM's.
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[n] int64 -> [n, hidden]."""
-        return self.model.embed_tokens(token_ids)
+        """[n] int64 -> the residual stream ``[n, 2, hidden]``: (zeros, embeddings), which the first
+        layer's fused norm turns into exactly vLLM's ``residual = embeddings``."""
+        emb = self.model.embed_tokens(token_ids)  # [n, hidden]
+        return torch.stack([torch.zeros_like(emb), emb], dim=1)
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[n, hidden] -> q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] (pre-RoPE), input norm included.
+        """Residual stream ``[n, 2, hidden]`` -> q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D] (pre-RoPE),
+        input norm included.
 
         Q and K are returned after the family's per-head norms (:meth:`_qk_norm`), i.e. exactly what
         vLLM feeds its ``rotary_emb``: the stored pre-RoPE K.
         """
         mod = self.layers[layer]
         attn = mod.self_attn
-        x = mod.input_layernorm(hidden)
+        x, _ = mod.input_layernorm(hidden[:, 0], hidden[:, 1])
         qkv, _ = attn.qkv_proj(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         n = hidden.shape[0]
@@ -132,11 +141,13 @@ class VLLMLlamaOps:
                 k_rot.reshape(n, self.num_kv_heads, self.head_dim))
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden], attn_out [n, Hq, D] -> next hidden [n, hidden] (o_proj, residual, MLP)."""
+        """Residual stream ``[n, 2, hidden]``, attn_out [n, Hq, D] -> the next layer's residual stream
+        ``[n, 2, hidden]`` (o_proj, the fused residual add and norm, MLP), as ``LlamaDecoderLayer.forward``."""
         mod = self.layers[layer]
+        residual = hidden[:, 0] + hidden[:, 1]  # what the layer's input norm left as residual
         o, _ = mod.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        hidden = hidden + o
-        return hidden + mod.mlp(mod.post_attention_layernorm(hidden))
+        x, residual = mod.post_attention_layernorm(o, residual)
+        return torch.stack([mod.mlp(x), residual], dim=1)
 
 
 class VLLMMistralOps(VLLMLlamaOps):
