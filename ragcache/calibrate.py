@@ -31,7 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from ragcache.bench.metrics import kl_divergence, mean, mean_nll
+from ragcache.bench.metrics import mean
+from ragcache.quality import kl_divergence, mean_nll
 from ragcache.index import CALIBRATION
 
 if TYPE_CHECKING:

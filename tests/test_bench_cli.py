@@ -55,13 +55,13 @@ SUMMARY_FIELDS = {
     "variant", "mode", "recompute_ratio", "n", "ttft_median_s", "ttft_p90_s", "ttft_mean_s", "speedup_median",
     "load_s_median", "worker_s_median", "kl_mean", "kl_median", "gold_nll_mean", "gold_nll_rel_full", "f1_mean",
     "rouge_l_mean", "em_mean", "agree_em_mean", "agree_rouge_l_mean", "agree_tokens_mean", "recomputed_frac_mean",
-    "prompt_tokens_mean",
+    "prompt_tokens_mean", "loop_share",
 }
 RECORD_FIELDS = {
     "ttft_s", "total_s", "load_s", "worker_s", "prompt_tokens", "ctx_tokens", "reused_tokens", "recomputed_tokens",
     "missing_computed_tokens", "num_cached_tokens", "output_tokens", "chunk_tiers", "answer", "recompute_ratio",
     "first_token", "kl_from_full", "gold_nll", "f1", "rouge_l", "em", "agree_em", "agree_rouge_l", "agree_tokens",
-    "speedup",
+    "speedup", "repetition_loop",
 }
 
 
@@ -86,7 +86,7 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
         # plain vLLM is timed and its answer scored, but it has no teacher-forced scores (another engine)
         assert (s["gold_nll_mean"] is None) if name == "plain" else (s["gold_nll_mean"] > 0)
     assert set(res["targets"]) == {"blend_ttft_speedup", "blend_ttft_speedup_vs_best", "blend_nll_within",
-                                   "blend_kl_vs_reuse", "blend_agree_rouge_l", "full_vs_plain"}
+                                   "blend_kl_vs_reuse", "blend_agree_rouge_l", "blend_loops", "full_vs_plain"}
     for ex in res["examples"]:
         assert set(ex["results"]) == {"full", "plain", "prefix", "reuse", "blend@0", "blend@0.15"}
         assert sorted(ex["order"]) == sorted(ex["results"])

@@ -123,3 +123,17 @@ def test_stream_yields_text_then_generation(engine, fact_chunks):
     assert "".join(pieces[:-1]) == final.text and final.metrics.reused_tokens > 0
     batch = engine.generate(prompt, "blend", max_tokens=12)
     assert batch.token_ids == final.token_ids
+
+
+def test_scoring_a_continuation_does_not_show_it_to_the_question_selection(engine, fact_chunks):
+    # The question probe reads the tail after the context. When a continuation (a gold answer) is
+    # scored teacher-forced, it must not take part: two different continuations get the same blend,
+    # so the same log-probability for their shared first token, and the one a plain request gets.
+    prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
+    g = engine.generate(prompt, "blend", max_tokens=1, logprobs=-1, recompute_ratio=0.3, selection="question")
+    first = g.token_ids[0]
+    a = engine.continuation_logprobs(prompt, [first, 13], "blend", recompute_ratio=0.3, selection="question")
+    b = engine.continuation_logprobs(prompt, [first] + encode(engine.tokenizer, " Velmora, on the Aster."),
+                                     "blend", recompute_ratio=0.3, selection="question")
+    assert a[0] == b[0]
+    assert a[0] == pytest.approx(g.first_token_logprobs[first], abs=1e-4)

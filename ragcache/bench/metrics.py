@@ -1,9 +1,10 @@
 """Answer-quality metrics and the small statistics of benchmark summaries.
 
-Owns: SQuAD answer normalisation, exact match, token F1, Rouge-L (with its LCS), KL divergence
-between two first-token distributions, the mean NLL of teacher-forced log-probabilities, and
-median / percentile / mean / rounding as every summary uses them. Pure Python on strings and
-numbers: imports nothing from ragcache, and never app/ or ui/.
+Owns: SQuAD answer normalisation, exact match, token F1, Rouge-L (with its LCS), and median /
+percentile / mean / rounding as every summary uses them. The measures the engine and calibration
+share (KL divergence of first-token distributions, mean NLL, the repetition-loop detector) live in
+:mod:`ragcache.quality` and are re-exported here. Pure Python on strings and numbers: imports only
+ragcache.quality, and never app/ or ui/.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import re
 import string
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from ragcache.quality import kl_divergence, mean_nll, repetition_loop  # noqa: F401  (re-exported)
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
@@ -89,31 +92,6 @@ def rouge_l(prediction: str, golds: str | Iterable[str]) -> float:
     P = LCS / len(prediction), R = LCS / len(gold), F = 2PR / (P + R).
     """
     return _best_f_measure(prediction, golds, lcs_length)
-
-
-def kl_divergence(p: Mapping[int, float], q: Mapping[int, float]) -> float:
-    """KL(p || q) in nats from two ``{token_id: logprob}`` distributions over the whole vocabulary.
-
-    ``sum_t exp(p_t) * (p_t - q_t)``. Use p = full prefill, q = the mode under test. A token missing
-    from ``q`` (only possible with a truncated distribution) counts as q's least likely token;
-    tokens with p = 0 contribute nothing. Rounding noise below zero is clipped to 0.
-    """
-    if not p:
-        raise ValueError("p is empty: request the first token's logprobs with logprobs=-1")
-    floor = min(q.values()) if q else -math.inf
-    total = 0.0
-    for tok, lp in p.items():
-        if lp == -math.inf:
-            continue
-        total += math.exp(lp) * (lp - q.get(tok, floor))
-    return max(total, 0.0)
-
-
-def mean_nll(logprobs: Sequence[float]) -> float:
-    """Mean negative log-likelihood per token, in nats, of teacher-forced token log-probabilities."""
-    if not logprobs:
-        raise ValueError("no token log-probabilities to average")
-    return -sum(logprobs) / len(logprobs)
 
 
 def median(values: Sequence[float]) -> float | None:

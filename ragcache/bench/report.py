@@ -57,13 +57,13 @@ def _pct(v: float | None) -> float | None:
 
 def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
     h = ["mode", "TTFT med (s)", "TTFT p90 (s)", "speedup", "vs best", "KL vs full", "answer NLL vs full %",
-         "gold NLL", "NLL vs full %", "F1", "Rouge-L", "agree EM", "agree Rouge-L", "recomputed %"]
+         "gold NLL", "NLL vs full %", "F1", "Rouge-L", "agree EM", "agree Rouge-L", "loops %", "recomputed %"]
 
     def row(name: str, s: Mapping[str, Any]) -> list[Any]:
         return [name, s["ttft_median_s"], s["ttft_p90_s"], s["speedup_median"], s.get("speedup_vs_best_median"),
                 s["kl_mean"], _pct(s.get("answer_nll_rel_full")), s["gold_nll_mean"], _pct(s["gold_nll_rel_full"]),
                 s["f1_mean"], s["rouge_l_mean"], s["agree_em_mean"], s["agree_rouge_l_mean"],
-                _pct(s["recomputed_frac_mean"])]
+                _pct(s.get("loop_share")), _pct(s["recomputed_frac_mean"])]
     main = [row(k if k != "blend" else s["variant"], s) for k, s in result["modes"].items()]
     sweep = [row(s["variant"], s) for s in result["sweep"]]
     if "reuse" in result["modes"]:
@@ -78,8 +78,11 @@ def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
         rows = [[k, st["stages_s"].get(k), st["stages_s_ratio_one"].get(k), st["stages_s_reuse"].get(k)]
                 for k in names]
         rows.append(["worker total", st["worker_s"], st["worker_s_ratio_one"], st["worker_s_reuse"]])
+        if st.get("ttft_s_plain") is not None:
+            rows.append(["plain vLLM prefill (TTFT)", st["ttft_s_plain"], st.get("ttft_s_ratio_one"), None])
         if st.get("floor_s") is not None:
-            rows.append([f"compute floor (c={st['check_layer']}, L={st['num_layers']})", st["floor_s"], None, None])
+            rows.append([f"compute floor vs plain (c={st['check_layer']}, L={st['num_layers']})", st["floor_s"],
+                         None, None])
             rows.append(["worker / floor", st["worker_vs_floor"], None, None])
         out.append((f"worker seconds by stage, medians ({st['variant']} vs ratio 1 vs reuse)",
                     ["stage", st["variant"], "ratio 1", "reuse"], rows))
@@ -88,11 +91,12 @@ def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
 
 def _eval_tables(result: Mapping[str, Any]) -> list[Table]:
     h = ["mode", "n", "KL vs full", "gold NLL", "NLL vs full %", "F1", "Rouge-L", "EM", "agree EM",
-         "agree Rouge-L"]
+         "agree Rouge-L", "loops %"]
     rows = []
     for name, s in (("full", result["full"]), (result["mode"], result["quality"])):
         rows.append([name, s["n"], s["kl_mean"], s["gold_nll_mean"], _pct(s["gold_nll_rel_full"]), s["f1_mean"],
-                     s["rouge_l_mean"], s["em_mean"], s["agree_em_mean"], s["agree_rouge_l_mean"]])
+                     s["rouge_l_mean"], s["em_mean"], s["agree_em_mean"], s["agree_rouge_l_mean"],
+                     _pct(s.get("loop_share"))])
     return [(f"quality (n={result['n']})", h, rows)]
 
 

@@ -222,6 +222,7 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
         "agree_em_mean": rounded(mean(x["agree_em"] for x in rs)),
         "agree_rouge_l_mean": rounded(mean(x["agree_rouge_l"] for x in rs)),
         "agree_tokens_mean": rounded(mean(x["agree_tokens"] for x in rs)),
+        "loop_share": rounded(mean(float(bool(x.get("repetition_loop"))) for x in rs)),
         "recomputed_frac_mean": rounded(mean(x["recomputed_tokens"] / x["ctx_tokens"] if x["ctx_tokens"] else 0.0
                                              for x in rs)),
         "prompt_tokens_mean": rounded(mean(x["prompt_tokens"] for x in rs), 1),
@@ -229,36 +230,47 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
 
 
 def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_blend: str | None) -> dict[str, Any] | None:
-    """The blend's worker time by stage next to its compute floor.
+    """The blend's worker time by stage, beside blend at ratio 1 (same selection) and reuse, and the
+    plain vLLM prefill the floor is measured against (:func:`with_floor`).
 
-    floor = (c + 1) / L x t(r=1) + r x (L - c - 1) / L x t(r=1) + t(reuse), with t the median worker
-    seconds of blend at ratio 1 (same selection) and of reuse, c the check layer and L the layers
-    (the layers up to the check layer run for every token, the rest for the recomputed share; moving
-    and writing the reused KV is reuse's cost). None when the run lacks blend, blend@1 or reuse.
+    None when the run lacks blend or reuse; the ratio-1 and plain columns are None when those
+    variants were not run.
     """
     blend = summaries.get(main_blend) if main_blend else None
     if not blend or "reuse" not in summaries:
         return None
     one = next((s for s in summaries.values() if s["mode"] == "blend" and s["recompute_ratio"] == 1.0
                 and s["selection"] == blend["selection"]), None)
-    if one is None:
-        return None
+    plain = summaries.get(PLAIN)
     return {"variant": blend["variant"], "ratio": blend["recompute_ratio"],
-            "worker_s": blend["worker_s_median"], "worker_s_ratio_one": one["worker_s_median"],
+            "worker_s": blend["worker_s_median"], "worker_s_ratio_one": one["worker_s_median"] if one else None,
             "worker_s_reuse": summaries["reuse"]["worker_s_median"],
-            "stages_s": blend["stages_median_s"], "stages_s_ratio_one": one["stages_median_s"],
+            "ttft_s_ratio_one": one["ttft_median_s"] if one else None,
+            "ttft_s_plain": plain["ttft_median_s"] if plain else None,
+            "stages_s": blend["stages_median_s"], "stages_s_ratio_one": one["stages_median_s"] if one else {},
             "stages_s_reuse": summaries["reuse"]["stages_median_s"]}
 
 
 def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int) -> dict[str, Any] | None:
-    """``stages`` plus ``floor_s`` and ``worker_vs_floor`` for a model of ``num_layers`` layers."""
+    """``stages`` plus the blend's compute floor against plain vLLM's prefill.
+
+    floor = (c + 1) / L x t(plain) + r x (L - c - 1) / L x t(plain) + t(reuse), with t(plain) the
+    median TTFT of plain vLLM's full prefill of the same prompts (what a user would run instead), c
+    the check layer, L the layers (the layers up to the check layer run for every token, the rest for
+    the recomputed share) and t(reuse) reuse's median worker seconds (moving and writing the reused
+    KV). Adds ``floor_s``, ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own
+    ratio-1 path over plain's); each None when its inputs were not run.
+    """
     if not stages:
         return stages
-    t1, r = stages["worker_s_ratio_one"], stages["ratio"]
-    floor = ((check_layer + 1) / num_layers * t1 + r * (num_layers - check_layer - 1) / num_layers * t1
-             + stages["worker_s_reuse"])
+    t_plain, r, one = stages["ttft_s_plain"], stages["ratio"], stages["ttft_s_ratio_one"]
+    floor = None
+    if t_plain:
+        floor = ((check_layer + 1) / num_layers * t_plain + r * (num_layers - check_layer - 1) / num_layers * t_plain
+                 + stages["worker_s_reuse"])
     return {**stages, "check_layer": check_layer, "num_layers": num_layers, "floor_s": rounded(floor),
-            "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None}
+            "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None,
+            "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None}
 
 
 def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -286,17 +298,24 @@ def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any
                                       "median per-example TTFT(full, ragcache's engine) / TTFT(plain vLLM)")
     if stages and stages.get("worker_vs_floor") is not None:
         out["blend_worker_vs_floor"] = target(stages["worker_vs_floor"], TARGETS["blend_worker_vs_floor_max"], "max",
-                                              "median blend worker seconds / compute floor")
+                                              "median blend worker seconds / compute floor (against plain vLLM)")
+    if stages and stages.get("ratio_one_vs_plain") is not None:
+        out["ratio_one_vs_plain"] = target(stages["ratio_one_vs_plain"], TARGETS["ratio_one_vs_plain_max"], "max",
+                                           "median TTFT of blend at ratio 1 (own layer-wise path) / plain vLLM's")
+    if blend and blend.get("loop_share") is not None:
+        out["blend_loops"] = target(blend["loop_share"], TARGETS["blend_loop_share_max"], "max",
+                                    "share of blend answers with a repetition loop (an n-gram of >= 2 tokens "
+                                    "repeated >= 3 times in a row)")
     return out
 
 
 #: the quality fields of a variant's summary that ``eval`` reports
 _EVAL_SUMMARY = ("n", "kl_mean", "kl_median", "gold_nll_mean", "gold_nll_rel_full", "answer_nll_mean",
                  "answer_nll_rel_full", "f1_mean", "rouge_l_mean", "em_mean", "agree_em_mean", "agree_rouge_l_mean",
-                 "agree_tokens_mean", "recomputed_frac_mean")
+                 "agree_tokens_mean", "loop_share", "recomputed_frac_mean")
 #: the quality fields of a request record that ``eval`` reports per example
 _EVAL_RECORD = ("kl_from_full", "gold_nll", "answer_nll", "f1", "rouge_l", "em", "agree_em", "agree_rouge_l",
-                "agree_tokens")
+                "agree_tokens", "repetition_loop")
 
 
 def run_eval(engine: "BlendEngine", examples: Sequence[QAExample], *, mode: str, recompute_ratio: float | None = None,

@@ -28,6 +28,7 @@ from ragcache.engine.messages import (
 )
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.prompt import AssembledPrompt, PromptBuilder
+from ragcache.quality import repetition_loop
 
 if TYPE_CHECKING:
     from ragcache.engine.selfcheck import BlendSupport
@@ -138,6 +139,7 @@ class StreamState:
                                              total_s=time.perf_counter() - self.t0,
                                              recompute_ratio=req.recompute_ratio)
         metrics.output_tokens = len(self.token_ids)
+        metrics.repetition_loop = repetition_loop(self.token_ids)
         reason = self.last.outputs[0].finish_reason if self.last is not None else None
         return Generation("".join(self.text), self.token_ids, metrics, finish_reason=reason)
 
@@ -237,8 +239,10 @@ class EngineBase:
     def _request(self, prompt: AssembledPrompt, mode: str | None, *, max_tokens: int | None = None,
                  recompute_ratio: float | None = None, selection: str | None = None,
                  logprobs: int | None = None, delta: bool = False,
-                 sampling: SamplingOptions | None = None) -> PreparedRequest:
-        """The vLLM request of ``prompt`` in ``mode`` (default ``engine.mode``).
+                 sampling: SamplingOptions | None = None, question_end: int = 0) -> PreparedRequest:
+        """The vLLM request of ``prompt`` in ``mode`` (default ``engine.mode``). ``question_end``: see
+        :class:`~ragcache.engine.messages.BlendParams` (scoring requests hide their continuation from
+        the selection).
 
         Raises:
             ValueError: unknown mode, a ratio outside [0, 1], or sampling values vLLM rejects.
@@ -260,7 +264,7 @@ class EngineBase:
             params = BlendParams.from_settings(
                 self.settings.blend, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
                 segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
-                recompute_ratio=recompute_ratio, selection=selection,
+                recompute_ratio=recompute_ratio, selection=selection, question_end=question_end,
             )
             ratio = params.recompute_ratio if mode == "blend" else None
             extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}

@@ -207,7 +207,9 @@ class BlendEngine(EngineBase):
             raise ValueError("empty continuation: nothing to score")
         extended = AssembledPrompt(list(prompt.token_ids) + list(continuation), prompt.segments, prompt.ctx_len,
                                    prompt.lead_in_len)
-        req = self._request(extended, mode, max_tokens=1, recompute_ratio=recompute_ratio, selection=selection)
+        # the blend's question-aware selection reads the question, never the continuation it scores
+        req = self._request(extended, mode, max_tokens=1, recompute_ratio=recompute_ratio, selection=selection,
+                            question_end=len(prompt.token_ids))
         req.sampling.prompt_logprobs = 0
         req.sampling.skip_reading_prefix_cache = False
         req.sampling.detokenize = False

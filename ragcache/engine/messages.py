@@ -14,7 +14,7 @@ Flow of one reuse/blend request::
     scheduler connector.request_finished  --ContextStats.to_dict()-->  RequestOutput.kv_transfer_params
     driver  --RequestMetrics.from_output(...)-->  Generation.metrics / Answer.metrics
 
-Imports only ragcache.config and pydantic (no vLLM, no torch), so the pipeline, the UI and the tests can use
+Imports only ragcache.config, ragcache.quality and pydantic (no vLLM, no torch), so the pipeline, the UI and the tests can use
 these types without starting an engine.
 """
 
@@ -27,6 +27,7 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from ragcache.config import BlendSettings
+from ragcache.quality import repetition_loop
 
 #: key of ragcache's entry inside vLLM's ``kv_transfer_params`` (request in, stats out)
 TRANSFER_KEY = "ragcache"
@@ -99,6 +100,9 @@ class BlendParams:
             question tail) is prefilled by vLLM.
         lead_in_len: tokens of the prompt head; chunk KV is computed right after them.
         segments: the cached spans covering ``[0, ctx_len)`` in order; ``segments[0]`` is the head.
+        question_end: the question tail that question-aware selection reads is
+            ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
+            the continuation they score (a gold answer) is not seen by the selection.
         recompute_ratio, check_layer, deviation, selection, chunk_head_tokens, question_weight,
             max_chunk_share, granule, pipeline_overlap: the ``[blend]`` settings in force for this request
             (see :class:`ragcache.config.BlendSettings`).
@@ -108,6 +112,7 @@ class BlendParams:
     ctx_len: int
     lead_in_len: int
     segments: tuple[SegmentRef, ...]
+    question_end: int = 0
     recompute_ratio: float
     check_layer: int
     deviation: str
@@ -121,7 +126,7 @@ class BlendParams:
     @classmethod
     def from_settings(cls, blend: BlendSettings, *, mode: str, ctx_len: int, lead_in_len: int,
                       segments: tuple[SegmentRef, ...], recompute_ratio: float | None = None,
-                      selection: str | None = None) -> "BlendParams":
+                      selection: str | None = None, question_end: int = 0) -> "BlendParams":
         """Parameters for one request from the ``[blend]`` settings, with optional per-request
         ratio and selection (a strategy, or ``strategy/granule`` such as ``question/16``, see
         :func:`parse_selection`).
@@ -145,7 +150,7 @@ class BlendParams:
             raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}"
                                        for e in exc.errors())) from None
         return cls(mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments),
-                   **knobs.model_dump(include=_BLEND_KNOBS))
+                   question_end=question_end, **knobs.model_dump(include=_BLEND_KNOBS))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``kv_transfer_params[TRANSFER_KEY]`` (segments as ``[key, start, length]``)."""
@@ -164,6 +169,7 @@ class BlendParams:
             return cls(
                 mode=str(data["mode"]), ctx_len=int(data["ctx_len"]), lead_in_len=int(data["lead_in_len"]),
                 segments=tuple(SegmentRef(str(k), int(s), int(n)) for k, s, n in data["segments"]),
+                question_end=int(data.get("question_end", 0)),
                 recompute_ratio=float(data["recompute_ratio"]), check_layer=int(data["check_layer"]),
                 deviation=str(data["deviation"]), selection=str(data["selection"]),
                 chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),
@@ -323,6 +329,8 @@ class RequestMetrics(ContextStats):
         recompute_ratio: the blend's recompute ratio for this request (None outside blend mode).
         ratio_source: where that ratio came from (set by the pipeline): ``"request"``, ``"settings"``,
             ``"calibration"`` (the index's calibrated ratio) or ``"fallback"``; empty otherwise.
+        repetition_loop: the answer repeats an n-gram of >= 2 tokens >= 3 times in a row
+            (:func:`ragcache.quality.repetition_loop`): a degenerate answer.
     """
 
     mode: str
@@ -334,6 +342,7 @@ class RequestMetrics(ContextStats):
     num_cached_tokens: int = 0
     recompute_ratio: float | None = None
     ratio_source: str = ""
+    repetition_loop: bool = False
 
     @classmethod
     def from_output(cls, *, mode: str, prompt_tokens: int, output: Any, total_s: float,
@@ -343,17 +352,17 @@ class RequestMetrics(ContextStats):
         The worker's stats are read from ``output.kv_transfer_params[TRANSFER_KEY]`` (present for
         reuse/blend requests).
         """
-        ttft, cached, n_out, stats = 0.0, 0, 0, {}
+        ttft, cached, ids, stats = 0.0, 0, [], {}
         if output is not None:
             m = getattr(output, "metrics", None)
             ttft = float(getattr(m, "first_token_latency", 0.0) or 0.0) if m is not None else 0.0
             cached = int(getattr(output, "num_cached_tokens", 0) or 0)
             outs = getattr(output, "outputs", None) or []
-            n_out = len(outs[0].token_ids) if outs else 0
+            ids = list(outs[0].token_ids) if outs else []
             stats = (getattr(output, "kv_transfer_params", None) or {}).get(TRANSFER_KEY) or {}
-        return cls(mode=mode, ttft_s=ttft, total_s=total_s, prompt_tokens=prompt_tokens, output_tokens=n_out,
+        return cls(mode=mode, ttft_s=ttft, total_s=total_s, prompt_tokens=prompt_tokens, output_tokens=len(ids),
                    num_cached_tokens=cached, recompute_ratio=recompute_ratio if mode == "blend" else None,
-                   **ContextStats.from_dict(stats).__dict__)
+                   repetition_loop=repetition_loop(ids), **ContextStats.from_dict(stats).__dict__)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RequestMetrics":

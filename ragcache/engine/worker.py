@@ -240,7 +240,7 @@ class WorkerRuntime:
             for seg in segments:
                 if is_canonical(seg.start, head_ids):
                     exact[seg.start:seg.start + seg.length] = True
-            tail = token_ids[n:] if selection.needs_question else None
+            tail = token_ids[n:p.question_end or None] if selection.needs_question else None
             result = blend_kv(
                 self.ops, ids, positions, load_layer,
                 recompute_ratio=p.recompute_ratio, check_layer=p.check_layer, deviation=p.deviation,
