@@ -115,7 +115,12 @@ def check_inputs(args: argparse.Namespace, settings: "Settings") -> None:
 
     if args.namespace is not None:
         check_namespace(args.namespace, "--namespace")
-    check_index_folder(resolve_index_path(args.index, settings.ingest.index_dir))
+    if settings.ingest.vector_store == "pgvector":
+        from ragcache.catalog import PgCatalog
+
+        PgCatalog(settings).name(args.index)  # a valid name and a pg_url (the database is reached later)
+    else:
+        check_index_folder(resolve_index_path(args.index, settings.ingest.index_dir))
     check_inputs_exist(args.paths)
 
 
