@@ -162,6 +162,23 @@ def _redis_cmd(port: int, *args: str, timeout: float = 2.0) -> str:
         return data.decode(errors="replace")
 
 
+def free_cluster_port() -> int:
+    """A free loopback port P <= 55535 whose cluster-bus port P + 10000 is free too (Redis Cluster
+    nodes listen on both)."""
+    import random
+
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free loopback port pair (P, P + 10000) for a Redis Cluster node")
+
+
 class RedisClusterServer:
     """A Redis Cluster of ``masters`` redis-server nodes (no replicas, no persistence) on loopback
     ports, created with ``redis-cli --cluster create``. ``url`` lists every node as seeds
@@ -190,7 +207,11 @@ class RedisClusterServer:
         if masters < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 masters, got {masters}")
         self.workdir = Path(workdir)
-        self.ports = [free_port() for _ in range(masters)]
+        self.ports: list[int] = []
+        while len(self.ports) < masters:
+            port = free_cluster_port()
+            if not {port, port + 10000} & {q for p in self.ports for q in (p, p + 10000)}:
+                self.ports.append(port)
         self.node_timeout_ms = node_timeout_ms
         self.full_coverage = full_coverage
         self.procs: dict[int, subprocess.Popen] = {}
