@@ -201,10 +201,6 @@ class IngestSettings(_Section):
         "shared by every replica)")
     pg_url: str = Field("", description="PostgreSQL with pgvector for vector_store = pgvector "
                         "(postgresql://user[:password]@host:port/db)")
-    executor: Literal["local", "ray"] = Field(
-        "local", description="ingest in this process (local) or as Ray Data stages (ray)")
-    ray_address: str = Field("", description="Ray cluster to ingest on (ray://host:10001 or host:6379); empty = a "
-                             "local Ray started for the ingest")
 
     @field_validator("pg_url")
     @classmethod

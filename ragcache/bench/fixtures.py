@@ -504,3 +504,107 @@ class HAProxyBalancer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------------------------- replicas
+
+#: the repository root (``python -m app.cli`` runs from here)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ReplicaProcess:
+    """One ``ragcache serve`` replica as a real process (``python -m app.cli serve``) on a loopback
+    port, configured through ``RAGCACHE_*`` environment variables; its output goes to ``log``.
+
+    Args:
+        env: ``RAGCACHE_*`` variables (and others) for the replica, on top of this process's
+            environment less its own ``RAGCACHE_*`` variables.
+        index: the default index (``--index``).
+        log: file that receives the replica's stdout and stderr.
+        port: its port; default a free one.
+        python: the interpreter (default: this one).
+
+    Attributes:
+        url: ``http://127.0.0.1:PORT``. address: ``127.0.0.1:PORT`` (a balancer's backend).
+    """
+
+    def __init__(self, env: dict[str, str], index: str, log: str | os.PathLike[str], port: int | None = None,
+                 python: str | None = None) -> None:
+        import sys
+
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        self.index = index
+        self.log = Path(log)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
+        self.env = {**base, "PYTHONPATH": str(REPO_ROOT), "VLLM_LOGGING_LEVEL": "WARNING", **env}
+        self.python = python or sys.executable
+        self.proc: subprocess.Popen | None = None
+        self._log_fh = None
+
+    def start(self) -> "ReplicaProcess":
+        """Launch the replica (returns at once; :meth:`wait_ready` waits for the engine)."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_fh = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [self.python, "-m", "app.cli", "serve", "--index", self.index, "--port", str(self.port)],
+            cwd=REPO_ROOT, env=self.env, stdout=self._log_fh, stderr=subprocess.STDOUT)
+        return self
+
+    def healthy(self) -> bool:
+        """Whether GET /health answers 200 now."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 600.0) -> "ReplicaProcess":
+        """Wait until /health answers.
+
+        Raises:
+            RuntimeError: the replica exited or did not answer within ``timeout`` seconds (the
+                last lines of its log are in the message).
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"replica on port {self.port} exited ({self.proc and self.proc.returncode}): "
+                                   f"{self.tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"replica on port {self.port} not ready within {timeout:.0f} s: {self.tail()}")
+
+    def tail(self, n: int = 1500) -> str:
+        """The last ``n`` characters of the replica's log."""
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (a crashed replica)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds (idempotent)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
