@@ -202,6 +202,11 @@ class IngestSettings(_Section):
     pg_url: str = Field("", description="PostgreSQL with pgvector for vector_store = pgvector "
                         "(postgresql://user[:password]@host:port/db)")
 
+    executor: Literal["local", "ray"] = Field(
+        "local", description="run read/split/embed/KV precompute in this process (local) or as Ray Data stages (ray)")
+    ray_address: str = Field("", description="Ray cluster for executor = ray (ray://host:10001 or host:6379); "
+                             "empty = a local Ray started for the ingest")
+
     @field_validator("pg_url")
     @classmethod
     def _check_pg_url(cls, v: str) -> str:

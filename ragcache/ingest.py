@@ -4,8 +4,11 @@ pgvector index.
 Owns: walking the inputs (files are read by :mod:`ragcache.readers`), sentence-aware splitting in LLM tokens (llama-index ``SentenceSplitter``), fixing each
 chunk's token ids, embedding (llama-index ``HuggingFaceEmbedding``), incremental updates driven by
 per-file fingerprints, the staged write + swap of the index folder (:mod:`ragcache.index`) or the
-one-transaction publish of a pgvector index (:mod:`ragcache.pgindex`), and the KV-precompute hook. Must not import vLLM, nor ``app/`` or ``ui/``, nor the engine or pipeline: the
-KV precompute step comes in as a callable (:data:`KVHook`).
+one-transaction publish of a pgvector index (:mod:`ragcache.pgindex`), and the KV-precompute hook.
+Must not import vLLM, nor ``app/`` or ``ui/``, nor the engine or pipeline: the KV precompute step
+comes in as a callable (:data:`KVHook`). Reading, chunking, embedding and KV precompute are methods
+an executor can run elsewhere (:mod:`ragcache.ray_ingest`: Ray Data); the plan (what changed), the
+manifest and the publish stay here, so every executor keeps the same rules.
 
 Incremental rule: a file whose sha256 is unchanged is not read again. A changed or new file is
 read; each of its documents whose content (title + text) is already indexed keeps its chunks, the
@@ -27,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.config import ConfigError, check_namespace
@@ -406,7 +409,7 @@ class Ingestor:
     def _run(self, paths: Sequence[str | os.PathLike[str]], prune: bool, report: IngestReport) -> None:
         from tqdm import tqdm
 
-        from ragcache.readers import SkipFile, read_file
+        from ragcache.readers import SkipFile
 
         index = self._load_existing()
         if index is not None:
@@ -420,8 +423,8 @@ class Ingestor:
         pending: dict[str, _Pending] = {}
         file_updates: dict[str, FileEntry] = {}
         n_chunks = 0
-        bar = tqdm(files, desc="reading", unit="file", disable=not self.show_progress, file=sys.stderr)
-        for path in bar:
+        changed: list[tuple[Path, os.stat_result, str]] = []
+        for path in files:
             key = str(path)
             try:
                 st = path.stat()
@@ -441,10 +444,13 @@ class Ingestor:
             if old is not None and old.sha256 == sha:
                 report.files_unchanged += 1
                 continue
-            try:
-                docs = read_file(path)
-            except SkipFile as exc:
-                report.skipped.append(SkippedInput(key, str(exc)))
+            changed.append((path, st, sha))
+        bar = tqdm(total=len(changed), desc="reading", unit="file", disable=not self.show_progress, file=sys.stderr)
+        for (path, st, sha), docs in zip(changed, self._read_files([p for p, _, _ in changed])):
+            key = str(path)
+            bar.update(1)
+            if isinstance(docs, SkipFile):
+                report.skipped.append(SkippedInput(key, str(docs)))
                 continue
             doc_ids: list[str] = []
             for doc in docs:
@@ -455,7 +461,7 @@ class Ingestor:
                 known = manifest.docs.get(doc.id_)
                 if doc.id_ in pending or (known is not None and known.content_sha256 == content):
                     continue  # same content already indexed (or queued): reuse its chunks
-                chunks = self.chunk_document(doc, title)
+                chunks = self._chunks_of(doc, title)
                 pending[doc.id_] = _Pending(doc, title, content, chunks, [], key)
                 n_chunks += len(chunks)
             file_updates[key] = FileEntry(size=st.st_size, mtime=st.st_mtime, sha256=sha, doc_ids=doc_ids)
@@ -479,8 +485,9 @@ class Ingestor:
         removed_nodes = [nid for d in dropped for nid in manifest.docs[d].node_ids]
         pending_list = [p for p in pending.values() if p.doc.id_ in referenced]
 
+        self._namespace = report.namespace
+        self._embed(pending_list, sum(len(p.chunks) for p in pending_list))
         new_chunks = [c for p in pending_list for c in p.chunks]
-        self._embed(pending_list, len(new_chunks))
         if index is None:
             first = next((n for p in pending_list for n in p.nodes), None)
             if first is None:
@@ -505,6 +512,22 @@ class Ingestor:
         report.new_chunks = new_chunks
         self._publish(index, new_chunks)
         report.written = True
+
+    # ---- the stages an executor may run elsewhere (ragcache.ray_ingest runs them on Ray Data)
+    def _read_files(self, paths: list[Path]) -> Iterator["list[Document] | Exception"]:
+        """The documents of each file, in order (a :class:`~ragcache.readers.SkipFile` in place of
+        a file that is skipped); read lazily, one file at a time."""
+        from ragcache.readers import SkipFile, read_file
+
+        for path in paths:
+            try:
+                yield read_file(path)
+            except SkipFile as exc:
+                yield exc
+
+    def _chunks_of(self, doc: "Document", title: str) -> list[Chunk]:
+        """The chunks of a document to (re)index, computed now (an executor may defer them to :meth:`_embed`)."""
+        return self.chunk_document(doc, title)
 
     def _check_namespace(self, recorded: str) -> None:
         if self.namespace is not None and self.namespace != recorded:
