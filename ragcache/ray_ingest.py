@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: chunks per embedding / KV batch
 BATCH = 32
+#: fault injection for tests: a file path; the first embedding batch that finds no file there creates
+#: it and kills its worker process (os._exit), so Ray must retry the batch on a restarted actor
+FAULT_ENV = "RAGCACHE_RAY_KILL_EMBED_ONCE"
 
 
 class RayNotInstalledError(IngestError):
@@ -96,6 +99,10 @@ class _Embedder:
         from ragcache.index import chunk_to_node
 
         rows = _rows(batch)
+        marker = os.environ.get(FAULT_ENV)
+        if marker and not os.path.exists(marker):
+            Path(marker).write_text(str(os.getpid()))
+            os._exit(137)  # a killed worker, mid-batch
         nodes = [chunk_to_node(_row_chunk(r), source=str(r["source"])) for r in rows]
         vectors = self.model.get_text_embedding_batch([n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes])
         for r, v in zip(rows, vectors):
