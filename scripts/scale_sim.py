@@ -104,8 +104,13 @@ def main() -> None:
     p.add_argument("--replicas", default="1,2,4,8,16,32,64")
     p.add_argument("--corpus", default="1e4,1e5,1e6,1e7,1e8")
     p.add_argument("--affinity", action="store_true", help="chunk-affinity routing: the replicas' RAM tiers add up")
+    p.add_argument("--rps", type=float, default=None,
+                   help="requests/s per replica instead of the measured one (e.g. an accelerator replica; assumed)")
     a = p.parse_args()
     m = inputs(json.loads(a.result.read_text()))
+    if a.rps is not None:
+        m["requests_per_s_per_replica"] = a.rps
+        m["rps_assumed"] = True
     print("measured:", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}))
     print(f"assumed: Zipf alpha {a.alpha}, RAM tier {a.ram_gb} GB/replica, {a.masters} Redis masters x "
           f"{a.redis_gb} GB, {a.node_gbps} GB/s per master, affinity routing {a.affinity}\n")

@@ -218,8 +218,14 @@ def run_scale(examples: Sequence[QAExample], *, work_dir: Path, clients: int = 2
     say = progress or (lambda _m: None)
     passages = write_passages(examples, work_dir / "passages.json")
     questions = [ex.question for ex in examples]
+    from ragcache.config import Settings
+    from ragcache.engine.dtype import resolve_dtype
+
+    choice = resolve_dtype(Settings.load().engine.dtype)  # what every replica resolves on this host
     result: dict[str, Any] = {"benchmark": "scale", "examples": len(examples), "clients": clients,
-                              "top_k": top_k, "max_tokens": max_tokens}
+                              "top_k": top_k, "max_tokens": max_tokens,
+                              "dtype": {"dtype": str(choice.dtype), "reason": choice.reason,
+                                        "cpu_flags": sorted(choice.cpu_flags)}}
     pg = PostgresServer()
     cluster = RedisClusterServer(work_dir / "cluster")
     replicas: list[ReplicaProcess] = []
