@@ -69,6 +69,8 @@ REGISTRY = "ragcache_indexes"
 NAME_CHARS = "letters, digits, '_', '-' or '.' (1-100, not starting with '.')"
 #: advisory-lock class id of ragcache's per-index ingest locks (first int of the two-int lock key)
 _LOCK_CLASS = 0x52414743  # "RAGC"
+#: ``hnsw.ef_search`` of every connection: the most rows one HNSW search can return
+EF_SEARCH = 200
 _COPY_COLUMNS = ("node_id", "doc_id", "title", "position", "chunk_id", "token_ids", "source", "text", "embedding")
 
 
@@ -211,6 +213,8 @@ class PgDatabase:
                 conn = connect(self.url)
                 try:
                     ensure_schema(conn, self.url)
+                    # HNSW returns at most ef_search rows: enough for retrieval's 2 x top_k (top_k <= 100)
+                    conn.execute(f"SET hnsw.ef_search = {EF_SEARCH}")
                 except BaseException:
                     conn.close()
                     raise
@@ -431,16 +435,10 @@ class PgIndex:
         if self.version == 0 or k < 1:
             return []
         vec = _vector_text(self._embed_query(question))
-
-        def run(c: "psycopg.Connection") -> list[Any]:
-            with c.transaction():
-                # HNSW returns at most ef_search rows: ask for enough to fill k
-                c.execute(f"SET LOCAL hnsw.ef_search = {max(40, 2 * int(k))}")
-                return c.execute(
-                    f"SELECT {_SELECT_CHUNK}, -(embedding <#> %s::vector) AS score FROM {self.table} "
-                    f"ORDER BY embedding <#> %s::vector LIMIT %s", (vec, vec, int(k))).fetchall()
-
-        return [(_row_chunk(r), float(r[7])) for r in self.db.run(run)]
+        rows = self.db.run(lambda c: c.execute(
+            f"SELECT {_SELECT_CHUNK}, -(embedding <#> %s::vector) AS score FROM {self.table} "
+            f"ORDER BY embedding <#> %s::vector LIMIT %s", (vec, vec, min(int(k), EF_SEARCH))).fetchall())
+        return [(_row_chunk(r), float(r[7])) for r in rows]
 
     # ---- changes (buffered; see publish)
     def add_nodes(self, nodes: list["TextNode"]) -> None:
@@ -532,7 +530,7 @@ def ingest_lock(settings: "Settings", name: str) -> Iterator[None]:
 
     Raises:
         PgUnavailableError: the database cannot be reached.
-        RuntimeError subclass from ``ragcache.ingest``: see ``lock_busy``.
+        IngestError: another process holds it (an ingest into the same index is running).
     """
     from ragcache.ingest import IngestError
 

@@ -31,7 +31,6 @@ from ragcache.index import (
     Index,
     IndexMismatchError,
     IndexNotFoundError,
-    node_to_chunk,
 )
 
 if TYPE_CHECKING:
