@@ -179,6 +179,8 @@ class RayIngestor(Ingestor):
     def _ray(self) -> Any:
         import ray
 
+        if not self.show_progress:  # Ray Data logs every dataset's plan at INFO
+            logging.getLogger("ray.data").setLevel(logging.WARNING)
         if not ray.is_initialized():
             env = {k: v for k, v in os.environ.items() if k.startswith(("RAGCACHE_", "HF_", "TRANSFORMERS_"))}
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
@@ -250,13 +252,14 @@ class RayIngestor(Ingestor):
         docs = [{"doc_id": p.doc.id_, "title": p.title, "text": p.doc.text, "source": p.source} for p in pending]
         cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         threads = {"env_vars": {"OMP_NUM_THREADS": str(cpus)}}
+        one = ray.data.ActorPoolStrategy(size=1)  # one actor per stage here; more on a cluster
         ds = ray.data.from_items(docs).map_batches(
-            _Splitter, fn_constructor_args=(s,), batch_size=16, concurrency=1, num_cpus=0.5)
-        ds = ds.map_batches(_Embedder, fn_constructor_args=(s,), batch_size=BATCH, concurrency=1, num_cpus=0.5,
+            _Splitter, fn_constructor_args=(s,), batch_size=16, compute=one, num_cpus=0.5)
+        ds = ds.map_batches(_Embedder, fn_constructor_args=(s,), batch_size=BATCH, compute=one, num_cpus=0.5,
                             runtime_env=threads)
         if self.precompute_kv:
             ns = self._namespace
-            ds = ds.map_batches(_KVPrecompute, fn_constructor_args=(s, ns), batch_size=BATCH, concurrency=1,
+            ds = ds.map_batches(_KVPrecompute, fn_constructor_args=(s, ns), batch_size=BATCH, compute=one,
                                 num_cpus=1, runtime_env=threads)
         try:
             rows = ds.take_all()
