@@ -19,7 +19,7 @@ test: setup
 	$(PY) -m pytest tests
 
 test-unit: setup
-	$(PY) -m pytest tests -m "not integration"
+	$(PY) -m pytest tests -m "not integration and not slow"
 
 ui: setup
 	$(VENV)/bin/streamlit run ui/app.py

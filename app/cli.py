@@ -49,7 +49,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, IndexNameError, EmptyIndexError,
         PromptTooLongError, EmptyQuestionError)
     ingest = sys.modules.get("ragcache.ingest")
-    return errors + ((ingest.IngestError,) if ingest is not None else ())
+    pg = sys.modules.get("ragcache.pgindex")  # imported only with ingest.vector_store = "pgvector"
+    return (errors + ((ingest.IngestError,) if ingest is not None else ())
+            + ((pg.PgUnavailableError,) if pg is not None else ()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prune", action="store_true", help="remove chunks of indexed files that no longer exist")
     p.add_argument("--no-kv", action="store_true", help="skip the KV precompute of new chunks")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--executor", choices=("local", "ray"), default=None,
+                   help="local: this process; ray: read, split, embed and KV precompute as Ray Data stages "
+                   "(default: ingest.executor, local)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="Ray cluster for --executor ray (default: ingest.ray_address; empty = a local Ray)")
     p.set_defaults(func=run)
 
 
@@ -115,7 +120,12 @@ def check_inputs(args: argparse.Namespace, settings: "Settings") -> None:
 
     if args.namespace is not None:
         check_namespace(args.namespace, "--namespace")
-    check_index_folder(resolve_index_path(args.index, settings.ingest.index_dir))
+    if settings.ingest.vector_store == "pgvector":
+        from ragcache.catalog import PgCatalog
+
+        PgCatalog(settings).name(args.index)  # a valid name and a pg_url (the database is reached later)
+    else:
+        check_index_folder(resolve_index_path(args.index, settings.ingest.index_dir))
     check_inputs_exist(args.paths)
 
 
@@ -129,9 +139,18 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings.load(args.settings)
     check_inputs(args, settings)
     want_kv = settings.ingest.precompute_kv and not args.no_kv
-    kv_hook = make_kv_hook(settings, not args.quiet) if want_kv else None
-    ingestor = Ingestor(settings, args.index, kv_hook=kv_hook, show_progress=not args.quiet,
-                        namespace=args.namespace)
+    executor = args.executor or settings.ingest.executor
+    if executor == "ray":
+        from ragcache.ray_ingest import RayIngestor
+
+        address = settings.ingest.ray_address if args.ray_address is None else args.ray_address
+        kv_hook = None
+        ingestor = RayIngestor(settings, args.index, precompute_kv=want_kv, ray_address=address,
+                               show_progress=not args.quiet, namespace=args.namespace)
+    else:
+        kv_hook = make_kv_hook(settings, not args.quiet) if want_kv else None
+        ingestor = Ingestor(settings, args.index, kv_hook=kv_hook, show_progress=not args.quiet,
+                            namespace=args.namespace)
     report = ingestor.ingest(args.paths, prune=args.prune)
     for skipped in report.skipped[:MAX_SKIPPED_SHOWN]:
         print(f"skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
@@ -141,6 +160,11 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(kv_hook, EngineKVHook) and kv_hook.engine is not None:
         for line in kv_hook.summary():
             print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout)
+    elif executor == "ray" and want_kv and report.chunks_added:
+        t = ingestor.kv_totals
+        where = ", ".join(f"{tier} {n}" for tier, n in t["stored"].items()) or "no tier"
+        print(f"KV precompute: {t['computed']} entries computed ({t['tokens']} tokens, on Ray), "
+              f"{report.chunks_added - t['computed']} already stored; stored on {where}")
     elif not want_kv:
         print("KV precompute skipped (--no-kv): chunk KV is computed on first use instead")
     if report.nothing_usable or report.total_chunks == 0:

@@ -151,7 +151,11 @@ class StoreSettings(_Section):
     cpu_kv_pool_gb: float = Field(4.0, ge=0.0, description="host-RAM tier size (GB); 0 = off")
     ssd_cache_dir: Path = Field(DEFAULT_CACHE_HOME / "kv", description="disk tier folder")
     ssd_cache_max_gb: float = Field(20.0, ge=0.0, description="disk tier size (GB); 0 = off")
-    remote_url: str = Field("", description="Redis URL for the shared tier (redis://host:port/db); empty = off")
+    remote_url: str = Field("", description="Redis URL for the shared tier (redis://host:port/db); empty = off; "
+                            "with remote_cluster, one or more comma-separated seed nodes")
+    remote_cluster: bool = Field(
+        False, description="remote_url names node(s) of a Redis Cluster (or Valkey cluster): entries spread "
+        "over its hash slots")
     namespace: str = Field(
         "default", description="KV namespace: part of every chunk key and Redis key; stores in different "
         "namespaces never share or see each other's KV")
@@ -163,6 +167,12 @@ class StoreSettings(_Section):
     @field_validator("remote_url")
     @classmethod
     def _check_remote_url(cls, v: str) -> str:
+        for one in v.split(",") if "," in v else [v]:
+            cls._check_one_remote_url(one.strip())
+        return v
+
+    @classmethod
+    def _check_one_remote_url(cls, v: str) -> str:
         if v and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix:// (or be empty to turn the tier off)")
         if v.startswith(("redis://", "rediss://")):
@@ -192,6 +202,24 @@ class IngestSettings(_Section):
     chunk_overlap: int = Field(0, ge=0, description="tokens shared by neighbouring chunks")
     max_file_mb: float = Field(50.0, gt=0.0, description="files larger than this are skipped (MB)")
     precompute_kv: bool = Field(True, description="compute chunk KV at ingest")
+    vector_store: Literal["faiss", "pgvector"] = Field(
+        "faiss", description="where indexes live: faiss (folders under index_dir) or pgvector (PostgreSQL at pg_url, "
+        "shared by every replica)")
+    pg_url: str = Field("", description="PostgreSQL with pgvector for vector_store = pgvector "
+                        "(postgresql://user[:password]@host:port/db)")
+
+    executor: Literal["local", "ray"] = Field(
+        "local", description="run read/split/embed/KV precompute in this process (local) or as Ray Data stages (ray)")
+    ray_address: str = Field("", description="Ray cluster for executor = ray (ray://host:10001 or host:6379); "
+                             "empty = a local Ray started for the ingest")
+
+    @field_validator("pg_url")
+    @classmethod
+    def _check_pg_url(cls, v: str) -> str:
+        if v and not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must start with postgresql:// (e.g. postgresql://ragcache@127.0.0.1:5432/ragcache), "
+                             "or be empty")
+        return v
 
 
 class RetrievalSettings(_Section):

@@ -306,10 +306,19 @@ class Manifest:
             raw = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise IndexNotFoundError(f"{folder / MANIFEST} cannot be read ({exc}){damaged}") from None
+        return cls.from_dict(raw, str(folder), str(folder / MANIFEST))
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str, source: str | None = None) -> "Manifest":
+        """The manifest in ``raw`` (parsed JSON), read from the index described by ``where``.
+
+        Raises:
+            IndexMismatchError: another index format. IndexNotFoundError: fields are missing.
+        """
         if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT_VERSION:
             found = raw.get("format") if isinstance(raw, dict) else None
             raise IndexMismatchError(
-                f"index {folder} has format {found}, this ragcache reads "
+                f"index {where} has format {found}, this ragcache reads "
                 f"{INDEX_FORMAT_VERSION}; re-ingest into a new --index"
             )
         try:
@@ -320,7 +329,8 @@ class Manifest:
                 namespace=str(raw.get("namespace", "")),
             )
         except (KeyError, TypeError, AttributeError) as exc:
-            raise IndexNotFoundError(f"{folder / MANIFEST} lacks {exc}{damaged}") from None
+            raise IndexNotFoundError(f"{source or where} lacks {exc}; the index is damaged: delete {where} and "
+                                     "ingest again") from None
 
     def write(self, folder: Path) -> None:
         (folder / MANIFEST).write_text(self.to_json(), encoding="utf-8")
@@ -492,6 +502,7 @@ class Index:
         self.manifest = manifest
         self.embed_model = embed_model
         self.path = path
+        self._retrievers: dict[int, Any] = {}
 
     # ---- construction
     @classmethod
@@ -532,10 +543,24 @@ class Index:
         self.vector_index.storage_context.persist(persist_dir=str(folder))
         self.manifest.write(folder)
 
+    backend = "faiss"
+
     # ---- contents
     def __len__(self) -> int:
         """Number of chunk nodes."""
         return len(self.vector_index.index_struct.nodes_dict)
+
+    def search(self, question: str, k: int) -> list[tuple[Chunk, float]]:
+        """The ``k`` chunks closest to ``question`` with their cosine similarity (FAISS inner
+        product of unit vectors), best first; fewer when the index is smaller."""
+        k = min(k, len(self))
+        if k < 1:
+            return []
+        retriever = self._retrievers.get(k)
+        if retriever is None:
+            retriever = self._retrievers[k] = self.vector_index.as_retriever(similarity_top_k=k)
+        return [(node_to_chunk(nws.node), float(nws.score if nws.score is not None else 0.0))
+                for nws in retriever.retrieve(question)]
 
     @property
     def docstore(self) -> Any:

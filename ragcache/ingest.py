@@ -1,10 +1,14 @@
-"""Batch ingestion: files -> llama-index documents -> LLM-token chunks -> embeddings -> FAISS index.
+"""Batch ingestion: files -> llama-index documents -> LLM-token chunks -> embeddings -> FAISS or
+pgvector index.
 
 Owns: walking the inputs (files are read by :mod:`ragcache.readers`), sentence-aware splitting in LLM tokens (llama-index ``SentenceSplitter``), fixing each
 chunk's token ids, embedding (llama-index ``HuggingFaceEmbedding``), incremental updates driven by
-per-file fingerprints, the staged write + swap of the index folder (:mod:`ragcache.index`) and the
-KV-precompute hook. Must not import vLLM, nor ``app/`` or ``ui/``, nor the engine or pipeline: the
-KV precompute step comes in as a callable (:data:`KVHook`).
+per-file fingerprints, the staged write + swap of the index folder (:mod:`ragcache.index`) or the
+one-transaction publish of a pgvector index (:mod:`ragcache.pgindex`), and the KV-precompute hook.
+Must not import vLLM, nor ``app/`` or ``ui/``, nor the engine or pipeline: the KV precompute step
+comes in as a callable (:data:`KVHook`). Reading, chunking, embedding and KV precompute are methods
+an executor can run elsewhere (:mod:`ragcache.ray_ingest`: Ray Data); the plan (what changed), the
+manifest and the publish stay here, so every executor keeps the same rules.
 
 Incremental rule: a file whose sha256 is unchanged is not read again. A changed or new file is
 read; each of its documents whose content (title + text) is already indexed keeps its chunks, the
@@ -26,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.config import ConfigError, check_namespace
@@ -113,7 +117,8 @@ class IngestReport:
         chunks_added / chunks_removed: chunk nodes written / deleted. tokens_added: LLM tokens over
         the added chunks. total_chunks: chunks in the index afterwards. seconds: wall time.
         written: whether a new index version was published. new_chunks: the added chunks.
-        namespace: the index's own KV namespace ("" = none).
+        namespace: the index's own KV namespace ("" = none). location: where the index lives when
+        it is not the folder ``index_path`` (a pgvector index: its name and database).
     """
 
     index_path: Path
@@ -129,6 +134,7 @@ class IngestReport:
     written: bool = False
     new_chunks: list[Chunk] = field(default_factory=list, repr=False)
     namespace: str = ""
+    location: str = ""
 
     @property
     def nothing_usable(self) -> bool:
@@ -146,7 +152,7 @@ class IngestReport:
         return (
             f"{head}{self.files_ingested} files ingested, {self.files_unchanged} unchanged, "
             f"{self.files_skipped} skipped{pruned}; {self.chunks_added} chunks added, "
-            f"{self.chunks_removed} removed ({self.total_chunks} in {self.index_path}); "
+            f"{self.chunks_removed} removed ({self.total_chunks} in {self.location or self.index_path}); "
             f"{self.tokens_added} tokens; {self.seconds:.1f} s"
         )
 
@@ -230,6 +236,12 @@ class Ingestor:
         self.namespace = namespace
         self.settings = settings
         self.path = resolve_index_path(index, ing.index_dir)
+        #: the pgvector index name (ingest.vector_store = "pgvector"), else None (a FAISS folder)
+        self.pg_name: str | None = None
+        if ing.vector_store == "pgvector":
+            from ragcache.catalog import PgCatalog
+
+            self.pg_name = PgCatalog.name(index)
         self.kv_hook = kv_hook
         self.show_progress = show_progress
         self._embed_model = embed_model
@@ -359,21 +371,47 @@ class Ingestor:
         """
         t0 = time.perf_counter()
         check_inputs_exist(paths)
-        check_index_folder(self.path)
-        report = IngestReport(index_path=self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _IngestLock(self.path):
-            recover(self.path)
-            self._run(paths, prune, report)
+        if self.pg_name is not None:
+            from ragcache.catalog import PgCatalog
+            from ragcache.pgindex import ingest_lock
+
+            report = IngestReport(index_path=Path(self.pg_name),
+                                  location=PgCatalog(self.settings).describe(self.pg_name))
+            with ingest_lock(self.settings, self.pg_name):
+                self._run(paths, prune, report)
+        else:
+            check_index_folder(self.path)
+            report = IngestReport(index_path=self.path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with _IngestLock(self.path):
+                recover(self.path)
+                self._run(paths, prune, report)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _load_existing(self) -> Any:
+        """The published index (FAISS :class:`Index` or :class:`~ragcache.pgindex.PgIndex`), or None."""
+        if self.pg_name is not None:
+            from ragcache.pgindex import PgDatabase, PgIndex, require_url, version_of
+
+            if version_of(PgDatabase.of(require_url(self.settings)), self.pg_name) == 0:
+                return None
+            return PgIndex.load(self.pg_name, self.settings, lazy_embed=True)
+        return Index.load(self.path, self.settings, embed_model=self.embed_model) if readable_path(self.path) else None
+
+    def _create(self, build: BuildInfo) -> Any:
+        if self.pg_name is not None:
+            from ragcache.pgindex import PgIndex
+
+            return PgIndex.create(self.pg_name, self.settings, build, self.embed_model)
+        return Index.create(build, self.embed_model)
 
     def _run(self, paths: Sequence[str | os.PathLike[str]], prune: bool, report: IngestReport) -> None:
         from tqdm import tqdm
 
-        from ragcache.readers import SkipFile, read_file
+        from ragcache.readers import SkipFile
 
-        index = Index.load(self.path, self.settings, embed_model=self.embed_model) if readable_path(self.path) else None
+        index = self._load_existing()
         if index is not None:
             self._check_build(index.manifest.build)
             self._check_namespace(index.manifest.namespace)
@@ -385,8 +423,8 @@ class Ingestor:
         pending: dict[str, _Pending] = {}
         file_updates: dict[str, FileEntry] = {}
         n_chunks = 0
-        bar = tqdm(files, desc="reading", unit="file", disable=not self.show_progress, file=sys.stderr)
-        for path in bar:
+        changed: list[tuple[Path, os.stat_result, str]] = []
+        for path in files:
             key = str(path)
             try:
                 st = path.stat()
@@ -406,10 +444,13 @@ class Ingestor:
             if old is not None and old.sha256 == sha:
                 report.files_unchanged += 1
                 continue
-            try:
-                docs = read_file(path)
-            except SkipFile as exc:
-                report.skipped.append(SkippedInput(key, str(exc)))
+            changed.append((path, st, sha))
+        bar = tqdm(total=len(changed), desc="reading", unit="file", disable=not self.show_progress, file=sys.stderr)
+        for (path, st, sha), docs in zip(changed, self._read_files([p for p, _, _ in changed])):
+            key = str(path)
+            bar.update(1)
+            if isinstance(docs, SkipFile):
+                report.skipped.append(SkippedInput(key, str(docs)))
                 continue
             doc_ids: list[str] = []
             for doc in docs:
@@ -420,7 +461,7 @@ class Ingestor:
                 known = manifest.docs.get(doc.id_)
                 if doc.id_ in pending or (known is not None and known.content_sha256 == content):
                     continue  # same content already indexed (or queued): reuse its chunks
-                chunks = self.chunk_document(doc, title)
+                chunks = self._chunks_of(doc, title)
                 pending[doc.id_] = _Pending(doc, title, content, chunks, [], key)
                 n_chunks += len(chunks)
             file_updates[key] = FileEntry(size=st.st_size, mtime=st.st_mtime, sha256=sha, doc_ids=doc_ids)
@@ -444,13 +485,14 @@ class Ingestor:
         removed_nodes = [nid for d in dropped for nid in manifest.docs[d].node_ids]
         pending_list = [p for p in pending.values() if p.doc.id_ in referenced]
 
+        self._namespace = report.namespace
+        self._embed(pending_list, sum(len(p.chunks) for p in pending_list))
         new_chunks = [c for p in pending_list for c in p.chunks]
-        self._embed(pending_list, len(new_chunks))
         if index is None:
             first = next((n for p in pending_list for n in p.nodes), None)
             if first is None:
                 return  # nothing could be ingested and there is no index: write nothing
-            index = Index.create(self._build_info(dim=len(first.embedding)), self.embed_model)
+            index = self._create(self._build_info(dim=len(first.embedding)))
             manifest = index.manifest
             manifest.namespace = report.namespace
         index.delete_nodes(removed_nodes)
@@ -470,6 +512,22 @@ class Ingestor:
         report.new_chunks = new_chunks
         self._publish(index, new_chunks)
         report.written = True
+
+    # ---- the stages an executor may run elsewhere (ragcache.ray_ingest runs them on Ray Data)
+    def _read_files(self, paths: list[Path]) -> Iterator["list[Document] | Exception"]:
+        """The documents of each file, in order (a :class:`~ragcache.readers.SkipFile` in place of
+        a file that is skipped); read lazily, one file at a time."""
+        from ragcache.readers import SkipFile, read_file
+
+        for path in paths:
+            try:
+                yield read_file(path)
+            except SkipFile as exc:
+                yield exc
+
+    def _chunks_of(self, doc: "Document", title: str) -> list[Chunk]:
+        """The chunks of a document to (re)index, computed now (an executor may defer them to :meth:`_embed`)."""
+        return self.chunk_document(doc, title)
 
     def _check_namespace(self, recorded: str) -> None:
         if self.namespace is not None and self.namespace != recorded:
@@ -516,8 +574,25 @@ class Ingestor:
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
 
-    def _publish(self, index: Index, new_chunks: list[Chunk]) -> None:
-        """Write the index into a staging sibling, run the KV hook, swap it in."""
+    def _run_kv_hook(self, new_chunks: list[Chunk], namespace: str, where: str) -> None:
+        if self.kv_hook is not None and new_chunks:
+            try:
+                self.kv_hook(new_chunks, namespace)
+            except Exception as exc:
+                raise KVPrecomputeError(
+                    f"KV precompute failed ({type(exc).__name__}: {exc}); the index at {where} "
+                    "is unchanged (re-run the ingest, or pass --no-kv to index without KV)"
+                ) from exc
+
+    def _publish(self, index: Any, new_chunks: list[Chunk]) -> None:
+        """FAISS: write the index into a staging sibling, run the KV hook, swap it in. pgvector:
+        run the KV hook, then write every change and the manifest in one transaction."""
+        if self.pg_name is not None:
+            self._run_kv_hook(new_chunks, index.manifest.namespace, f"pgvector index {self.pg_name!r}")
+            version = index.publish()
+            log.info("published pgvector index %s version %d: %d chunks", self.pg_name, version,
+                     index.manifest.num_chunks)
+            return
         staging = Path(tempfile.mkdtemp(prefix=staging_prefix(self.path), dir=self.path.parent))
         umask = os.umask(0)
         os.umask(umask)
@@ -527,14 +602,7 @@ class Ingestor:
             previous = readable_path(self.path)
             if previous is not None and (previous / CALIBRATION).is_file():  # calibration outlives an ingest
                 shutil.copy2(previous / CALIBRATION, staging / CALIBRATION)
-            if self.kv_hook is not None and new_chunks:
-                try:
-                    self.kv_hook(new_chunks, index.manifest.namespace)
-                except Exception as exc:
-                    raise KVPrecomputeError(
-                        f"KV precompute failed ({type(exc).__name__}: {exc}); the index at {self.path} "
-                        "is unchanged (re-run the ingest, or pass --no-kv to index without KV)"
-                    ) from exc
+            self._run_kv_hook(new_chunks, index.manifest.namespace, str(self.path))
             swap_in(staging, self.path)
             log.info("published %s: %d chunks", self.path, index.manifest.num_chunks)
         finally:

@@ -1,7 +1,7 @@
 """Retrieval: question -> top-k chunks with scores -> stable order.
 
-Owns: :class:`Retriever` (query embedding + FAISS search through llama-index over a persisted
-:class:`~ragcache.index.Index`), :class:`RetrievedChunk`, and the *stable order* rule that turns a
+Owns: :class:`Retriever` (query embedding + search over a persisted index: FAISS through
+llama-index (:class:`~ragcache.index.Index`) or pgvector (:class:`~ragcache.pgindex.PgIndex`)), :class:`RetrievedChunk`, and the *stable order* rule that turns a
 set of retrieved chunks into one deterministic sequence (:func:`stable_order`, also as the
 llama-index node postprocessor :class:`StableOrderPostprocessor`). Must not import vLLM, nor
 ``app/`` or ``ui/``, nor the engine or pipeline.
@@ -31,7 +31,6 @@ from ragcache.index import (
     Index,
     IndexMismatchError,
     IndexNotFoundError,
-    node_to_chunk,
 )
 
 if TYPE_CHECKING:
@@ -114,15 +113,19 @@ class Retriever:
 
     @classmethod
     def from_settings(cls, settings: "Settings", index: str | os.PathLike[str]) -> "Retriever":
-        """Load the index ``index`` (name or folder) and use ``retrieval.top_k``.
+        """Load the index ``index`` (name or folder; a name with ``ingest.vector_store =
+        "pgvector"``) and use ``retrieval.top_k``.
 
         Raises:
             IndexNotFoundError: no index there; IndexMismatchError: other embedding model.
+            PgUnavailableError: pgvector's database cannot be reached.
         """
-        return cls(Index.load(index, settings), top_k=settings.retrieval.top_k)
+        from ragcache.catalog import catalog
+
+        return cls(catalog(settings).load(index), top_k=settings.retrieval.top_k)
 
     def llama_retriever(self, top_k: int) -> Any:
-        """The underlying llama-index retriever (for query engines), cached per ``top_k``."""
+        """The underlying llama-index retriever (for query engines; FAISS indexes only), cached per ``top_k``."""
         if top_k not in self._retrievers:
             self._retrievers[top_k] = self.index.vector_index.as_retriever(similarity_top_k=top_k)
         return self._retrievers[top_k]
@@ -139,14 +142,8 @@ class Retriever:
         k = self.top_k if top_k is None else top_k
         if k < 1:
             raise ValueError(f"top_k must be >= 1, got {k}")
-        n = len(self.index)
-        if n == 0:
-            return []
-        fetch = min(n, k * 2)  # headroom for duplicate texts
         found: dict[str, RetrievedChunk] = {}
-        for nws in self.llama_retriever(fetch).retrieve(question):
-            chunk = node_to_chunk(nws.node)
-            score = float(nws.score if nws.score is not None else 0.0)
+        for chunk, score in self.index.search(question, k * 2):  # headroom for duplicate texts
             best = found.get(chunk.chunk_id)
             if best is None or score > best.score:
                 found[chunk.chunk_id] = RetrievedChunk(chunk, score)

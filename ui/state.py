@@ -109,10 +109,13 @@ def index_path(settings: Settings, index: str) -> Path:
 
 
 def index_version(settings: Settings, index: str) -> int:
-    """Changes whenever the index is replaced (see :func:`ragcache.index.index_version`); 0: none."""
-    from ragcache.index import index_version as version
+    """Changes whenever the index is replaced (see :func:`ragcache.index.index_version`; a
+    pgvector index's registry version); 0: none."""
+    from ragcache.catalog import catalog
 
-    return version(index_path(settings, index))
+    if settings.ingest.vector_store == "pgvector":
+        return catalog(settings).version(index)
+    return catalog(settings).version(index_path(settings, index))
 
 
 def list_indexes(settings: Settings) -> list[str]:
@@ -126,9 +129,9 @@ def list_indexes(settings: Settings) -> list[str]:
         from ragcache.server.client import server_indexes
 
         return server_indexes(settings.ui.server_url, settings.serve.api_key)
-    from ragcache.index import list_indexes as names
+    from ragcache.catalog import catalog
 
-    return names(index_dir(settings))
+    return catalog(settings).names()
 
 
 def check_index_name(name: str) -> str | None:

@@ -160,9 +160,39 @@ def _serve_tables(result: Mapping[str, Any]) -> list[Table]:
 
 
 #: ``result["benchmark"]`` -> its tables
+def _scale_tables(r: Mapping[str, Any]) -> list[Table]:
+    ing = r.get("ingest", {})
+    ingest_rows = [[name, row.get("chunks"), row.get("kv_tokens"), row.get("wall_s"), row.get("chunks_per_s"),
+                    row.get("kv_tokens_per_s")] if "wall_s" in row else [name, row.get("skipped"), "", "", "", ""]
+                   for name, row in ing.items()]
+    fa = r.get("first_ask", {})
+    first_rows = [[fa.get("questions"), fa.get("tiers"), fa.get("again_tiers"), fa.get("remote_ttft_p50_s"),
+                   fa.get("cpu_ttft_p50_s"), fa.get("remote_vs_cpu_ttft_median")]]
+    load_rows = [[row["replicas"], row["requests"], row["requests_per_s"], row["client_ttft_p50_s"],
+                  row["client_ttft_p90_s"], row["redis_bytes_read_per_request"],
+                  "; ".join(f"{k}: {v['requests']} req, hit {v['hit_rate']}" for k, v in row["per_replica"].items())]
+                 for row in r.get("load", [])]
+    fo = r.get("failover", {})
+    out = [("ingest (local vs Ray)", ["executor", "chunks", "KV tokens", "wall s", "chunks/s", "KV tokens/s"],
+            ingest_rows),
+           ("first ask on a replica that never saw the chunks", ["questions", "tiers (first ask)", "tiers (again)",
+                                                                 "remote TTFT p50 s", "cpu TTFT p50 s",
+                                                                 "remote/cpu (median)"], first_rows),
+           ("same client load, 1 vs 2 replicas", ["replicas", "requests", "req/s", "client TTFT p50 s",
+                                                  "p90 s", "Redis bytes/req", "per replica"], load_rows)]
+    if fo:
+        out.append(("failover", ["killed", "stream broke", "next status", "next replica", "answered"],
+                    [[fo.get("killed"), fo.get("stream_broke"), fo.get("next_status"), fo.get("next_replica"),
+                      fo.get("answered")]]))
+    if r.get("services"):
+        out.append(("services", ["name", "version", "nodes"],
+                    [[s["name"], s["version"], s["nodes"]] for s in r["services"]]))
+    return out
+
+
 TABLES: dict[str, Callable[[Mapping[str, Any]], list[Table]]] = {
     "ttft": _ttft_tables, "eval": _eval_tables, "hotset": _hotset_tables, "throughput": _throughput_tables,
-    "tiers": _tiers_tables, "ingest": _ingest_tables, "serve": _serve_tables,
+    "tiers": _tiers_tables, "ingest": _ingest_tables, "serve": _serve_tables, "scale": _scale_tables,
 }
 
 

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ragcache.config import StoreSettings
+from ragcache.config import ConfigError, StoreSettings
 from ragcache.kvstore.cpu import CpuTier
 from ragcache.kvstore.device import DeviceTier
 from ragcache.kvstore.disk import DiskTier
@@ -29,9 +29,16 @@ def tiers_from_settings(settings: StoreSettings, device: torch.device) -> list[t
 
     ``device`` when ``device`` is not the CPU and ``gpu_kv_pool_gb`` > 0; ``cpu`` when
     ``cpu_kv_pool_gb`` > 0 (pinned when ``device`` is CUDA); ``disk`` at ``ssd_cache_dir`` when
-    ``ssd_cache_max_gb`` > 0; ``remote`` (unbounded: None) when ``remote_url`` is set. Sizes are
+    ``ssd_cache_max_gb`` > 0; ``remote`` (unbounded: None) when ``remote_url`` is set (a Redis
+    Cluster with ``remote_cluster``). Sizes are
     GB = 1e9 bytes. A disk folder that cannot be created turns the disk tier off with a warning.
+
+    Raises:
+        ConfigError: several ``remote_url`` nodes without ``remote_cluster``.
     """
+    if "," in settings.remote_url and not settings.remote_cluster:
+        raise ConfigError(f"store.remote_url lists several nodes ({settings.remote_url}): set store.remote_cluster = "
+                          "true for a Redis Cluster, or name one server")
     tiers: list[tuple[Tier, int | None]] = []
     if device.type != "cpu" and settings.gpu_kv_pool_gb > 0:
         tiers.append((DeviceTier(device), int(settings.gpu_kv_pool_gb * GB)))
@@ -43,5 +50,5 @@ def tiers_from_settings(settings: StoreSettings, device: torch.device) -> list[t
         except OSError as exc:
             log.warning("disk tier off: cannot use %s (%s); set store.ssd_cache_dir", settings.ssd_cache_dir, exc)
     if settings.remote_url:
-        tiers.append((RedisTier(settings.remote_url), None))
+        tiers.append((RedisTier(settings.remote_url, cluster=settings.remote_cluster), None))
     return tiers

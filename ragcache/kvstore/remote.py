@@ -1,5 +1,5 @@
 """The ``remote`` tier: KV entries shared through Redis (redis-py with the hiredis parser), e.g. by
-several hosts.
+several hosts; a single server, or a Redis Cluster / Valkey cluster (``store.remote_cluster``).
 
 Owns: :class:`RedisTier`. Each entry is one Redis string holding the same safetensors bytes as
 the disk tier's file, under ``<prefix><key>``; a key starts with its KV namespace
@@ -19,6 +19,15 @@ Failures: connection errors and timeouts raise
 retries after a back-off); other Redis errors (e.g. OOM on write) raise
 :class:`~ragcache.kvstore.entry.TierError`. redis-py's own retries are turned off so that a dead
 server costs one quick failure, not seconds of retrying.
+
+Cluster (redis-py's ``RedisCluster``): each entry is one key, so all of a chunk's layers live in
+one hash slot on one master by construction (no hash tag needed), and the keys of many chunks
+spread evenly over the masters. ``SCAN``, ``STRLEN`` pipelines and ``UNLINK`` fan out over every
+master. A lost master (or ``CLUSTERDOWN``) is an outage of the whole tier, not of some keys: the
+tier raises ``TierUnavailableError`` and stays unavailable until a ``PING`` to every master of the
+current topology succeeds again (after a failover or a repair). Answers then come from the local
+tiers (or are recomputed), never from a half-reachable store, and the store's back-off does not
+flap between the keys of live and dead masters.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Callable, Iterator, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException
 from redis.retry import Retry
 
 from ragcache.kvstore.entry import KVMeta, StoredKV, TierError, TierUnavailableError
@@ -47,39 +57,69 @@ class RedisTier:
     """Entries as Redis strings.
 
     Args:
-        url: ``redis://host:port/db``, ``rediss://...`` or ``unix:///path``.
+        url: ``redis://host:port/db``, ``rediss://...`` or ``unix:///path``; with ``cluster``, one or
+            more comma-separated ``redis://host:port`` seed nodes.
         prefix: prepended to every key; ``clear`` only removes keys with this prefix.
         connect_timeout: seconds to wait for a connection.
         timeout: seconds to wait for a reply (per socket operation).
+        cluster: the URL names node(s) of a Redis Cluster / Valkey cluster.
 
-    Construction does not connect; the first command does.
+    Construction does not connect; the first command does (a cluster's topology is read then).
     """
 
     name = "remote"
     memory = False
 
     def __init__(
-        self, url: str, prefix: str = DEFAULT_PREFIX, connect_timeout: float = 1.0, timeout: float = 10.0
+        self, url: str, prefix: str = DEFAULT_PREFIX, connect_timeout: float = 1.0, timeout: float = 10.0,
+        cluster: bool = False,
     ) -> None:
         self.url = url
         self.prefix = prefix
-        self._r = redis.Redis.from_url(
-            url,
+        self.cluster = cluster
+        self._degraded = False  # cluster: a node failed; every call checks all masters first
+        options = dict(
             socket_connect_timeout=connect_timeout,
             socket_timeout=timeout,
             socket_read_size=1 << 20,  # large values: fewer, bigger reads
             retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
             health_check_interval=0,
         )
+        self._options = options
+        self._cluster_client: "redis.RedisCluster | None" = None
+        if not cluster:
+            self._single = redis.Redis.from_url(url, retry_on_timeout=False, **options)
+
+    @property
+    def _r(self) -> "redis.Redis | redis.RedisCluster":
+        if not self.cluster:
+            return self._single
+        if self._cluster_client is None:  # reads the topology from the first seed that answers
+            from urllib.parse import urlsplit
+
+            from redis.cluster import ClusterNode, RedisCluster
+
+            seeds = [urlsplit(u.strip()) for u in self.url.split(",") if u.strip()]
+            first = seeds[0]
+            self._cluster_client = RedisCluster(
+                startup_nodes=[ClusterNode(s.hostname or "127.0.0.1", s.port or 6379) for s in seeds],
+                username=first.username, password=first.password, ssl=first.scheme == "rediss",
+                require_full_coverage=False, **self._options)
+        return self._cluster_client
 
     def _k(self, key: str) -> str:
         return self.prefix + key
 
     def _call(self, fn: Callable[[], T]) -> T:
         try:
+            if self._degraded:
+                self._r.ping()  # every master of the current topology (raises while one is lost)
+                self._degraded = False
             return fn()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError, OSError, ClusterDownError,
+                RedisClusterException) as exc:
+            if self.cluster:
+                self._degraded = True
             raise TierUnavailableError(f"Redis at {self.url} unreachable: {exc}") from exc
         except redis.RedisError as exc:
             raise TierError(f"Redis at {self.url}: {exc}") from exc
@@ -184,6 +224,8 @@ class RedisTier:
 
     def close(self) -> None:
         try:
-            self._r.close()
+            client = self._cluster_client if self.cluster else self._single
+            if client is not None:
+                client.close()
         except Exception:
             pass

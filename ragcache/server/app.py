@@ -90,10 +90,11 @@ class ServerState:
         self._pipelines: dict[tuple[str, int], "RAGPipeline"] = {}
 
     def indexes(self) -> list[str]:
-        """Names of the indexes served: every complete index under ``ingest.index_dir``."""
-        from ragcache.index import list_indexes
+        """Names of the indexes served: every complete index under ``ingest.index_dir`` (or in
+        the pgvector database, ``ingest.vector_store``)."""
+        from ragcache.catalog import catalog
 
-        return list_indexes(self.settings.ingest.index_dir)
+        return catalog(self.settings).names()
 
     def resolve_index(self, model: str, override: str | None) -> str:
         """The index a request asks for (see the module docstring).
@@ -118,11 +119,12 @@ class ServerState:
 
     def pipeline(self, name: str) -> "RAGPipeline":
         """The pipeline over index ``name`` on the shared engine (new when the index was re-ingested)."""
-        from ragcache.index import index_version, resolve_index_path
+        from ragcache.catalog import catalog
+        from ragcache.index import resolve_index_path
         from ragcache.pipeline import RAGPipeline
 
         path = resolve_index_path(name, self.settings.ingest.index_dir)
-        key = (name, index_version(path))
+        key = (name, catalog(self.settings).version(name))
         pipe = self._pipelines.get(key)
         if pipe is None:
             for old in [k for k in self._pipelines if k[0] == name]:
@@ -162,6 +164,8 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, IndexMismatchError):
         return APIError(500, f"the index does not match the server's settings: {exc}", code="index_mismatch")
+    if type(exc).__name__ == "PgUnavailableError":  # ragcache.pgindex (psycopg) is imported only with pgvector
+        return APIError(503, str(exc), code="index_unavailable")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     log.error("request failed", exc_info=exc)
@@ -341,12 +345,9 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None) 
         return _model(state.resolve_index(name, None))
 
     def _model(name: str) -> dict[str, Any]:
-        from ragcache.index import resolve_index_path
+        from ragcache.catalog import catalog
 
-        try:
-            created = int(resolve_index_path(name, settings.ingest.index_dir).stat().st_mtime)
-        except OSError:
-            created = 0
+        created = catalog(settings).created(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "ragcache"}
 
     @app.get("/v1/cache", dependencies=guarded)

@@ -28,17 +28,21 @@ def check_serve_settings(settings: Settings) -> None:
     Raises:
         ConfigError: ``serve.host`` is not a loopback address and ``serve.api_key`` is empty.
         IndexNotFoundError: the default index (``serve.index``) does not exist.
+        PgUnavailableError: ``ingest.vector_store = "pgvector"`` and its database cannot be reached.
     """
-    from ragcache.index import IndexNotFoundError, list_indexes
+    from ragcache.catalog import catalog
+    from ragcache.index import IndexNotFoundError
 
     s = settings.serve
     if not is_loopback(s.host) and not s.api_key:
         raise ConfigError(f"serve.host {s.host!r} accepts connections from other machines: set serve.api_key "
                           "(e.g. RAGCACHE_SERVE__API_KEY=...) so clients must send it, or bind 127.0.0.1")
-    names = list_indexes(settings.ingest.index_dir)
+    cat = catalog(settings)
+    names = cat.names()
     if s.index not in names:
         others = f" (existing: {', '.join(names)})" if names else ""
-        raise IndexNotFoundError(f"the default index {s.index!r} is not under {settings.ingest.index_dir}{others}: "
+        where = settings.ingest.index_dir if cat.backend == "faiss" else cat.describe(s.index)
+        raise IndexNotFoundError(f"the default index {s.index!r} is not under {where}{others}: "
                                  f"run `ragcache ingest PATH --index {s.index}` or pass --index NAME")
 
 
