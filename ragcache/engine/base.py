@@ -225,7 +225,8 @@ class EngineBase:
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer, self.settings.prompt, self.llm_info.fingerprint,
                                      max_len=self.settings.engine.max_model_len,
-                                     store_namespace=self.settings.store.namespace)
+                                     store_namespace=self.settings.store.namespace,
+                                     compute_dtype=self.dtype.dtype)
 
     def _warm_up_prompt(self) -> AssembledPrompt:
         """The tiny prompt of the start-up request (the first request pays for lazy kernel and

@@ -263,10 +263,13 @@ class BlendEngine(EngineBase):
         with self._lock:
             return self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,))[0]
 
-    def forget(self, chunks: Sequence[Chunk], namespace: str = "") -> int:
-        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier;
-        returns how many entries were removed."""
+    def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
+        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
+        with ``head`` the prompt head's entry in that namespace too; returns how many entries were
+        removed."""
         keys = [self.prompts.key(c, namespace) for c in chunks]
+        if head:
+            keys.append(self.prompts.head_segment(namespace).key)
         with self._lock:
             return self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,))[0]
 
