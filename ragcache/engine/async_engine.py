@@ -150,6 +150,11 @@ class AsyncBlendEngine(EngineBase):
         keys = [self.prompts.key(c, namespace) for c in chunks]
         return (await self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,)))[0]
 
+    async def stored_where(self, chunks: Sequence[Chunk], namespace: str = "") -> list[list[str]]:
+        """For each chunk, every tier holding its KV now (in index namespace ``namespace``), top-down."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
+        return (await self.llm.collective_rpc(Rpc.STORE_HOLDERS, args=(keys,)))[0]
+
     async def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
         """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
         with ``head`` the prompt head's entry in that namespace too; returns how many entries were
