@@ -176,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
     if report.files_skipped > MAX_SKIPPED_SHOWN:
         print(f"... and {report.files_skipped - MAX_SKIPPED_SHOWN} more skipped", file=sys.stderr)
+    for part in report.left_out[:MAX_SKIPPED_SHOWN]:
+        print(f"skipped {part.path} {part.reason}; the rest of the file is kept", file=sys.stderr)
+    if len(report.left_out) > MAX_SKIPPED_SHOWN:
+        print(f"... and {len(report.left_out) - MAX_SKIPPED_SHOWN} more parts of files skipped", file=sys.stderr)
     print(report.summary() + (f"; KV namespace {report.namespace}" if report.namespace else ""))
     if isinstance(kv_hook, EngineKVHook) and kv_hook.engine is not None:
         for line in kv_hook.summary():
