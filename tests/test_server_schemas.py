@@ -113,8 +113,8 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
     for line in ('ragcache_chunk_lookups_total{tier="cpu"} 3.0', 'ragcache_chunk_lookups_total{tier="disk"} 2.0',
                  'ragcache_chunk_hits_total{tier="cpu"} 1.0', 'ragcache_chunk_hits_total{tier="disk"} 1.0',
                  'ragcache_tier_bytes{tier="cpu"} 123.0', 'ragcache_evictions_total{tier="cpu"} 2.0',
-                 'ragcache_cached_prompt_tokens_total{index="docs",mode="blend"} 200.0',
-                 'ragcache_requests_total{index="docs",mode="blend",outcome="aborted"} 1.0',
+                 'ragcache_cached_prompt_tokens_total{index="docs",mode="blend",tenant="default"} 200.0',
+                 'ragcache_requests_total{index="docs",mode="blend",outcome="aborted",tenant="default"} 1.0',
                  'ragcache_requests_in_flight 0.0'):
         assert line in text
     assert "c0" not in text and "_created" not in text
