@@ -172,8 +172,14 @@ def test_stream_sends_sources_first_then_text_then_a_usage_chunk_only_when_asked
     assert not any('"usage"' in ln for ln in lines)
 
 
-def test_eight_concurrent_streams_finish_and_each_equals_its_question_asked_alone(served):
-    url, _ = served
+def test_eight_concurrent_streams_finish_and_each_answers_its_own_question(served):
+    """In float32 each concurrent answer equals its answer asked alone. In bfloat16 batching may
+    change a few tokens (batch numerics, README "Batching and bf16"), so there each answer must be
+    closest to its own solo answer: KV of another request would answer another question.
+    tests/test_server_cli.py asserts 16 concurrent blend streams exactly in float32."""
+    from difflib import SequenceMatcher
+
+    url, state = served
     questions = ["What is the capital of Zorbia?", "Who founded Velmora?", "What is kelmet?",
                  "How many seats has the Amber Hall?", "When was Velmora founded?", "Where does parliament meet?",
                  "What river flows through Velmora?", "How often are elections held in Zorbia?"]
@@ -188,7 +194,13 @@ def test_eight_concurrent_streams_finish_and_each_equals_its_question_asked_alon
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as ac:
             return await asyncio.gather(*(one(ac, q) for q in questions))
 
-    assert asyncio.run(together()) == alone
+    batched = asyncio.run(together())
+    if state.engine.dtype.dtype == "float32":
+        assert batched == alone
+    else:
+        for i, answer in enumerate(batched):
+            likeness = [SequenceMatcher(None, answer, solo.strip()).ratio() for solo in alone]
+            assert likeness[i] == max(likeness), (questions[i], answer, alone)  # ties: identical solo answers
     wait_idle(url)
 
 
