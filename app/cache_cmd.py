@@ -192,6 +192,10 @@ def run_clear(args: argparse.Namespace) -> int:
     return code
 
 
+#: the compute dtypes chunk KV may have been computed in (part of its key)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def run_drop(args: argparse.Namespace) -> int:
     from ragcache.catalog import catalog
     from ragcache.config import Settings
@@ -201,9 +205,12 @@ def run_drop(args: argparse.Namespace) -> int:
     settings = Settings.load(args.settings)
     manifest, chunks = catalog(settings).read_chunks(args.index)
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)
-    builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
-                            store_namespace=settings.store.namespace)
-    keys = sorted({builder.key(c, manifest.namespace) for c in chunks})
+    tokenizer = load_tokenizer(settings).tokenizer
+    keys: set[str] = set()
+    for dtype in COMPUTE_DTYPES:  # the KV of every precision an engine may have computed it in
+        builder = PromptBuilder(tokenizer, settings.prompt, llm.fingerprint,
+                                store_namespace=settings.store.namespace, compute_dtype=dtype)
+        keys.update(builder.key(c, manifest.namespace) for c in chunks)
     store = _open_store(settings, None)
     try:
         before = {name: t["entries"] for name, t in store.stats().items()}
@@ -212,7 +219,7 @@ def run_drop(args: argparse.Namespace) -> int:
         after = store.stats()
     finally:
         store.close()
-    print(f"index {args.index}: {len(chunks)} chunks, {len(keys)} KV keys in namespace "
+    print(f"index {args.index}: {len(chunks)} chunks, {len(keys)} KV keys ({', '.join(COMPUTE_DTYPES)}) in namespace "
           f"{builder.head_segment(manifest.namespace).key.rsplit(':', 1)[0]}")
     return _report_removed(before, after, "entries")
 

@@ -34,12 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean the input needs fixing: one line, exit status 2, no traceback.
+    """Exceptions that mean the input needs fixing: one line, exit status 2, no traceback
+    (BlendUnavailableError too: the mode asked for cannot run on this model or host; the message
+    names the mode that does).
 
     ``ragcache.ingest`` (llama-index, seconds to import) is only consulted when it was imported: an
     ingest error cannot have been raised otherwise.
     """
     from ragcache.config import ConfigError
+    from ragcache.engine.selfcheck import BlendUnavailableError
     from ragcache.index import IndexMismatchError, IndexNameError, IndexNotFoundError
     from ragcache.models import ModelNotFoundError
     from ragcache.pipeline import EmptyIndexError
@@ -47,7 +50,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     errors: tuple[type[BaseException], ...] = (
         ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, IndexNameError, EmptyIndexError,
-        PromptTooLongError, EmptyQuestionError)
+        PromptTooLongError, EmptyQuestionError, BlendUnavailableError)
     ingest = sys.modules.get("ragcache.ingest")
     pg = sys.modules.get("ragcache.pgindex")  # imported only with ingest.vector_store = "pgvector"
     return (errors + ((ingest.IngestError,) if ingest is not None else ())

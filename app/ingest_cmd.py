@@ -45,15 +45,17 @@ class EngineKVHook:
     """The KV precompute step of ``ragcache ingest``: computes and stores each new chunk's KV.
 
     The vLLM engine starts on the first call only, so an ingest that adds nothing starts no engine.
-    ``totals`` sums the precompute reports (computed, skipped, tokens, seconds, and per tier the
-    entries ``stored``); ``store`` holds the store's per-tier stats after the last call.
+    ``totals`` sums the precompute reports (computed, skipped, tokens, seconds, and the keys of the
+    computed entries); ``store`` holds the store's per-tier stats after the last call. The summary
+    counts what each tier holds at the end, not what it took: a tier that is full evicts earlier
+    entries of the same ingest to take later ones.
     """
 
     def __init__(self, settings: "Settings", show_progress: bool = True):
         self.settings = settings
         self.show_progress = show_progress
         self.engine = None
-        self.totals: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "stored": {}}
+        self.totals: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "computed_keys": []}
         self.store: dict[str, dict[str, Any]] = {}
 
     def __call__(self, chunks, namespace: str = "") -> None:
@@ -67,35 +69,53 @@ class EngineKVHook:
         out = self.engine.precompute(chunks, show_progress=self.show_progress, namespace=namespace)
         for k in ("computed", "skipped", "tokens", "seconds"):
             self.totals[k] += out[k]
-        for tier, n in out["stored"].items():
-            self.totals["stored"][tier] = self.totals["stored"].get(tier, 0) + n
+        self.totals["computed_keys"].extend(out["computed_keys"])
         self.store = self.engine.store_stats()
 
     def summary(self) -> list[str]:
-        """The KV lines of the ingest summary: entries computed and where they are kept; a warning
-        for every persistent tier that did not take them all (full, down, failing)."""
-        t, stored = self.totals, self.totals["stored"]
+        """The KV lines of the ingest summary: entries computed and where they are kept now; a warning
+        for every persistent tier that does not hold them all (full, capped by its filesystem, down,
+        failing)."""
+        t = self.totals
+        holders = self.engine.store_holders(t["computed_keys"]) if t["computed_keys"] else []
+        self.store = self.engine.store_stats()
+        held = dict.fromkeys(self.store, 0)  # per tier: the entries computed here that it holds now
+        for tiers in holders:
+            for tier in tiers:
+                held[tier] = held.get(tier, 0) + 1
         where = ", ".join(f"{tier} {n}" + (" (this process's memory)" if tier in MEMORY_TIERS else "")
-                          for tier, n in stored.items()) or "no tier"
+                          for tier, n in held.items()) or "no tier"
         lines = [f"KV precompute: {t['computed']} entries computed ({t['tokens']} tokens, {t['seconds']:.1f} s), "
                  f"{t['skipped']} already stored; stored on {where}"]
-        kept = [n for tier, n in stored.items() if tier not in MEMORY_TIERS]
-        for tier, n in stored.items():
+        for tier, n in held.items():
             missed = t["computed"] - n
             if tier in MEMORY_TIERS or missed <= 0:
                 continue
-            row = self.store.get(tier, {})
-            why = ("the tier is down" if not row.get("up", True) else
-                   f"no room: {row.get('not_stored', 0)} entries not stored, "
-                   f"{(row.get('free_bytes') or 0) / 1e6:.0f} MB free" if row.get("not_stored") else
-                   f"{row.get('write_errors', 0)} write errors")
-            lines.append(f"warning: {missed} of {t['computed']} new entries are not on the {tier} tier ({why}); "
-                         "see `ragcache cache stats`")
-        lost = t["computed"] - sum(kept)
+            lines.append(f"warning: {missed} of {t['computed']} new entries are not on the {tier} tier "
+                         f"({_why_missing(self.store.get(tier, {}))}); see `ragcache cache stats`")
+        lost = sum(not any(tier not in MEMORY_TIERS for tier in tiers) for tiers in holders)
         if lost > 0:
-            lines.append(f"warning: at least {lost} new entries are on no persistent tier: they are computed "
-                         "again when first used")
+            lines.append(f"warning: {lost} new entries are on no persistent tier: they are computed again when first "
+                         "used")
         return lines
+
+
+def _why_missing(row: dict[str, Any]) -> str:
+    """Why a persistent tier does not hold every new entry, from its stats row."""
+    if not row.get("up", True):
+        return "the tier is down"
+    parts = []
+    if row.get("not_stored"):
+        parts.append(f"no room: {row['not_stored']} entries not stored, {(row.get('free_bytes') or 0) / 1e6:.0f} MB free")
+    cap, setting = row.get("capacity_bytes"), row.get("configured_capacity_bytes")
+    if cap is not None and setting is not None and cap < setting:
+        parts.append(f"it holds at most {cap / 1e6:.1f} MB: its filesystem is smaller than the setting "
+                     f"({setting / 1e9:g} GB)")
+    if row.get("evictions"):
+        parts.append(f"{row['evictions']} entries evicted to make room")
+    if row.get("write_errors"):
+        parts.append(f"{row['write_errors']} write errors")
+    return "; ".join(parts) or "removed since they were written"
 
 
 #: tiers that live in the ingest process's memory only (gone when it exits)
@@ -156,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {skipped.path}: {skipped.reason}", file=sys.stderr)
     if report.files_skipped > MAX_SKIPPED_SHOWN:
         print(f"... and {report.files_skipped - MAX_SKIPPED_SHOWN} more skipped", file=sys.stderr)
+    for part in report.left_out[:MAX_SKIPPED_SHOWN]:
+        print(f"skipped {part.path} {part.reason}; the rest of the file is kept", file=sys.stderr)
+    if len(report.left_out) > MAX_SKIPPED_SHOWN:
+        print(f"... and {len(report.left_out) - MAX_SKIPPED_SHOWN} more parts of files skipped", file=sys.stderr)
     print(report.summary() + (f"; KV namespace {report.namespace}" if report.namespace else ""))
     if isinstance(kv_hook, EngineKVHook) and kv_hook.engine is not None:
         for line in kv_hook.summary():

@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve every index under ingest.index_dir as an OpenAI model (`model` = index name) on vLLM's "
         "async engine: concurrent requests are batched, chunk KV is reused. Clients: the openai SDK with "
         "base_url=http://HOST:PORT/v1, curl, any OpenAI-compatible tool. The engine starts first (~30 s on 2 "
-        "CPU cores). A non-loopback --host needs serve.api_key (RAGCACHE_SERVE__API_KEY).",
+        "CPU cores). A non-loopback --host needs serve.api_key (RAGCACHE_SERVE__API_KEY) or a keys file. If "
+        "reuse/blend turns out unavailable for the model (see the start-up self-check) it refuses to start in "
+        "blend mode, unless --blend-fallback names the mode to serve instead (GET /health says which).",
         formatter_class=HelpFormatter,
     )
     p.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
@@ -26,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="index answered when a request's model is 'ragcache' or 'default' (default: serve.index)")
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="requests answered at once; more get HTTP 429 (default: serve.max_in_flight, 64)")
+    p.add_argument("--keys-file", default=None, metavar="PATH",
+                   help="TOML file of keys scoped to indexes (sha256 of each key, its tenant, the indexes it may "
+                   "read; see README) (default: serve.keys_file, none)")
+    p.add_argument("--blend-fallback", choices=("refuse", "full", "prefix"), default=None,
+                   help="when reuse/blend turns out unavailable at start: refuse to start (exit 2), or serve in "
+                   "full or prefix mode (default: serve.blend_fallback, refuse)")
     p.set_defaults(func=run)
 
 
@@ -33,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from ragcache.config import Settings
     from ragcache.server import check_serve_settings, serve
 
-    flags = {"host": args.host, "port": args.port, "index": args.index, "max_in_flight": args.max_in_flight}
+    flags = {"host": args.host, "port": args.port, "index": args.index, "max_in_flight": args.max_in_flight,
+             "keys_file": args.keys_file, "blend_fallback": args.blend_fallback}
     settings = Settings.load(args.settings, serve={k: v for k, v in flags.items() if v is not None})
     check_serve_settings(settings)  # before the engine starts
     s = settings.serve

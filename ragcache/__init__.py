@@ -11,6 +11,10 @@ _os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ragcache import lifeline as _lifeline  # noqa: E402
+
+_lifeline.hold()  # in a vLLM process started by a ragcache engine: die with that engine's process
+
 from ragcache.config import ConfigError, Settings  # noqa: E402
 
 __version__ = "0.1.0"

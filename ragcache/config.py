@@ -245,6 +245,16 @@ class ServeSettings(_Section):
     api_key: str = Field("", description="bearer key clients must send (Authorization: Bearer KEY); empty = none")
     max_in_flight: int = Field(64, ge=1, description="requests answered at once; more get HTTP 429")
     index: str = Field("default", description="index served when a request's model names no index")
+    keys_file: str = Field(
+        "", description="TOML file of scoped keys (sha256 of each key -> tenant and the indexes it may read); "
+        "empty = none (api_key alone)")
+    blend_fallback: Literal["refuse", "full", "prefix"] = Field(
+        "refuse", description="when reuse/blend is unavailable at start (no adapter, failed self-check) and "
+        "engine.mode needs it: refuse to start, or serve in full or prefix mode")
+    max_header_bytes: int = Field(
+        65536, ge=1024, le=16 * 1024 * 1024,
+        description="largest request line plus headers a client may send (bytes); more closes the connection "
+        "with HTTP 400")
 
 
 class UISettings(_Section):

@@ -114,6 +114,8 @@ class IngestReport:
         files_unchanged: files whose sha256 matched the manifest (not read).
         files_pruned: manifest files removed because they no longer exist (``prune=True``).
         skipped: inputs not ingested, each with its reason.
+        left_out: parts of ingested files that were left out while the rest was kept (a JSONL line
+            that is not JSON), each as the file and ``"line N: reason"``.
         chunks_added / chunks_removed: chunk nodes written / deleted. tokens_added: LLM tokens over
         the added chunks. total_chunks: chunks in the index afterwards. seconds: wall time.
         written: whether a new index version was published. new_chunks: the added chunks.
@@ -126,6 +128,7 @@ class IngestReport:
     files_unchanged: int = 0
     files_pruned: int = 0
     skipped: list[SkippedInput] = field(default_factory=list)
+    left_out: list[SkippedInput] = field(default_factory=list)
     chunks_added: int = 0
     chunks_removed: int = 0
     tokens_added: int = 0
@@ -246,6 +249,7 @@ class Ingestor:
         self.show_progress = show_progress
         self._embed_model = embed_model
         self._tokenizer = tokenizer
+        self._left_out: dict[str, list[str]] = {}  # per file read in this run: the parts left out
         self._splitter: Any = None
 
     # ---- models (loaded on first use)
@@ -446,12 +450,14 @@ class Ingestor:
                 continue
             changed.append((path, st, sha))
         bar = tqdm(total=len(changed), desc="reading", unit="file", disable=not self.show_progress, file=sys.stderr)
+        self._left_out = {}
         for (path, st, sha), docs in zip(changed, self._read_files([p for p, _, _ in changed])):
             key = str(path)
             bar.update(1)
             if isinstance(docs, SkipFile):
                 report.skipped.append(SkippedInput(key, str(docs)))
                 continue
+            report.left_out.extend(SkippedInput(key, part) for part in self._left_out.pop(key, ()))
             doc_ids: list[str] = []
             for doc in docs:
                 title = str(doc.metadata.get("title", ""))
@@ -516,14 +522,20 @@ class Ingestor:
     # ---- the stages an executor may run elsewhere (ragcache.ray_ingest runs them on Ray Data)
     def _read_files(self, paths: list[Path]) -> Iterator["list[Document] | Exception"]:
         """The documents of each file, in order (a :class:`~ragcache.readers.SkipFile` in place of
-        a file that is skipped); read lazily, one file at a time."""
+        a file that is skipped); read lazily, one file at a time. What was left out of a file that
+        was read (a bad JSONL line) goes to ``self._left_out[str(path)]``."""
         from ragcache.readers import SkipFile, read_file
 
         for path in paths:
+            left_out: list[str] = []
             try:
-                yield read_file(path)
+                docs = read_file(path, left_out)
             except SkipFile as exc:
                 yield exc
+                continue
+            if left_out:
+                self._left_out[str(path)] = left_out
+            yield docs
 
     def _chunks_of(self, doc: "Document", title: str) -> list[Chunk]:
         """The chunks of a document to (re)index, computed now (an executor may defer them to :meth:`_embed`)."""

@@ -29,8 +29,9 @@ and its KV can be reused. Where cached KV is computed is one rule, :func:`lead_i
 and every chunk's KV is computed right after the head, i.e. at canonical start position
 ``len(head)``. The first chunk of any prompt therefore sits exactly where its KV was computed, and
 the KV of every chunk saw the same lead-in. The key of a unit hashes (model fingerprint, layout
-version, KV namespace, unit token ids, its lead-in), so changing the system prompt or model changes
-every key. The KV namespace is the builder's store namespace (``store.namespace``) joined with the
+version, compute dtype, KV namespace, unit token ids, its lead-in), so changing the system prompt,
+the model or the engine's dtype changes every key (KV computed in another precision is never
+served: it is computed again). The KV namespace is the builder's store namespace (``store.namespace``) joined with the
 index's own namespace, which callers pass per call (``namespace=``, from the index manifest; see
 :func:`ragcache.chunks.kv_namespace`): one builder serves every index, and two namespaces never
 share a key.
@@ -153,13 +154,17 @@ class PromptBuilder:
             refused by :meth:`build`. None: no limit.
         store_namespace: ``store.namespace``; part of every key. Methods that make keys take the
             index's own namespace (``namespace=``, "" = none) on top of it.
+        compute_dtype: the engine's compute dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
+            part of every key, so KV computed in one precision is never served to an engine running
+            in another (see :meth:`ragcache.chunks.ChunkKey.of`).
     """
 
     def __init__(self, tokenizer: Any, settings: PromptSettings, model_fingerprint: str,
-                 max_len: int | None = None, store_namespace: str = "default"):
+                 max_len: int | None = None, store_namespace: str = "default", compute_dtype: str = ""):
         self.tokenizer = tokenizer
         self.settings = settings
         self.model_fingerprint = model_fingerprint
+        self.compute_dtype = compute_dtype
         self.max_len = max_len
         self.store_namespace = store_namespace
         head_text, self._tail_template = self._split_template()
@@ -185,7 +190,8 @@ class PromptBuilder:
         lead_in = lead_in_for(start, self.head_ids)
         context = hashlib.sha256(("lead-in:" + ",".join(map(str, lead_in))).encode()).hexdigest()[:16]
         ns = kv_namespace(self.store_namespace, namespace)
-        return str(ChunkKey.of(unit, self.model_fingerprint, namespace=ns, context=context))
+        return str(ChunkKey.of(unit, self.model_fingerprint, namespace=ns, context=context,
+                               compute_dtype=self.compute_dtype))
 
     @property
     def head_key(self) -> str:

@@ -135,15 +135,18 @@ def _read_one(row: dict[str, Any]) -> list[dict[str, Any]]:
     from ragcache.readers import SkipFile, read_file
 
     path = str(row["path"])
+    left_out: list[str] = []
     try:
-        docs = read_file(Path(path))
+        docs = read_file(Path(path), left_out)
     except SkipFile as exc:
-        return [{"path": path, "order": row["order"], "skip": str(exc), "doc_id": "", "text": "", "meta": "{}"}]
+        return [{"path": path, "order": row["order"], "skip": str(exc), "doc_id": "", "text": "", "meta": "{}",
+                 "left_out": "[]"}]
     import json
 
+    gone = json.dumps(left_out)  # parts of the file left out (a bad JSONL line), on every row of the file
     return [{"path": path, "order": row["order"], "skip": "", "doc_id": d.id_, "text": d.text,
-             "meta": json.dumps(d.metadata, default=str)} for d in docs] or [
-        {"path": path, "order": row["order"], "skip": "", "doc_id": "", "text": "", "meta": "{}"}]
+             "meta": json.dumps(d.metadata, default=str), "left_out": gone} for d in docs] or [
+        {"path": path, "order": row["order"], "skip": "", "doc_id": "", "text": "", "meta": "{}", "left_out": gone}]
 
 
 class RayIngestor(Ingestor):
@@ -229,6 +232,8 @@ class RayIngestor(Ingestor):
             if got and got[0]["skip"]:
                 out.append(SkipFile(got[0]["skip"]))
                 continue
+            if got and json.loads(got[0].get("left_out") or "[]"):
+                self._left_out[str(paths[i])] = json.loads(got[0]["left_out"])
             out.append([Document(text=r["text"], id_=r["doc_id"], metadata=json.loads(r["meta"]))
                         for r in got if r["doc_id"]])
         return iter(out)

@@ -3,7 +3,8 @@
 Owns: the readers for text/markdown, HTML, PDF and JSON/JSONL QA files (``READERS``), the doc id of
 a QA passage, and :func:`read_file`, which reads one file through llama-index's
 ``SimpleDirectoryReader`` and turns every failure into :class:`SkipFile` with a reason users can
-act on. Used by :mod:`ragcache.ingest`. Must not import vLLM, the engine, the pipeline, ``app/``
+act on. A reader may also leave out part of a file it otherwise reads (a JSONL line that is not
+JSON): :func:`read_file` reports those parts beside the documents. Used by :mod:`ragcache.ingest`. Must not import vLLM, the engine, the pipeline, ``app/``
 or ``ui/``.
 """
 
@@ -116,25 +117,55 @@ def passage_doc_id(title: str, text: str) -> str:
     return hashlib.sha256(f"{title}\x00{text}".encode("utf-8")).hexdigest()[:16]
 
 
+def _jsonl_records(raw: str, left_out: list[str]) -> list:
+    """The records of a JSONL text; a line that is not JSON is left out and named in ``left_out``
+    (``"line 2: invalid JSON (Expecting value: column 1)"``, lines counted from 1 as editors do).
+
+    Raises:
+        SkipFile: no line is JSON.
+    """
+    records, bad = [], []
+    for n, line in enumerate(raw.split("\n"), 1):  # JSON Lines separates by \n only (U+2028 may sit in a string)
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            bad.append(f"line {n}: invalid JSON ({exc.msg}: column {exc.colno})")
+    if bad and not records:
+        more = f", and {len(bad) - 1} more line(s)" if len(bad) > 1 else ""
+        raise SkipFile(f"invalid JSON on every line ({bad[0]}{more})")
+    left_out.extend(bad)
+    return records
+
+
 class JsonRecordsReader(BaseReader):
     """JSON (a record or a list of records) and JSONL (one record per line).
 
     Records with ``ctxs: [{title, text}]`` (the QA sets) give one document per distinct passage;
     records with a ``text`` string give one document each; any other JSON is indexed as the file's
-    text. Passage documents get :func:`passage_doc_id` as id and keep their title.
+    text. Passage documents get :func:`passage_doc_id` as id and keep their title. A JSONL line
+    that is not JSON is left out (named in ``left_out``) and the other lines are read.
+
+    Attributes:
+        left_out: what was left out of the files this reader read, one line each.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left_out: list[str] = []
 
     def load_data(self, file: Path, extra_info: dict | None = None) -> list[Document]:
         path = Path(file)
         raw = _read_text_bytes(path)
-        try:
-            if path.suffix.lower() == ".jsonl":
-                records = [json.loads(line) for line in raw.splitlines() if line.strip()]
-            else:
+        if path.suffix.lower() == ".jsonl":
+            records = _jsonl_records(raw, self.left_out)
+        else:
+            try:
                 loaded = json.loads(raw)
-                records = loaded if isinstance(loaded, list) else [loaded]
-        except json.JSONDecodeError as exc:
-            raise SkipFile(f"invalid JSON: {exc}") from None
+            except json.JSONDecodeError as exc:
+                raise SkipFile(f"invalid JSON: {exc}") from None
+            records = loaded if isinstance(loaded, list) else [loaded]
         docs: dict[str, Document] = {}
         for rec in records:
             if not isinstance(rec, dict):
@@ -161,12 +192,16 @@ READERS: dict[str, type[BaseReader]] = {
 }
 
 
-def read_file(path: Path) -> list[Document]:
+def read_file(path: Path, left_out: list[str] | None = None) -> list[Document]:
     """Documents of one input file through llama-index's SimpleDirectoryReader.
+
+    Args:
+        left_out: where to add, one line each, the parts of the file left out while the rest was
+            read (a JSONL line that is not JSON: ``"line 2: invalid JSON (...)"``).
 
     Raises:
         SkipFile: the file cannot be ingested (unsupported type, binary, undecodable, empty,
-            unreadable PDF, invalid JSON); the message is the reason.
+            unreadable PDF, invalid JSON, a JSONL file without one JSON line); the message is the reason.
     """
     from llama_index.core import SimpleDirectoryReader
 
@@ -174,10 +209,13 @@ def read_file(path: Path) -> list[Document]:
         raise SkipFile(f"unsupported file type {path.suffix or '(none)'!r} (supported: {', '.join(READERS)})")
     extractor = {suffix: cls() for suffix, cls in READERS.items()}
     try:
-        return SimpleDirectoryReader.load_file(
+        docs = SimpleDirectoryReader.load_file(
             path, file_metadata=lambda p: {"source": p}, file_extractor=extractor,
             errors="strict", raise_on_error=True,
         )
+        if left_out is not None:
+            left_out.extend(getattr(extractor[path.suffix.lower()], "left_out", ()))
+        return docs
     except Exception as exc:
         cause = exc.__cause__ or exc
         if isinstance(cause, SkipFile):

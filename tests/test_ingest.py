@@ -518,3 +518,29 @@ def test_the_index_namespace_is_recorded_at_the_first_ingest_and_kept(models, tm
         other.ingest([tmp_path / "corpus"])
     with pytest.raises(ConfigError, match="--namespace 'bad name'"):
         Ingestor(settings, "idx", namespace="bad name")
+
+
+def test_a_bad_jsonl_line_is_skipped_and_named_by_its_line_and_the_other_records_are_kept(tmp_path):
+    """Through `ragcache ingest` (the real CLI): one broken line costs that line, not the file."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("\n".join([
+        json.dumps({"ctxs": [{"title": "Velmora", "text": "Velmora was founded in 1432 by Idris Kell."}]}),
+        '{"ctxs": [{"title": "Broken", "text": "cut off',
+        "",
+        json.dumps({"text": "The Amber Hall has 212 seats and a copper roof."}),
+    ]) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
+    env.update(RAGCACHE_INGEST__INDEX_DIR=str(tmp_path / "indexes"), PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "app.cli", "ingest", str(qa), "--index", "qa", "--no-kv", "--quiet"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert f"skipped {qa} line 2: invalid JSON (Unterminated string starting at: column 39)" in r.stderr, r.stderr
+    assert "the rest of the file is kept" in r.stderr and "line 1 column" not in r.stderr
+    assert "1 files ingested" in r.stdout and "0 skipped" in r.stdout and "2 chunks added" in r.stdout, r.stdout
+    texts = sorted(c.text for c in Index.load(tmp_path / "indexes" / "qa", Settings.load()).chunks())
+    assert texts == ["The Amber Hall has 212 seats and a copper roof.", "Velmora was founded in 1432 by Idris Kell."]

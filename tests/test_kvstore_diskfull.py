@@ -87,3 +87,68 @@ def test_an_entry_that_fits_once_older_entries_go_evicts_just_enough(fs):
     assert "new" in set(disk.keys()) and "old2" in set(disk.keys())  # the most recent old one stays
     assert "old0" not in set(disk.keys()) and "old1" not in set(disk.keys())  # least recently used first
     assert store.stats()["disk"]["evictions"] == 2 and store.stats()["disk"]["not_stored"] == 0
+
+
+def test_ingest_on_a_small_filesystem_counts_what_the_disk_really_holds_and_warns_once_at_start(tmp_path):
+    """`ragcache ingest` (the real CLI, a real engine) with the disk tier on an 8 MiB filesystem and
+    the default 20 GB setting: 16 chunk entries of 1.5-3 MB do not all fit, later ones evict earlier
+    ones, and the summary says how many the disk holds at the end, not how many it took."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    from ragcache.config import Settings
+    from ragcache.index import read_chunks, resolve_index_path
+    from ragcache.models import load_tokenizer, resolve_llm
+    from ragcache.prompt import PromptBuilder
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(16):
+        (docs / f"note{i:02d}.txt").write_text(
+            f"Almanac note {i}: the harbour of Velmora logged {i + 3} ships on the day of the glass festival, "
+            f"and the keeper wrote their names in the red ledger number {100 + i} before the tide turned.")
+    with small_fs(tmp_path / "fs", 8 * MiB) as fs:
+        settings_file = tmp_path / "settings.toml"
+        settings_file.write_text(f"""[engine]
+max_model_len = 2048
+kv_cache_memory_bytes = {1 << 30}
+
+[store]
+ssd_cache_dir = "{fs / 'kv'}"
+cpu_kv_pool_gb = 0.5
+remote_url = ""
+
+[ingest]
+index_dir = "{tmp_path / 'idx'}"
+chunk_size = 64
+""")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_") or k == "RAGCACHE_ENGINE__DTYPE"}
+        env.update(RAGCACHE_SETTINGS_FILE=str(settings_file), PYTHONPATH=str(REPO))
+        r = subprocess.run([sys.executable, "-m", "app.cli", "ingest", str(docs), "--index", "small", "--quiet"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-4000:]
+
+        capped = [line for line in r.stderr.splitlines() if "its setting allows 20.0 GB but the filesystem holds" in line]
+        assert len(capped) == 1, r.stderr[-4000:]  # one warning, at start
+
+        # what the disk really holds: the files of this index's chunk keys
+        settings = Settings.load(settings_file)
+        _, chunks = read_chunks(resolve_index_path("small", settings.ingest.index_dir))
+        assert len(chunks) == 16
+        llm = resolve_llm(settings.models.model, settings.models.cache_dir)
+        dtype = next(line for line in r.stderr.splitlines() if "engine ready" in line).split("dtype ")[1].split()[0]
+        builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
+                                store_namespace=settings.store.namespace, compute_dtype=dtype)
+        disk = DiskTier(fs / "kv")
+        on_disk = sum(disk.path(builder.key(c)).exists() for c in chunks)
+        assert 0 < on_disk < 16
+
+        summary = next(line for line in r.stdout.splitlines() if line.startswith("KV precompute:"))
+        assert summary.startswith("KV precompute: 16 entries computed")
+        assert summary.endswith(f"stored on cpu 16 (this process's memory), disk {on_disk}"), summary
+        warning = next(line for line in r.stderr.splitlines() if "new entries are not on the disk tier" in line)
+        assert warning.startswith(f"warning: {16 - on_disk} of 16 new entries are not on the disk tier (")
+        assert "its filesystem is smaller than the setting (20 GB)" in warning and "evicted" in warning

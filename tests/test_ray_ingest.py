@@ -67,6 +67,7 @@ def test_ray_ingest_equals_the_local_ingest_and_survives_a_killed_worker(tmp_pat
 @pytest.mark.integration
 def test_ray_kv_precompute_stores_the_keys_the_local_path_would(tmp_path):
     from ragcache.catalog import catalog
+    from ragcache.engine.dtype import resolve_dtype
     from ragcache.kvstore.disk import DiskTier
     from ragcache.models import load_tokenizer, resolve_llm
     from ragcache.prompt import PromptBuilder
@@ -85,7 +86,8 @@ def test_ray_kv_precompute_stores_the_keys_the_local_path_would(tmp_path):
     manifest, chunks = catalog(settings).read_chunks("raykv")
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)
     builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
-                            store_namespace=settings.store.namespace)
+                            store_namespace=settings.store.namespace,
+                            compute_dtype=resolve_dtype(settings.engine.dtype).dtype)  # part of every key
     expected = {builder.key(c, manifest.namespace) for c in chunks}
     stored = set(DiskTier(kv_dir).keys())
     assert expected <= stored and len(stored - expected) <= 1  # plus the prompt head's entry

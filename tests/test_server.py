@@ -142,11 +142,12 @@ def test_completion_returns_text_sources_and_reused_tokens_in_blend_and_none_in_
     assert [s["tier"] for s in rc["sources"]] == [None, None]
 
 
-def test_stream_sends_sources_first_then_text_then_a_usage_chunk_then_done(served):
+def test_stream_sends_sources_first_then_text_then_a_usage_chunk_only_when_asked_then_done(served):
     url, _ = served
     question = "What is kelmet made of?"
     alone = client(url).chat.completions.create(messages=user(question), **ASK).choices[0].message.content
-    chunks = list(client(url).chat.completions.create(messages=user(question), stream=True, **ASK))
+    chunks = list(client(url).chat.completions.create(messages=user(question), stream=True, **ASK,
+                                                      stream_options={"include_usage": True}))
     first, last = chunks[0], chunks[-1]
     assert first.choices[0].delta.role == "assistant"
     assert [s["tier"] for s in first.model_extra["ragcache"]["sources"]] == [None, None]  # not served yet
@@ -157,15 +158,28 @@ def test_stream_sends_sources_first_then_text_then_a_usage_chunk_then_done(serve
     rc = last.model_extra["ragcache"]
     assert rc["metrics"]["reused_tokens"] == last.usage.prompt_tokens_details.cached_tokens
     assert all(s["tier"] in ("cpu", "disk") for s in rc["sources"])
+    # without stream_options.include_usage (OpenAI's default) no usage chunk: the finish chunk is last
+    plain = list(client(url).chat.completions.create(messages=user(question), stream=True, **ASK))
+    assert all(c.choices and c.usage is None for c in plain)
+    assert plain[-1].choices[0].finish_reason in ("stop", "length")
+    assert plain[-1].model_extra["ragcache"]["metrics"]["reused_tokens"] > 0  # the ragcache object moves there
+    assert "".join(c.choices[0].delta.content or "" for c in plain).strip() == alone
     # the wire: only data: lines (no custom event names), ending with [DONE]
     body = {"model": INDEX, "messages": user(question), "stream": True, "max_tokens": 4}
     raw = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).text
     lines = [ln for ln in raw.splitlines() if ln]
     assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert not any('"usage"' in ln for ln in lines)
 
 
-def test_eight_concurrent_streams_finish_and_each_equals_its_question_asked_alone(served):
-    url, _ = served
+def test_eight_concurrent_streams_finish_and_each_answers_its_own_question(served):
+    """In float32 each concurrent answer equals its answer asked alone. In bfloat16 batching may
+    change a few tokens (batch numerics, README "Batching and bf16"), so there each answer must be
+    closest to its own solo answer: KV of another request would answer another question.
+    tests/test_server_cli.py asserts 16 concurrent blend streams exactly in float32."""
+    from difflib import SequenceMatcher
+
+    url, state = served
     questions = ["What is the capital of Zorbia?", "Who founded Velmora?", "What is kelmet?",
                  "How many seats has the Amber Hall?", "When was Velmora founded?", "Where does parliament meet?",
                  "What river flows through Velmora?", "How often are elections held in Zorbia?"]
@@ -180,7 +194,13 @@ def test_eight_concurrent_streams_finish_and_each_equals_its_question_asked_alon
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as ac:
             return await asyncio.gather(*(one(ac, q) for q in questions))
 
-    assert asyncio.run(together()) == alone
+    batched = asyncio.run(together())
+    if state.engine.dtype.dtype == "float32":
+        assert batched == alone
+    else:
+        for i, answer in enumerate(batched):
+            likeness = [SequenceMatcher(None, answer, solo.strip()).ratio() for solo in alone]
+            assert likeness[i] == max(likeness), (questions[i], answer, alone)  # ties: identical solo answers
     wait_idle(url)
 
 
@@ -323,6 +343,57 @@ def test_errors_come_in_openai_shape_naming_the_field_and_the_fix(served):
     assert e.value.body["code"] == "context_length_exceeded"
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_out_of_range_seeds_and_lone_surrogates_are_400s_naming_the_field_and_leak_no_engine_request(served):
+    url, state = served
+    wait_idle(url)
+    c = client(url)
+    for seed, rule in ((2**70, "less than or equal to 9223372036854775807"),
+                       (-(2**63) - 1, "greater than or equal to -9223372036854775808")):
+        with pytest.raises(openai.BadRequestError, match=rule) as e:
+            c.chat.completions.create(messages=user("What is kelmet?"), seed=seed, **ASK)
+        assert e.value.body["param"] == "seed"
+    assert c.chat.completions.create(messages=user("What is kelmet?"), seed=2**63 - 1, temperature=1.0,
+                                     **ASK).choices[0].message.content  # the edge of the range is served
+    # a lone UTF-16 surrogate: JSON allows the escape, UTF-8 does not (httpx cannot even encode it: raw bytes)
+    for content, param in ((b'"x \\ud800 y"', "messages[0].content"),
+                           (b'[{"type": "text", "text": "x \\udfff"}]', "messages[0].content")):
+        raw = b'{"model": "zorbia", "max_tokens": 4, "messages": [{"role": "user", "content": ' + content + b"}]}"
+        r = httpx.post(f"{url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 400, r.text  # refused at the door, before retrieval (the embedder failed with 500)
+        err = r.json()["error"]
+        assert err["param"] == param and "lone UTF-16 surrogate" in err["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "zorbia", "stop": ["\\ud800"], "messages": '
+                   b'[{"role": "user", "content": "hi"}]}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    assert httpx.get(f"{url}/health").json()["engine_unfinished_requests"] == 0
+    assert total(scrape(url), "ragcache_engine_unfinished_requests") == 0
+
+    # the engine itself: a seed vLLM cannot carry fails, and its request does not stay behind
+    from ragcache.engine import SamplingOptions
+
+    async def bad_seed() -> BaseException:
+        prompt = state.engine.prompts.build("What is kelmet?", [])
+        try:
+            await state.engine.generate(prompt, "full", max_tokens=2, sampling=SamplingOptions(temperature=1.0,
+                                                                                                seed=2**70))
+        except Exception as exc:  # noqa: BLE001 - whatever vLLM raises
+            return exc
+        raise AssertionError("vLLM took a seed of 2**70")
+
+    for _ in range(3):
+        asyncio.run_coroutine_threadsafe(bad_seed(), state.loop).result(timeout=120)
+    assert state.engine.num_unfinished_requests == 0
+    wait_idle(url)
+
+
+def test_an_empty_body_is_a_400_that_says_what_to_send(served):
+    url, _ = served
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert "request body is empty" in r.json()["error"]["message"] and "None" not in r.json()["error"]["message"]
 
 
 def test_over_max_in_flight_gets_429_and_a_missing_key_401(served):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -113,8 +115,8 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
     for line in ('ragcache_chunk_lookups_total{tier="cpu"} 3.0', 'ragcache_chunk_lookups_total{tier="disk"} 2.0',
                  'ragcache_chunk_hits_total{tier="cpu"} 1.0', 'ragcache_chunk_hits_total{tier="disk"} 1.0',
                  'ragcache_tier_bytes{tier="cpu"} 123.0', 'ragcache_evictions_total{tier="cpu"} 2.0',
-                 'ragcache_cached_prompt_tokens_total{index="docs",mode="blend"} 200.0',
-                 'ragcache_requests_total{index="docs",mode="blend",outcome="aborted"} 1.0',
+                 'ragcache_cached_prompt_tokens_total{index="docs",mode="blend",tenant="default"} 200.0',
+                 'ragcache_requests_total{index="docs",mode="blend",outcome="aborted",tenant="default"} 1.0',
                  'ragcache_requests_in_flight 0.0'):
         assert line in text
     assert "c0" not in text and "_created" not in text
@@ -133,3 +135,42 @@ def test_serving_beyond_loopback_needs_an_api_key_and_the_default_index_must_exi
         check_serve_settings(s)
     with pytest.raises(ConfigError, match="http://"):
         Settings.load(ui={"server_url": "localhost:8000"})
+
+
+def test_a_keys_file_is_checked_at_start_with_the_entry_and_field_named(tmp_path):
+    from ragcache.server.keys import KeyRing, key_digest
+
+    (tmp_path / "idx" / "docs").mkdir(parents=True)
+    (tmp_path / "idx" / "docs" / "manifest.json").write_text("{}")
+    digest = key_digest("k1")
+
+    def check(text: str | None) -> None:
+        path = tmp_path / "keys.toml"
+        if text is not None:
+            path.write_text(text)
+        elif path.exists():
+            path.unlink()
+        check_serve_settings(Settings.load(serve={"host": "0.0.0.0", "keys_file": str(path), "index": "docs"},
+                                           ingest={"index_dir": str(tmp_path / "idx")}))
+
+    cases = [
+        (None, "cannot be read"),
+        ("[[key]\n", "is not valid TOML"),
+        ("", "holds no [[key]] table"),
+        (f'[[key]]\ntenant = "a"\nsha256 = "k1"\nindexes = ["docs"]\n', "key[0].sha256: expected the key's sha256"),
+        (f'[[key]]\ntenant = "a b"\nsha256 = "{digest}"\nindexes = ["docs"]\n', "key[0].tenant 'a b'"),
+        (f'[[key]]\ntenant = "a"\nsha256 = "{digest}"\n', "grants nothing"),
+        (f'[[key]]\ntenant = "a"\nsha256 = "{digest}"\nindex = ["docs"]\n', "unknown field(s) index"),
+        (f'[[key]]\ntenant = "a"\nsha256 = "{digest}"\nindexes = "docs"\n', "key[0].indexes: expected a list"),
+        (f'[[key]]\ntenant = "a"\nsha256 = "{digest}"\nindexes = ["docs"]\n' * 2, "key[1] repeats the sha256"),
+    ]
+    for text, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            check(text)
+    check(f'[[key]]\ntenant = "a"\nsha256 = "{digest}"\nindexes = ["docs"]\n')  # a valid file serves beyond loopback
+
+    ring = KeyRing.from_settings(Settings.load(serve={"api_key": "shared", "keys_file": str(tmp_path / "keys.toml")}).serve)
+    assert ring.authenticate("shared").every_index and ring.authenticate("k1").tenant == "a"
+    assert ring.authenticate("k1").may_read("docs", "") and not ring.authenticate("k1").may_read("other", "")
+    assert ring.authenticate("nope") is None and ring.authenticate(None) is None
+    assert KeyRing().authenticate(None).every_index  # no keys at all: loopback serving for everyone

@@ -162,6 +162,7 @@ def sdk_baseline(settings: Settings, passages_file: Path, questions: Sequence[st
 async def _one(http: Any, url: str, question: str, mode: str, *, top_k: int, max_tokens: int) -> dict[str, Any]:
     """One streamed chat completion; client-side timings (seconds) and what the server reported."""
     body = {"model": INDEX, "messages": [{"role": "user", "content": question}], "stream": True,
+            "stream_options": {"include_usage": True},
             "max_tokens": max_tokens, "ignore_eos": True, "ragcache": {"mode": mode, "top_k": top_k}}
     t0 = time.perf_counter()
     ttft, usage, server, error = None, None, {}, None

@@ -109,9 +109,22 @@ class AsyncBlendEngine(EngineBase):
                             selection=selection, logprobs=logprobs, sampling=sampling)
         t0 = time.perf_counter()
         final = None
-        async for out in self.llm.generate(req.inputs, req.sampling, req.rid):
-            final = out
+        try:
+            async for out in self.llm.generate(req.inputs, req.sampling, req.rid):
+                final = out
+        except Exception:
+            await self._forget_request(req.rid)
+            raise
         return self._generation(req, final, time.perf_counter() - t0)
+
+    async def _forget_request(self, rid: str) -> None:
+        """Abort ``rid`` after vLLM raised on it: vLLM aborts what it knows to have started, but a
+        request that fails while being added (e.g. a value its engine core cannot carry) stays
+        registered and would count as unfinished forever."""
+        try:
+            await self.llm.abort(rid)
+        except Exception:  # the original error is the one to report
+            log.debug("aborting request %s after its failure failed", rid, exc_info=True)
 
     async def stream(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
                      recompute_ratio: float | None = None, selection: str | None = None,
@@ -130,6 +143,9 @@ class AsyncBlendEngine(EngineBase):
                 piece = state.add(out)
                 if piece:
                     yield piece
+        except Exception:
+            await self._forget_request(req.rid)
+            raise
         finally:
             await outputs.aclose()  # no-op when finished; aborts the vLLM request otherwise
         yield state.generation()
@@ -150,10 +166,18 @@ class AsyncBlendEngine(EngineBase):
         keys = [self.prompts.key(c, namespace) for c in chunks]
         return (await self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,)))[0]
 
-    async def forget(self, chunks: Sequence[Chunk], namespace: str = "") -> int:
-        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier;
-        returns how many entries were removed."""
+    async def stored_where(self, chunks: Sequence[Chunk], namespace: str = "") -> list[list[str]]:
+        """For each chunk, every tier holding its KV now (in index namespace ``namespace``), top-down."""
         keys = [self.prompts.key(c, namespace) for c in chunks]
+        return (await self.llm.collective_rpc(Rpc.STORE_HOLDERS, args=(keys,)))[0]
+
+    async def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
+        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
+        with ``head`` the prompt head's entry in that namespace too; returns how many entries were
+        removed."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
+        if head:
+            keys.append(self.prompts.head_segment(namespace).key)
         return (await self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,)))[0]
 
     async def flush(self) -> None:

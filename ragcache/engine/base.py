@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ragcache import lifeline
 from ragcache.chunks import KV_LAYOUT_VERSION
 from ragcache.config import MODES, Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
@@ -103,7 +104,9 @@ def first_position(logprobs: Any) -> dict[int, float] | None:
 
 
 def set_engine_environment(*, in_process: bool) -> None:
-    """Environment that vLLM reads when an engine is created (``vllm.envs`` is evaluated lazily)."""
+    """Environment that vLLM reads when an engine is created (``vllm.envs`` is evaluated lazily),
+    and the lifeline that makes the engine's processes die with this one (:mod:`ragcache.lifeline`)."""
+    lifeline.arm()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     # vLLM lowers torch to one thread per worker unless OMP_NUM_THREADS is set (10x slower on CPU)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -225,7 +228,8 @@ class EngineBase:
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer, self.settings.prompt, self.llm_info.fingerprint,
                                      max_len=self.settings.engine.max_model_len,
-                                     store_namespace=self.settings.store.namespace)
+                                     store_namespace=self.settings.store.namespace,
+                                     compute_dtype=self.dtype.dtype)
 
     def _warm_up_prompt(self) -> AssembledPrompt:
         """The tiny prompt of the start-up request (the first request pays for lazy kernel and

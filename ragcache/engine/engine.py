@@ -123,9 +123,11 @@ class BlendEngine(EngineBase):
         and keyed in the index namespace ``namespace`` (see :meth:`PromptBuilder.key`).
         Blocks the engine while it runs: call it at ingest time, not beside live requests.
         Chunks go to the worker ``batch_size`` at a time (a tqdm bar on stderr when
-        ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds", "stored"}``
-        (seconds of worker compute, tokens of the computed units, ``stored``: per tier, how many
-        of the computed entries it took; the head is not counted).
+        ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds", "stored",
+        "computed_keys"}`` (seconds of worker compute, tokens of the computed units, ``stored``: per
+        tier, how many of the computed entries it took when written, which later ones may have
+        evicted again: :meth:`store_holders` of ``computed_keys`` says what is held now; the head is
+        not counted).
 
         Raises:
             BlendUnavailableError: this model has no working DecoderOps adapter (see ``blend_support``).
@@ -139,7 +141,8 @@ class BlendEngine(EngineBase):
         for c in chunks:
             seg = self.prompts.canonical_segment(c, namespace)
             items.append([seg.key, seg.start, self.prompts.unit_ids(c)])
-        total: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "stored": {}}
+        total: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "stored": {},
+                                 "computed_keys": []}
         bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute", disable=not show_progress)
         with self._lock, bar:
             self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [[head.key, head.start, head_ids]]))
@@ -150,6 +153,7 @@ class BlendEngine(EngineBase):
                     total[k] += out[k]
                 for tier, n in out["stored"].items():
                     total["stored"][tier] = total["stored"].get(tier, 0) + n
+                total["computed_keys"].extend(out["computed_keys"])
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{total['tokens'] / max(total['seconds'], 1e-9):,.0f} tok/s")
         return total
@@ -263,10 +267,22 @@ class BlendEngine(EngineBase):
         with self._lock:
             return self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,))[0]
 
-    def forget(self, chunks: Sequence[Chunk], namespace: str = "") -> int:
-        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier;
-        returns how many entries were removed."""
+    def stored_where(self, chunks: Sequence[Chunk], namespace: str = "") -> list[list[str]]:
+        """For each chunk, every tier holding its KV now (in index namespace ``namespace``), top-down."""
+        return self.store_holders([self.prompts.key(c, namespace) for c in chunks])
+
+    def store_holders(self, keys: Sequence[str]) -> list[list[str]]:
+        """For each KV store key, every tier holding it now, top-down ([] for none)."""
+        with self._lock:
+            return self.llm.collective_rpc(Rpc.STORE_HOLDERS, args=(list(keys),))[0]
+
+    def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
+        """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
+        with ``head`` the prompt head's entry in that namespace too; returns how many entries were
+        removed."""
         keys = [self.prompts.key(c, namespace) for c in chunks]
+        if head:
+            keys.append(self.prompts.head_segment(namespace).key)
         with self._lock:
             return self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,))[0]
 

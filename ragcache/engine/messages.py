@@ -46,11 +46,12 @@ class Rpc:
     PRECOMPUTE = "ragcache_precompute"
     STORE_STATS = "ragcache_store_stats"
     STORE_CONTAINS = "ragcache_store_contains"
+    STORE_HOLDERS = "ragcache_store_holders"
     STORE_DELETE = "ragcache_store_delete"
     STORE_FLUSH = "ragcache_store_flush"
     OPS_PROBE = "ragcache_ops_probe"
 
-    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_DELETE, STORE_FLUSH, OPS_PROBE)
+    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_HOLDERS, STORE_DELETE, STORE_FLUSH, OPS_PROBE)
 
 
 #: the [blend] settings every reuse/blend request carries

@@ -18,6 +18,12 @@ silently worse. The check serves one short prompt twice:
   read back from the KV store, rotated to the prompt's positions (what every reuse and blend
   does) and written into vLLM's paged cache; vLLM then prefills the question tail over it.
 
+The check never reads (nor leaves anything in) the user's KV: its two segments are keyed in a
+private namespace of its own (:data:`SELF_CHECK_NAMESPACE` plus a random suffix; users cannot name
+a namespace starting with ``_``), computed during the reuse request and deleted from every tier
+afterwards. So a store holding KV of another precision, another build or a damaged entry cannot
+fail the check (nor make it pass).
+
 At the canonical place reuse is exact by construction (:func:`ragcache.prompt.is_canonical`), so
 the two first-token distributions agree up to float rounding exactly when the adapter reproduces
 vLLM's forward; every DecoderOps method takes part. (Blend at recompute ratio 1.0 over two moved
@@ -33,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -64,6 +71,10 @@ PROBE_TOKENS = 16
 #: the self-check's chunk and question (short: the check must cost little at start-up)
 PROBE_TEXTS = ("The lighthouse keeper Mara Olin logged every ship.",)
 PROBE_QUESTION = "Who logged the ships?"
+
+#: prefix of the self-check's private KV namespace (below the store namespace; user namespaces must
+#: start with a letter or digit, so no index can share it)
+SELF_CHECK_NAMESPACE = "_self-check"
 
 
 def tolerance_for(dtype: str, kv_dtype: str = "model") -> float:
@@ -214,10 +225,12 @@ class _Plan:
         self.dtype = engine.dtype.dtype
         self.settings = engine.settings
         self.chunks = probe_chunks(engine.tokenizer)
+        #: private to this check (and this start): the user's store is neither read nor kept
+        self.namespace = f"{SELF_CHECK_NAMESPACE}-{uuid.uuid4().hex[:8]}"
         self.prompt: AssembledPrompt | None = None
         self.too_long: str | None = None
         try:
-            self.prompt = engine.prompts.build(PROBE_QUESTION, self.chunks)
+            self.prompt = engine.prompts.build(PROBE_QUESTION, self.chunks, namespace=self.namespace)
         except PromptTooLongError as exc:
             self.too_long = f"the self-check prompt does not fit ({exc})"
 
@@ -280,8 +293,8 @@ def run_self_check(engine: "BlendEngine") -> BlendSupport:
     Called once from ``BlendEngine.__init__`` after the worker's init. Its two requests warm vLLM
     and the layer-wise forward up (the engine skips its own warm-up request when the check ran). With
     ``engine.self_check = false`` only the adapter probe runs (reuse/blend then stay on,
-    unverified). The check's chunk KV is deleted from the store afterwards (the prompt head's is
-    kept: it is the real head, used by every request).
+    unverified). The check's KV (head and chunk, in its private namespace) is deleted from every
+    tier afterwards.
 
     Returns:
         the engine's :class:`BlendSupport`; a failure is logged once as a warning.
@@ -296,7 +309,7 @@ def run_self_check(engine: "BlendEngine") -> BlendSupport:
         except Exception as exc:
             reuse = exc
         finally:
-            engine.forget(plan.chunks)
+            engine.forget(plan.chunks, plan.namespace, head=True)
         support = plan.judge(found, full, reuse)
     return plan.report(support)
 
@@ -314,6 +327,6 @@ async def arun_self_check(engine: "AsyncBlendEngine") -> BlendSupport:
         except Exception as exc:
             reuse = exc
         finally:
-            await engine.forget(plan.chunks)
+            await engine.forget(plan.chunks, plan.namespace, head=True)
         support = plan.judge(found, full, reuse)
     return plan.report(support)

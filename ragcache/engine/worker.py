@@ -129,12 +129,14 @@ class WorkerRuntime:
         """Compute and store the KV of every ``[key, start, unit_ids]`` not stored yet.
 
         ``start`` is the segment's canonical start (0 for the head, ``len(head_ids)`` for a chunk).
-        Returns ``{"computed", "skipped", "tokens", "seconds", "stored"}`` (tokens of the computed
-        units, seconds of worker time, ``stored``: per tier of the store, how many of the computed
-        entries it took; fewer than ``computed`` when it was full or down).
+        Returns ``{"computed", "skipped", "tokens", "seconds", "stored", "computed_keys"}`` (tokens of
+        the computed units, seconds of worker time, ``stored``: per tier of the store, how many of
+        the computed entries it took; fewer than ``computed`` when it was full or down; later entries
+        may evict them again: ``computed_keys`` lets the caller ask what is still held).
         """
         t0 = time.perf_counter()
         computed = skipped = tokens = 0
+        computed_keys: list[str] = []
         stored = dict.fromkeys(self.store.tier_names, 0)
         with self.lock:
             for key, start, unit in items:
@@ -143,9 +145,10 @@ class WorkerRuntime:
                     continue
                 self._compute_and_store(key, head_ids, int(start), list(unit), stored)
                 computed += 1
+                computed_keys.append(key)
                 tokens += len(unit)
         return {"computed": computed, "skipped": skipped, "tokens": tokens, "seconds": time.perf_counter() - t0,
-                "stored": stored}
+                "stored": stored, "computed_keys": computed_keys}
 
     def probe(self, token_ids: list[int]) -> OpsProbe:
         """Report the adapter and exercise it on ``token_ids`` (:func:`ragcache.engine.ops.exercise`):
@@ -302,6 +305,10 @@ class RagcacheWorkerExtension:
     def ragcache_store_contains(self, keys: list[str]) -> list[str | None]:
         """For each key, the highest tier holding it, or None."""
         return [self._ragcache.store.contains(k) for k in keys]
+
+    def ragcache_store_holders(self, keys: list[str]) -> list[list[str]]:
+        """For each key, every tier holding it now, top-down (``TieredStore.holders``)."""
+        return [self._ragcache.store.holders(k) for k in keys]
 
     def ragcache_store_delete(self, keys: list[str]) -> int:
         """Delete the keys from every tier; returns how many were present."""

@@ -115,6 +115,23 @@ class TierSlot:
         room = used + free
         return room if self.capacity is None else min(self.capacity, room)
 
+    def warn_if_capped(self) -> bool:
+        """Warn once when the medium holds less than the tier's setting (a disk tier whose filesystem
+        is smaller than ``store.ssd_cache_max_gb``): the tier is capped there and evicts beyond it.
+        Returns whether it warned."""
+        room = self.effective_capacity()
+        if self.capacity is None or room is None or room >= self.capacity:
+            return False
+        with self._lock:
+            used = self.index.used_bytes if self.index is not None else 0
+        where = getattr(self.tier, "root", None)
+        log.warning("%s tier%s: its setting allows %.1f GB but the filesystem holds at most %.1f MB for it "
+                    "(%.1f MB held now + %.1f MB free); the tier is capped at %.1f MB and evicts beyond it "
+                    "(store.ssd_cache_max_gb; free space or point store.ssd_cache_dir at a larger disk)",
+                    self.name, f" in {where}" if where else "", self.capacity / 1e9, room / 1e6, used / 1e6,
+                    (room - used) / 1e6, room / 1e6)
+        return True
+
     def plan_room(self, need: int, protect: str) -> list[Victim] | None:
         """Make room for a write of ``need`` bytes (the file/value size): the entries to evict,
         already removed from the index ([] when it fits now), or None when it cannot fit even

@@ -27,7 +27,7 @@ Policy in one place:
   whose totals across processes live in a counter file beside the disk tier
   (:mod:`~ragcache.kvstore.ledger`).
 - Room: a tier's capacity is its setting, but for ``disk`` no more than the filesystem can hold
-  (what the tier holds plus the free space). An entry that cannot fit even with every other entry
+  (what the tier holds plus the free space; one warning at start when that is below the setting). An entry that cannot fit even with every other entry
   evicted is not stored (counted under ``not_stored``, one warning) and evicts nothing; one that
   fits after evictions evicts just enough first. A write that still fails with ENOSPC rescans,
   evicts if that can make room, and retries once. ``remote`` unreachable: the tier is marked down
@@ -135,6 +135,8 @@ class TieredStore:
                 slot.probe()  # an unreachable tier is marked down before the first lookup
                 if slot.guard.up:
                     slot.rescan()  # a bounded one learns what it already holds
+                    if spec is not None:  # a store that serves KV (not one opened to administer it)
+                        slot.warn_if_capped()
         self._logger = HitRateLog(self.hit_rate_line, hit_rate_log_interval) if hit_rate_log_interval else None
 
     # ------------------------------------------------------------------ construction
@@ -300,13 +302,27 @@ class TieredStore:
             ValueError: bad key.
         """
         check_key(key)
+        return next(self._holding(key), None)
+
+    def holders(self, key: str) -> list[str]:
+        """Names of every tier holding a usable entry for ``key`` now, top-down (checked as in
+        :meth:`contains`; a tier that is down holds nothing). What an ingest really kept: an entry
+        a tier took may have been evicted since by later ones.
+
+        Raises:
+            ValueError: bad key.
+        """
+        check_key(key)
+        return list(self._holding(key))
+
+    def _holding(self, key: str) -> Iterator[str]:
         for slot in self._slots:
             if not slot.guard.available():
                 continue
             if slot.tier.memory:
                 with self._lock:
                     if slot.tier.contains(key):
-                        return slot.name
+                        yield slot.name
                 continue
             try:
                 meta = slot.guard.call(slot.tier.head, key)
@@ -318,8 +334,7 @@ class TieredStore:
             except (ForeignEntryError, TierError, OSError):
                 continue
             if meta is not None and (self.spec is None or self.spec.mismatch(meta) is None):
-                return slot.name
-        return None
+                yield slot.name
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` from every tier; True when any tier held it.

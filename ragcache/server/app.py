@@ -14,18 +14,24 @@ next request (pipelines are keyed by the index's version on disk).
 
 Streaming (``"stream": true``) sends, as ``data:`` lines: a first chunk with the assistant role and
 ``ragcache.sources`` (their ``tier`` is null: not served yet), one chunk per decoded text piece, a
-chunk with ``finish_reason``, a usage chunk (``choices: []``) with ``usage`` and the complete
-``ragcache`` object (sources with tiers, metrics), then ``data: [DONE]``. An error after the stream
-started is sent as a ``data: {"error": ...}`` line. A client that disconnects cancels its request:
-the vLLM request is aborted and its KV slots are freed.
+chunk with ``finish_reason`` and the complete ``ragcache`` object (sources with tiers, metrics),
+then ``data: [DONE]``. With ``stream_options: {"include_usage": true}`` (as OpenAI) a usage chunk
+(``choices: []``) with ``usage`` comes after the finish chunk and carries the ``ragcache`` object
+instead. An error after the stream started is sent as a ``data: {"error": ...}`` line. A client
+that disconnects cancels its request: the vLLM request is aborted and its KV slots are freed.
+
+Who may read what: :mod:`ragcache.server.keys` (the shared ``serve.api_key``, scoped keys from
+``serve.keys_file``; 401 without a valid key, 403 for an index the key may not read). The mode a
+request gets when it names none is the server's (:func:`serving_mode`): ``engine.mode``, or
+``serve.blend_fallback`` when reuse/blend turned out unavailable at start.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
+import os
 import time
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
@@ -36,7 +42,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragcache.config import Settings
+from ragcache.config import ConfigError, Settings
+from ragcache.engine.messages import CONNECTOR_MODES
+from ragcache.engine.selfcheck import BlendUnavailableError
+from ragcache.server.keys import Access, KeyRing
 from ragcache.server.metrics import ServerMetrics
 from ragcache.server.schemas import (
     DEFAULT_MODEL_ALIASES,
@@ -53,7 +62,7 @@ from ragcache.server.schemas import (
 )
 
 if TYPE_CHECKING:
-    from ragcache.engine import AsyncBlendEngine
+    from ragcache.engine import AsyncBlendEngine, BlendSupport
     from ragcache.pipeline import Answer, RAGPipeline, Retrieval
 
 log = logging.getLogger(__name__)
@@ -62,6 +71,26 @@ T = TypeVar("T")
 
 #: pipelines kept (one per index version); older ones are dropped first
 MAX_PIPELINES = 16
+
+
+def serving_mode(settings: Settings, support: "BlendSupport | None") -> str:
+    """The mode a request gets when it names none: ``engine.mode``, unless that needs reuse/blend
+    and the engine's start-up found them unavailable; then ``serve.blend_fallback``.
+
+    Raises:
+        BlendUnavailableError: reuse/blend is unavailable, ``engine.mode`` needs it and
+            ``serve.blend_fallback`` is ``"refuse"`` (the message says why and what to set).
+    """
+    mode = settings.engine.mode
+    if mode not in CONNECTOR_MODES or support is None or support.available:
+        return mode
+    fallback = settings.serve.blend_fallback
+    if fallback == "refuse":
+        raise BlendUnavailableError(
+            f"ragcache serve will not start in {mode} mode (engine.mode): {support.reason}. To serve anyway, set "
+            "serve.blend_fallback = \"full\" or \"prefix\" (RAGCACHE_SERVE__BLEND_FALLBACK=full), or engine.mode = \"full\"")
+    log.warning("%s mode is unavailable, serving in %s mode (serve.blend_fallback): %s", mode, fallback, support.reason)
+    return fallback
 
 
 class _Slot:
@@ -83,11 +112,70 @@ class ServerState:
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        self._keys_stamp: tuple[Any, ...] | None = None
+        self._keys = self.keyring()  # a bad keys file fails here, at start
         self.engine: "AsyncBlendEngine | None" = None
+        self.mode = settings.engine.mode
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServerMetrics()
         self.in_flight = 0
         self._pipelines: dict[tuple[str, int], "RAGPipeline"] = {}
+
+    def keyring(self) -> KeyRing:
+        """The keys accepted now: built from ``serve.api_key`` and ``serve.keys_file``, and built
+        again when either setting or the file changes (keys are added or revoked without a restart;
+        a file that turns invalid keeps the keys read before, with a warning).
+
+        Raises:
+            ConfigError: the keys file is invalid when first read.
+        """
+        s = self.settings.serve
+        try:
+            mtime = os.stat(os.path.expanduser(s.keys_file)).st_mtime_ns if s.keys_file else None
+        except OSError:
+            mtime = -1
+        stamp = (s.api_key, s.keys_file, mtime)
+        if stamp != self._keys_stamp:
+            try:
+                self._keys = KeyRing.from_settings(s)
+            except ConfigError as exc:
+                if self._keys_stamp is None:
+                    raise
+                log.warning("serve.keys_file changed but cannot be used (%s); the keys read before still apply", exc)
+            self._keys_stamp = stamp
+        return self._keys
+
+    def readable_indexes(self, access: Access) -> list[str]:
+        """The indexes served here that ``access`` may read."""
+        names = self.indexes()
+        return names if access.every_index else [n for n in names if access.may_read(n, self.namespace_of(n))]
+
+    def namespace_of(self, name: str) -> str | None:
+        """The own KV namespace of index ``name`` ("" = none), or None when it cannot be read (no
+        such index, a damaged one, its database down): then no key reads it by namespace."""
+        from ragcache.catalog import catalog
+        from ragcache.index import Manifest, readable_path, resolve_index_path
+
+        try:
+            cat = catalog(self.settings)
+            if cat.backend != "faiss":
+                return cat.manifest(name).namespace
+            folder = readable_path(resolve_index_path(name, self.settings.ingest.index_dir))  # read now, not cached
+            return None if folder is None else Manifest.read(folder).namespace
+        except Exception:  # noqa: BLE001 - unreadable: the namespace grants nothing
+            return None
+
+    def check_access(self, access: Access, name: str, param: str) -> None:
+        """Refuse an index the caller may not read.
+
+        Raises:
+            APIError: 403 naming the tenant, the index and what the key may read.
+        """
+        if access.every_index or access.may_read(name, self.namespace_of(name)):
+            return
+        raise APIError(403, f"{param} {name!r}: the API key of tenant {access.tenant!r} may not read this index "
+                       f"(it may read {access.describe()}); ask the server's operator to add it to the key's entry "
+                       "in serve.keys_file", param=param, code="index_not_allowed")
 
     def indexes(self) -> list[str]:
         """Names of the indexes served: every complete index under ``ingest.index_dir`` (or in
@@ -158,6 +246,8 @@ def api_error(exc: BaseException) -> APIError:
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, BlendUnavailableError) and not isinstance(exc, ValueError):  # the mode, not the input
+        return APIError(400, f"ragcache.mode: {exc}", param="ragcache.mode", code="mode_unavailable")
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, (IndexNotFoundError, EmptyIndexError)):
@@ -234,7 +324,8 @@ def _prompt_text(state: ServerState, answer: "Answer", opts: RagcacheOptions) ->
 
 
 async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, index: str, model: str, mode: str,
-                  opts: RagcacheOptions, generate: dict[str, Any]) -> AsyncIterator[str]:
+                  opts: RagcacheOptions, generate: dict[str, Any], include_usage: bool,
+                  tenant: str) -> AsyncIterator[str]:
     """The SSE lines of one streamed chat completion (see the module docstring)."""
     cid, created = completion_id(), int(time.time())
     outcome = "error"
@@ -248,11 +339,14 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
                     yield _sse(chunk_body(cid, model, created, delta={"content": item}))
                 else:
                     answer = item
-        state.metrics.observe(index, answer)  # before the last lines: a client done reading sees it counted
+        state.metrics.observe(index, answer, tenant)  # before the last lines: a client done reading sees it counted
         outcome = "completed"
-        yield _sse(chunk_body(cid, model, created, finish=finish_reason(answer)))
         extra = ragcache_body(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
-        yield _sse(chunk_body(cid, model, created, usage=usage_body(answer), extra=extra))
+        if include_usage:  # OpenAI sends the usage chunk only when asked
+            yield _sse(chunk_body(cid, model, created, finish=finish_reason(answer)))
+            yield _sse(chunk_body(cid, model, created, usage=usage_body(answer), extra=extra))
+        else:
+            yield _sse(chunk_body(cid, model, created, finish=finish_reason(answer), extra=extra))
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         if outcome != "completed":
@@ -265,16 +359,24 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
         yield _sse(err.body())
     finally:
         if outcome != "completed":
-            state.metrics.count_outcome(index, mode, outcome)
+            state.metrics.count_outcome(index, mode, outcome, tenant)
 
 
-def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None) -> FastAPI:
+def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, mode: str | None = None,
+               close_engine: bool | None = None) -> FastAPI:
     """The ASGI app. The engine starts in the app's lifespan (in uvicorn's event loop) unless one
-    is passed, and is closed at shutdown when the app started it.
+    is passed, and is flushed and closed at shutdown when the app started it (or ``close_engine``).
+    ``mode``: the mode requests get by default, when already settled (see :func:`serving_mode`).
+
+    Raises:
+        ConfigError: an invalid ``serve.keys_file``.
 
     Attributes of ``app.state``: ``server`` (:class:`ServerState`: ``engine``, ``loop``, ``metrics``).
+    At start-up (the lifespan) :func:`serving_mode` may raise BlendUnavailableError.
     """
     state = ServerState(settings)
+    if close_engine is None:
+        close_engine = engine is None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -283,6 +385,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None) 
         state.loop = asyncio.get_running_loop()
         state.engine = engine or await AsyncBlendEngine.start(settings)
         try:
+            state.mode = mode or serving_mode(settings, state.engine.blend_support)
             state.metrics.set_tiers(list(await state.engine.store_stats()))
             if settings.serve.index in state.indexes():  # load the embedder and the index now
                 try:
@@ -291,7 +394,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None) 
                     log.warning("index %s is not usable yet: %s", settings.serve.index, exc)
             yield
         finally:
-            if engine is None:
+            if close_engine:
                 await state.engine.flush()
                 state.engine.close()
 
@@ -316,32 +419,53 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None) 
             msg += "; the routes are /v1/chat/completions, /v1/models, /v1/cache, /health and /metrics"
         return JSONResponse(APIError(exc.status_code, msg).body(), status_code=exc.status_code)
 
-    def authorized(request: Request) -> None:
-        key = settings.serve.api_key
-        if not key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer KEY` with the key in "
-                           "serve.api_key (openai client: api_key=KEY)", code="invalid_api_key")
+    def authorized(request: Request) -> Access:
+        """The caller's access (see :mod:`ragcache.server.keys`).
 
-    guarded = [Depends(authorized)]
+        Raises:
+            APIError: 401 without a key this server accepts.
+        """
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        access = state.keyring().authenticate(token.strip() if scheme.lower() == "bearer" else None)
+        if access is None:
+            where = " or serve.keys_file" if settings.serve.keys_file else ""
+            raise APIError(401, "missing or wrong API key: send `Authorization: Bearer KEY` with a key of "
+                           f"serve.api_key{where} (openai client: api_key=KEY)", code="invalid_api_key")
+        return access
+
+    def server_wide(access: Access = Depends(authorized)) -> Access:
+        """A caller that may read every index: the server-wide routes show every index's numbers.
+
+        Raises:
+            APIError: 403 for a key scoped to some indexes.
+        """
+        if not access.every_index:
+            raise APIError(403, f"the API key of tenant {access.tenant!r} may read only {access.describe()}; "
+                           "/v1/cache and /metrics cover every index and need a key that may read all of them "
+                           "(serve.api_key, or indexes = [\"*\"] in serve.keys_file)", code="index_not_allowed")
+        return access
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """Liveness and load: the engine, requests in flight, the default index."""
+        """Liveness and load: the engine, the mode requests get by default (and whether reuse/blend is
+        available), requests in flight, the default index."""
         eng = state.engine
-        return {"status": "ok", "device": eng.device, "startup_s": round(eng.startup_s, 2),
+        support = eng.blend_support
+        return {"status": "ok", "device": eng.device, "startup_s": round(eng.startup_s, 2), "mode": state.mode,
+                "blend": {"available": support is None or support.available,
+                          "reason": None if support is None else support.reason},
+                "dtype": eng.dtype.dtype,
                 "in_flight": state.in_flight, "engine_unfinished_requests": eng.num_unfinished_requests,
                 "default_index": settings.serve.index, "model": settings.models.model}
 
-    @app.get("/v1/models", dependencies=guarded)
-    async def models() -> dict[str, Any]:
-        """One model per index (its name is the ``model`` to send)."""
-        return {"object": "list", "data": [_model(n) for n in state.indexes()]}
+    @app.get("/v1/models")
+    async def models(access: Access = Depends(authorized)) -> dict[str, Any]:
+        """One model per index the caller may read (its name is the ``model`` to send)."""
+        return {"object": "list", "data": [_model(n) for n in state.readable_indexes(access)]}
 
-    @app.get("/v1/models/{name}", dependencies=guarded)
-    async def model(name: str) -> dict[str, Any]:
+    @app.get("/v1/models/{name}")
+    async def model(name: str, access: Access = Depends(authorized)) -> dict[str, Any]:
+        state.check_access(access, name, "model")
         return _model(state.resolve_index(name, None))
 
     def _model(name: str) -> dict[str, Any]:
@@ -350,12 +474,12 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None) 
         created = catalog(settings).created(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "ragcache"}
 
-    @app.get("/v1/cache", dependencies=guarded)
+    @app.get("/v1/cache", dependencies=[Depends(server_wide)])
     async def cache() -> dict[str, Any]:
         """Per-tier KV store stats (hits, misses, hit_rate, entries, occupancy_bytes, capacity_bytes...)."""
         return {"object": "ragcache.cache", "tiers": await state.engine.store_stats()}
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics", dependencies=[Depends(server_wide)])
     async def metrics() -> Response:
         """Prometheus text exposition (see ragcache.server.metrics)."""
         try:
@@ -363,38 +487,57 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None) 
         except Exception as exc:  # noqa: BLE001 - the request metrics are still worth serving
             log.warning("store stats unavailable for /metrics: %s", exc)
             stats = None
+        state.metrics.engine_unfinished.set(state.engine.num_unfinished_requests)
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               access: Access = Depends(authorized)) -> Response:
         """A chat completion answered from an index (see the module docstring)."""
         opts = body.options
+        state.check_access(access, *_asked_index(state, body.model, opts.index))
         index = state.resolve_index(body.model, opts.index)
         question, history = body.conversation()
         generate = dict(max_tokens=body.answer_tokens, recompute_ratio=opts.recompute_ratio,
                         sampling=body.sampling())
-        mode = opts.mode or settings.engine.mode
+        mode = opts.mode or state.mode
+        if state.engine.blend_support is not None:
+            try:
+                state.engine.blend_support.require(mode)  # refused before any work, not mid-stream
+            except BlendUnavailableError as exc:
+                raise api_error(exc) from None
+        tenant = access.tenant
         slot = state.acquire()
         try:
             pipe = state.pipeline(index)
             r = await pipe.aprepare(question, opts.top_k, history=history)
             if body.stream:
                 events = _events(state, pipe, r, index=index, model=body.model, mode=mode, opts=opts,
-                                 generate=generate)
+                                 generate=generate, include_usage=body.include_usage, tenant=tenant)
                 response, slot = _EventStream(events, slot), None  # the stream frees the slot
                 return response
             answer = await _unless_disconnected(request, pipe.aanswer(r, mode, **generate))
-            state.metrics.observe(index, answer)
+            state.metrics.observe(index, answer, tenant)
             extra = ragcache_body(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
             return JSONResponse(completion_body(completion_id(), body.model, answer, extra))
         except _ClientGone:
-            state.metrics.count_outcome(index, mode, "aborted")
+            state.metrics.count_outcome(index, mode, "aborted", tenant)
             return Response(status_code=499)  # nobody reads it
         except Exception as exc:
-            state.metrics.count_outcome(index, mode, "error")
+            state.metrics.count_outcome(index, mode, "error", tenant)
             raise api_error(exc) from exc
         finally:
             if slot is not None:
                 slot.release()
 
     return app
+
+
+def _asked_index(state: ServerState, model: str, override: str | None) -> tuple[str, str]:
+    """The index name a request asks for and the field that names it, before checking it exists
+    (access is checked first, so a key learns nothing about indexes it may not read)."""
+    if override is not None:
+        return override, "ragcache.index"
+    if model in DEFAULT_MODEL_ALIASES and model not in state.indexes():
+        return state.settings.serve.index, "model"
+    return model, "model"

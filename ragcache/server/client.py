@@ -92,6 +92,8 @@ class RemotePipeline:
             + [{"role": "user", "content": question}]}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
+        if stream:
+            body["stream_options"] = {"include_usage": True}  # the usage chunk carries the token counts
         return body
 
     def stream(self, question: str, mode: str | None = None, top_k: int | None = None, *,

@@ -4,26 +4,29 @@ Owns: the metric definitions, how one answered request moves them (:meth:`Server
 and the KV store snapshot behind the per-tier gauges. Names start with ``ragcache_`` (Prometheus
 reserves ``:`` for recording rules; vLLM's own metrics are ``vllm:*``); label values are bounded:
 ``tier`` (device, cpu, disk, remote), ``index`` (indexes served), ``mode`` (full, prefix, reuse,
-blend), ``outcome`` (completed, aborted, error) — never chunk ids or request ids. Its own
-registry, so /metrics shows exactly these. Imports prometheus_client and ragcache.pipeline types.
+blend), ``outcome`` (completed, aborted, error), ``tenant`` (who asked: ``default`` for the shared
+key or a server without keys, else the tenant of the scoped key in ``serve.keys_file``) — never
+chunk ids, request ids or keys. Its own registry, so /metrics shows exactly these. Imports
+prometheus_client and ragcache.pipeline types.
 
 Per request (after it completes):
   ragcache_time_to_first_token_seconds{index,mode}   histogram of vLLM's first-token latency
                                                       (queueing + chunk KV load/blend + prefill of the tail)
   ragcache_e2e_request_latency_seconds{index,mode}   histogram, question arrival to last token
   ragcache_retrieval_seconds{index}                  histogram, question embedding + search
-  ragcache_prompt_tokens_total{index,mode}           prompt tokens
-  ragcache_cached_prompt_tokens_total{index,mode}    of which not computed for the request (usage.cached_tokens)
-  ragcache_recomputed_tokens_total{index,mode}       context tokens recomputed (blend's HKVD tokens)
-  ragcache_output_tokens_total{index,mode}           tokens decoded
+  ragcache_prompt_tokens_total{index,mode,tenant}    prompt tokens
+  ragcache_cached_prompt_tokens_total{index,mode,tenant}  of which not computed for the request (usage.cached_tokens)
+  ragcache_recomputed_tokens_total{index,mode,tenant}     context tokens recomputed (blend's HKVD tokens)
+  ragcache_output_tokens_total{index,mode,tenant}    tokens decoded
   ragcache_chunk_lookups_total{tier}                 retrieved chunks looked up in each tier (a chunk
                                                       served by disk was looked up in cpu, then disk)
   ragcache_chunk_hits_total{tier}                    retrieved chunks served by each tier; lookups
                                                       minus hits are misses, so hits/lookups is the hit rate
-  ragcache_requests_total{index,mode,outcome}        requests that got an answer (completed), whose
+  ragcache_requests_total{index,mode,outcome,tenant} requests that got an answer (completed), whose
                                                       client went away (aborted) or that failed (error)
 Now:
   ragcache_requests_in_flight                        chat completions being answered
+  ragcache_engine_unfinished_requests                requests vLLM holds (waiting or running) at the scrape
   ragcache_tier_bytes{tier}                          bytes of chunk KV each tier holds (at the last scrape)
   ragcache_evictions_total{tier}                     entries each tier evicted since the server started
 """
@@ -36,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragcache.pipeline import Answer
+from ragcache.server.keys import DEFAULT_TENANT
 from ragcache.server.schemas import cached_tokens
 
 #: seconds; TTFT spans ~0.05 s (blend, short prompt) to ~60 s (full prefill of 6k tokens on 2 CPU cores)
@@ -75,6 +79,7 @@ class ServerMetrics:
         disable_created_metrics()  # no `*_created` series (process-wide in prometheus-client)
         r = self.registry = CollectorRegistry()
         im = ["index", "mode"]
+        imt = [*im, "tenant"]
         self.ttft = Histogram("ragcache_time_to_first_token_seconds", "Time to first token (vLLM's first-token "
                               "latency: queueing, chunk KV load and blend, prefill of the tail)", im,
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -82,18 +87,20 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.retrieval = Histogram("ragcache_retrieval_seconds", "Question embedding and search", ["index"],
                                    buckets=RETRIEVAL_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("ragcache_prompt_tokens", "Prompt tokens", im, registry=r)
+        self.prompt_tokens = Counter("ragcache_prompt_tokens", "Prompt tokens", imt, registry=r)
         self.cached_tokens = Counter("ragcache_cached_prompt_tokens", "Prompt tokens whose KV was not computed "
-                                     "for the request (reused chunk KV, or prefix-cache hits)", im, registry=r)
+                                     "for the request (reused chunk KV, or prefix-cache hits)", imt, registry=r)
         self.recomputed_tokens = Counter("ragcache_recomputed_tokens", "Context tokens recomputed (the blend's "
-                                         "HKVD tokens and the layers before its check layer)", im, registry=r)
-        self.output_tokens = Counter("ragcache_output_tokens", "Tokens decoded", im, registry=r)
+                                         "HKVD tokens and the layers before its check layer)", imt, registry=r)
+        self.output_tokens = Counter("ragcache_output_tokens", "Tokens decoded", imt, registry=r)
         self.lookups = Counter("ragcache_chunk_lookups", "Retrieved chunks looked up in each KV tier", ["tier"],
                                registry=r)
         self.hits = Counter("ragcache_chunk_hits", "Retrieved chunks served by each KV tier", ["tier"], registry=r)
-        self.requests = Counter("ragcache_requests", "Chat completions by outcome (completed, aborted, error)",
-                                ["index", "mode", "outcome"], registry=r)
+        self.requests = Counter("ragcache_requests", "Chat completions by outcome (completed, aborted, error) and "
+                                "tenant", ["index", "mode", "outcome", "tenant"], registry=r)
         self.in_flight = Gauge("ragcache_requests_in_flight", "Chat completions being answered now", registry=r)
+        self.engine_unfinished = Gauge("ragcache_engine_unfinished_requests", "Requests vLLM holds now (waiting "
+                                       "or running); 0 when idle, or a request leaked", registry=r)
         self.store = _StoreCollector()
         r.register(self.store)
         self.tiers: list[str] = []
@@ -106,20 +113,20 @@ class ServerMetrics:
             self.lookups.labels(t)
             self.hits.labels(t)
 
-    def observe(self, index: str, answer: Answer) -> None:
-        """Count one completed request."""
+    def observe(self, index: str, answer: Answer, tenant: str = DEFAULT_TENANT) -> None:
+        """Count one completed request of ``tenant``."""
         m = answer.metrics
         key = (index, m.mode)
         self.ttft.labels(*key).observe(m.ttft_s)
         self.e2e.labels(*key).observe(m.total_s)
         self.retrieval.labels(index).observe(m.retrieval_s)
-        self.prompt_tokens.labels(*key).inc(m.prompt_tokens)
-        self.cached_tokens.labels(*key).inc(cached_tokens(answer))
-        self.recomputed_tokens.labels(*key).inc(m.recomputed_tokens)
-        self.output_tokens.labels(*key).inc(m.output_tokens)
+        self.prompt_tokens.labels(*key, tenant).inc(m.prompt_tokens)
+        self.cached_tokens.labels(*key, tenant).inc(cached_tokens(answer))
+        self.recomputed_tokens.labels(*key, tenant).inc(m.recomputed_tokens)
+        self.output_tokens.labels(*key, tenant).inc(m.output_tokens)
         for tier in m.chunk_tiers:
             self._count_chunk(tier)
-        self.requests.labels(index, m.mode, "completed").inc()
+        self.requests.labels(index, m.mode, "completed", tenant).inc()
 
     def _count_chunk(self, tier: str) -> None:
         if tier in self.tiers:
@@ -130,9 +137,9 @@ class ServerMetrics:
             for t in self.tiers:
                 self.lookups.labels(t).inc()
 
-    def count_outcome(self, index: str, mode: str, outcome: str) -> None:
-        """Count a request that did not complete: ``aborted`` (the client left) or ``error``."""
-        self.requests.labels(index, mode, outcome).inc()
+    def count_outcome(self, index: str, mode: str, outcome: str, tenant: str = DEFAULT_TENANT) -> None:
+        """Count a request of ``tenant`` that did not complete: ``aborted`` (the client left) or ``error``."""
+        self.requests.labels(index, mode, outcome, tenant).inc()
 
     def render(self, store_stats: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
         """The Prometheus text exposition, with the per-tier gauges from ``store_stats`` when given."""

@@ -1,12 +1,16 @@
-"""Running ``ragcache serve``: the start-up checks and uvicorn.
+"""Running ``ragcache serve``: the start-up checks, the engine and uvicorn.
 
-Owns: :func:`check_serve_settings` (a non-loopback address needs ``serve.api_key``; the default
-index must exist) and :func:`serve` (uvicorn in this process, until SIGINT/SIGTERM shut it down
-gracefully). Never imports app/ or ui/.
+Owns: :func:`check_serve_settings` (a non-loopback address needs a key; the keys file must be
+valid; the default index must exist) and :func:`serve`: the engine starts first, then the mode
+requests get is settled (reuse/blend unavailable: refuse to start, or ``serve.blend_fallback``),
+then uvicorn serves in the same event loop until SIGINT/SIGTERM shut it down gracefully. uvicorn
+runs with h11 and ``serve.max_header_bytes`` as the limit on a request's line and headers
+(uvicorn's httptools parser has no such limit). Never imports app/ or ui/.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 
 from ragcache.config import ConfigError, Settings
@@ -26,17 +30,22 @@ def check_serve_settings(settings: Settings) -> None:
     """Refuse to start what would be unsafe or useless.
 
     Raises:
-        ConfigError: ``serve.host`` is not a loopback address and ``serve.api_key`` is empty.
+        ConfigError: ``serve.host`` is not a loopback address and neither ``serve.api_key`` nor
+            ``serve.keys_file`` is set; the keys file is missing or invalid (see
+            :func:`ragcache.server.keys.read_keys_file`).
         IndexNotFoundError: the default index (``serve.index``) does not exist.
         PgUnavailableError: ``ingest.vector_store = "pgvector"`` and its database cannot be reached.
     """
     from ragcache.catalog import catalog
     from ragcache.index import IndexNotFoundError
+    from ragcache.server.keys import KeyRing
 
     s = settings.serve
-    if not is_loopback(s.host) and not s.api_key:
+    if not is_loopback(s.host) and not s.api_key and not s.keys_file:
         raise ConfigError(f"serve.host {s.host!r} accepts connections from other machines: set serve.api_key "
-                          "(e.g. RAGCACHE_SERVE__API_KEY=...) so clients must send it, or bind 127.0.0.1")
+                          "(e.g. RAGCACHE_SERVE__API_KEY=...) or serve.keys_file so clients must send a key, "
+                          "or bind 127.0.0.1")
+    KeyRing.from_settings(s)
     cat = catalog(settings)
     names = cat.names()
     if s.index not in names:
@@ -47,16 +56,31 @@ def check_serve_settings(settings: Settings) -> None:
 
 
 def serve(settings: Settings, *, log_level: str = "info") -> None:
-    """Serve on ``serve.host:serve.port`` until interrupted (SIGINT/SIGTERM shut down gracefully).
+    """Start the engine, then serve on ``serve.host:serve.port`` until interrupted (SIGINT/SIGTERM
+    shut down gracefully); the engine is closed on the way out.
 
     Raises:
         ConfigError / IndexNotFoundError: see :func:`check_serve_settings`.
+        BlendUnavailableError: reuse/blend is unavailable on this model or host, ``engine.mode``
+            needs it and ``serve.blend_fallback`` is ``"refuse"`` (nothing was bound).
     """
+    check_serve_settings(settings)
+    asyncio.run(_serve(settings, log_level))
+
+
+async def _serve(settings: Settings, log_level: str) -> None:
     import uvicorn
 
-    from ragcache.server.app import create_app
+    from ragcache.engine import AsyncBlendEngine
+    from ragcache.server.app import create_app, serving_mode
 
-    check_serve_settings(settings)
-    config = uvicorn.Config(create_app(settings), host=settings.serve.host, port=settings.serve.port,
-                            log_level=log_level, timeout_graceful_shutdown=10)
-    uvicorn.Server(config).run()
+    engine = await AsyncBlendEngine.start(settings)  # the engine binds to this loop, uvicorn's too
+    try:
+        mode = serving_mode(settings, engine.blend_support)  # refuse before binding the port
+        app = create_app(settings, engine=engine, mode=mode, close_engine=True)  # closed at uvicorn's shutdown
+        config = uvicorn.Config(app, host=settings.serve.host, port=settings.serve.port, log_level=log_level,
+                                timeout_graceful_shutdown=10, http="h11",
+                                h11_max_incomplete_event_size=settings.serve.max_header_bytes)
+        await uvicorn.Server(config).serve()
+    finally:
+        engine.close()  # idempotent: for a failure before (or instead of) uvicorn's shutdown

@@ -27,6 +27,10 @@ SNIPPET_CHARS = 240
 #: ``model`` values that mean "the server's default index" (``serve.index`` / ``--index``)
 DEFAULT_MODEL_ALIASES = ("", "ragcache", "default")
 
+#: the seeds vLLM accepts: a signed 64-bit integer (its own OpenAI server checks the same range;
+#: a larger one fails inside the engine, after the request was registered)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
@@ -39,8 +43,8 @@ class APIError(Exception):
         code: a stable machine-readable code (``"model_not_found"``, ``"context_length_exceeded"``...).
     """
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             429: "rate_limit_error", 503: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+             404: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -55,6 +59,10 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+#: characters of an invalid value repeated in its error message
+GOT_CHARS = 80
+
+
 def validation_error(exc: ValidationError | Any) -> APIError:
     """A 400 naming the first invalid field of a pydantic / FastAPI validation error, its value and the rule."""
     errors = exc.errors()
@@ -64,13 +72,51 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON ({err.get('msg')}); send a JSON object")
     if err.get("type") == "missing":
+        if param is None:  # the body itself
+            return APIError(400, "the request body is empty; send a JSON object with at least model and messages "
+                            "(an OpenAI chat completion request)")
         return APIError(400, f"{param} is required", param=param)
-    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    got = ""
+    if "input" in err and not isinstance(err["input"], (dict, list)):
+        shown = repr(err["input"])
+        got = f" (got {shown[:GOT_CHARS] + '...' if len(shown) > GOT_CHARS else shown})"
     more = f"; {len(errors) - 1} more error(s)" if len(errors) > 1 else ""
-    return APIError(400, f"{param or 'body'}: {err.get('msg')}{got}{more}", param=param)
+    msg = str(err.get("msg")).removeprefix("Value error, ")
+    return APIError(400, f"{param or 'body'}: {msg}{got}{more}", param=param)
 
 
 # ---- request ------------------------------------------------------------------------------------
+
+
+def check_text(value: str) -> str:
+    """Return ``value`` when it is text that can be sent on as UTF-8 (tokenizer, embedder, logs).
+
+    JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which Python decodes into a string
+    that no UTF-8 encoder accepts.
+
+    Raises:
+        ValueError: a lone surrogate; the message gives its position.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone UTF-16 surrogate ({ascii(value[exc.start])} at character {exc.start}), "
+                         "which is not text: send valid Unicode (a surrogate pair, or the character itself)") from None
+    return value
+
+
+def _check_texts(value: Any) -> Any:
+    """:func:`check_text` over a str, or the strings of a list (stop sequences)."""
+    if isinstance(value, str):
+        return check_text(value)
+    if isinstance(value, list):
+        for j, item in enumerate(value):
+            if isinstance(item, str):
+                try:
+                    check_text(item)
+                except ValueError as exc:
+                    raise ValueError(f"[{j}] {exc}") from None
+    return value
 
 
 class RagcacheOptions(BaseModel):
@@ -89,6 +135,19 @@ class RagcacheOptions(BaseModel):
     return_sources: bool = Field(True, description="include the retrieved chunks in the response")
     return_prompt: bool = Field(False, description="include the prompt text the model was given")
 
+    @field_validator("index")
+    @classmethod
+    def _check_index(cls, v: str | None) -> str | None:
+        return v if v is None else check_text(v)
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds the usage chunk before ``[DONE]``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
 
 class ChatMessage(BaseModel):
     """One message; ``content`` is a string or a list of ``{"type": "text", "text"}`` parts."""
@@ -97,6 +156,19 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(v, str):
+            return check_text(v)
+        for j, part in enumerate(v or ()):
+            if isinstance(part.get("text"), str):
+                try:
+                    check_text(part["text"])
+                except ValueError as exc:
+                    raise ValueError(f"[{j}].text {exc}") from None
+        return v
 
     def text(self) -> str:
         """The message text; text parts are joined with newlines.
@@ -134,11 +206,17 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="a signed 64-bit integer")
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    stream_options: StreamOptions | None = None
     ragcache: RagcacheOptions | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str) -> str:
+        return check_text(v)
 
     @field_validator("stop")
     @classmethod
@@ -147,7 +225,7 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("at most 4 stop sequences")
         if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
             raise ValueError("stop sequences must not be empty")
-        return v
+        return _check_texts(v)
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> "ChatCompletionRequest":
@@ -155,6 +233,12 @@ class ChatCompletionRequest(BaseModel):
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) is larger than max_tokens ({limit})")
         return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``; ignored
+        without ``stream``, where the usage is always in the response)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
     def answer_tokens(self) -> int | None:

@@ -1,0 +1,373 @@
+"""`ragcache serve` run as the real command (``python -m app.cli serve``) on a loopback port: what an
+operator sees when reuse/blend is unavailable at start (refused with one line, or served in the
+fallback mode /health names), keys scoped to indexes (401/403, tenants in /metrics), the header
+size limit, no KV mixing between 16 concurrent blend streams in float32, and `kill -9` of the
+server taking its vLLM engine processes with it (and a restart that works).
+
+Two models: a tiny random Gemma (no ragcache adapter: reuse/blend are unavailable; starts fast)
+and SmolLM2 in float32 (one server for the keys, header and concurrency tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from tiny_models import build_tiny
+
+from tests.conftest import REPO, ZORBIA_DOCS
+
+pytestmark = pytest.mark.integration
+
+START_TIMEOUT_S = 600  # an engine start on 2 busy cores
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first), or None when the pid is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead: it only waits to be reaped)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children...)."""
+    by_parent: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None and fields[0] != "Z":
+            by_parent.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in by_parent.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30) -> list[int]:
+    """The pids still alive after waiting up to ``timeout_s`` for them to die."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+# ---- a served `ragcache serve` -------------------------------------------------------------------
+
+
+def cli_env(settings_file: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
+    env.update(RAGCACHE_SETTINGS_FILE=str(settings_file), PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def run_cli(root: Path, env: dict[str, str], *argv: str, timeout_s: float = START_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *argv], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+class Server:
+    """``python -m app.cli serve --port PORT`` in ``root``; its log in ``root/serve-N.log``."""
+
+    count = 0
+
+    def __init__(self, root: Path, env: dict[str, str], port: int, *argv: str):
+        Server.count += 1
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = root / f"serve-{Server.count}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), *argv],
+                                         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> dict:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}"
+            try:
+                return httpx.get(f"{self.url}/health", timeout=5).json()
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise AssertionError(f"serve did not start in {START_TIMEOUT_S} s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        return self.proc.returncode
+
+
+def write_settings(root: Path, model: str, index: str, dtype: str, **engine: object) -> Path:
+    engine_lines = "".join(f"{k} = {v!r}\n" for k, v in engine.items())
+    path = root / "settings.toml"
+    path.write_text(f"""[models]
+model = "{model}"
+
+[engine]
+dtype = "{dtype}"
+{engine_lines}
+[store]
+ssd_cache_dir = "{root / 'kv'}"
+cpu_kv_pool_gb = 0.5
+remote_url = ""
+
+[ingest]
+index_dir = "{root / 'idx'}"
+
+[serve]
+index = "{index}"
+""")
+    return path
+
+
+def ingest(settings_file: Path, index: str, docs: Path, namespace: str = "") -> None:
+    """An index over ``docs`` without KV (set-up, through the SDK)."""
+    from ragcache.config import Settings
+    from ragcache.ingest import Ingestor
+
+    settings = Settings.load(settings_file)
+    report = Ingestor(settings, index, show_progress=False, namespace=namespace or None).ingest([docs])
+    assert report.chunks_added == len(ZORBIA_DOCS)
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("docs")
+    for name, text in ZORBIA_DOCS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# ---- reuse/blend unavailable at start ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, docs):
+    """A root folder with settings for the tiny Gemma (no adapter) and its index ``gem``."""
+    root = tmp_path_factory.mktemp("gemma")
+    tiny = build_tiny("gemma", root / "model")
+    settings = write_settings(root, str(tiny.folder), "gem", "float32", max_model_len=1024,
+                              kv_cache_memory_bytes=32 << 20, max_tokens=8)
+    ingest(settings, "gem", docs)
+    return root, settings
+
+
+def test_serve_refuses_to_start_in_blend_when_blend_is_unavailable_with_one_named_line(gemma):
+    from ragcache.bench.fixtures import free_port
+
+    root, settings = gemma
+    port = free_port()
+    r = run_cli(root, cli_env(settings), "serve", "--port", str(port))
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ragcache: error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "will not start in blend mode" in errors[0] and "GemmaForCausalLM" in errors[0]
+    assert "serve.blend_fallback" in errors[0]
+    # `ask` in blend mode on the same model: the same kind of one line, exit 2
+    a = run_cli(root, cli_env(settings), "ask", "What is the capital of Zorbia?", "--index", "gem")
+    assert a.returncode == 2 and "Traceback" not in a.stderr, a.stderr[-3000:]
+    assert a.stderr.strip().splitlines()[-1].startswith("ragcache: error: reuse/blend and KV precompute are disabled")
+
+
+def test_fallback_mode_is_served_and_named_and_kill_9_leaves_no_engine_process_behind(gemma):
+    from ragcache.bench.fixtures import free_port
+
+    root, settings = gemma
+    env = cli_env(settings, RAGCACHE_SERVE__BLEND_FALLBACK="full")
+    port = free_port()
+    server = Server(root, env, port)
+    try:
+        health = server.wait_ready()
+        assert health["mode"] == "full" and health["blend"]["available"] is False
+        assert "GemmaForCausalLM" in health["blend"]["reason"]
+        c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="gem", messages=user("What is kelmet?"), max_tokens=4)
+        assert r.model_extra["ragcache"]["metrics"]["mode"] == "full"
+        with pytest.raises(openai.BadRequestError, match="no DecoderOps adapter") as e:
+            c.chat.completions.create(model="gem", messages=user("What is kelmet?"), max_tokens=4,
+                                      extra_body={"ragcache": {"mode": "blend"}})
+        assert e.value.body["param"] == "ragcache.mode" and e.value.body["code"] == "mode_unavailable"
+
+        engine = descendants(server.proc.pid)
+        assert any("EngineCore" in title(p) for p in engine), [title(p) for p in engine]
+        server.proc.kill()  # kill -9: the server cannot shut its engine down
+        server.proc.wait(30)
+        assert wait_gone(engine) == [], [title(p) for p in engine if alive(p)]
+    finally:
+        server.stop()
+
+    again = Server(root, env, port)  # the same port and KV folder right away: nothing left to race
+    try:
+        assert again.wait_ready()["mode"] == "full"
+        engine = descendants(again.proc.pid)
+        assert engine
+    finally:
+        assert again.stop() in (0, 130)
+    assert wait_gone(engine) == []
+
+
+# ---- keys, headers, concurrency (SmolLM2, float32) -----------------------------------------------
+
+
+KEYS = {"acme-key-1": "acme", "ops-key-9": "ops", "ns-key-3": "nsacme"}
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory, docs):
+    """A float32 SmolLM2 server with indexes ``acme`` (own namespace acme) and ``beta``, a shared key
+    and a keys file: acme reads index acme, ops every index, nsacme the indexes of namespace acme."""
+    from ragcache.bench.fixtures import free_port
+    from ragcache.server.keys import key_digest
+
+    root = tmp_path_factory.mktemp("smol")
+    settings = write_settings(root, "smollm2-135m-instruct", "acme", "float32", max_model_len=4096,
+                              kv_cache_memory_bytes=1 << 30, max_tokens=12)
+    ingest(settings, "acme", docs, namespace="acme")
+    ingest(settings, "beta", docs)
+    keys = root / "keys.toml"
+    keys.write_text(f"""
+[[key]]
+tenant = "acme"
+sha256 = "{key_digest('acme-key-1')}"
+indexes = ["acme"]
+
+[[key]]
+tenant = "ops"
+sha256 = "{key_digest('ops-key-9')}"
+indexes = ["*"]
+
+[[key]]
+tenant = "nsacme"
+sha256 = "{key_digest('ns-key-3')}"
+namespaces = ["acme"]
+""")
+    env = cli_env(settings, RAGCACHE_SERVE__API_KEY="shared-key")
+    server = Server(root, env, free_port(), "--keys-file", str(keys))
+    try:
+        health = server.wait_ready()
+        assert health["mode"] == "blend" and health["dtype"] == "float32" and health["blend"]["available"]
+        yield server
+    finally:
+        server.stop()
+
+
+def client(server: Server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def scrape(server: Server, key: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_a_scoped_key_reads_only_its_indexes_and_metrics_name_the_tenant(smol):
+    acme = client(smol, "acme-key-1")
+    assert [m.id for m in acme.models.list().data] == ["acme"]
+    assert sorted(m.id for m in client(smol, "ops-key-9").models.list().data) == ["acme", "beta"]
+    assert sorted(m.id for m in client(smol, "shared-key").models.list().data) == ["acme", "beta"]
+    assert [m.id for m in client(smol, "ns-key-3").models.list().data] == ["acme"]
+
+    answer = acme.chat.completions.create(model="acme", messages=user("What is kelmet?"), max_tokens=4)
+    assert answer.model_extra["ragcache"]["index"] == "acme"
+    with pytest.raises(openai.PermissionDeniedError, match="tenant 'acme' may not read") as e:
+        acme.chat.completions.create(model="acme", messages=user("What is kelmet?"), max_tokens=4,
+                                     extra_body={"ragcache": {"index": "beta"}})
+    assert e.value.body["param"] == "ragcache.index" and e.value.body["code"] == "index_not_allowed"
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        acme.chat.completions.create(model="beta", messages=user("What is kelmet?"), max_tokens=4)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.PermissionDeniedError):  # an index that does not exist: no existence oracle
+        acme.chat.completions.create(model="gamma", messages=user("What is kelmet?"), max_tokens=4)
+    with pytest.raises(openai.PermissionDeniedError):
+        client(smol, "ns-key-3").chat.completions.create(model="beta", messages=user("hi"), max_tokens=2)
+    client(smol, "ns-key-3").chat.completions.create(model="acme", messages=user("hi"), max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        client(smol, "wrong-key").models.list()
+    assert httpx.get(f"{smol.url}/metrics", headers={"Authorization": "Bearer acme-key-1"}).status_code == 403
+    assert httpx.get(f"{smol.url}/v1/cache", headers={"Authorization": "Bearer acme-key-1"}).status_code == 403
+    assert httpx.get(f"{smol.url}/metrics").status_code == 401
+
+    client(smol, "ops-key-9").chat.completions.create(model="beta", messages=user("What is kelmet?"), max_tokens=4)
+    metrics = scrape(smol, "ops-key-9")
+
+    def requests(**labels: str) -> float:
+        return sum(v for (n, ls), v in metrics.items()
+                   if n == "ragcache_requests_total" and set(labels.items()) <= set(ls))
+
+    assert requests(tenant="acme", index="acme", outcome="completed") == 1
+    assert requests(tenant="nsacme", index="acme", outcome="completed") == 1
+    assert requests(tenant="ops", index="beta", outcome="completed") == 1
+    assert requests(tenant="acme", index="beta") == 0  # refused before any work: not a request of beta
+
+
+def test_request_headers_have_a_size_limit(smol):
+    assert httpx.get(f"{smol.url}/health", headers={"X-Pad": "a" * 8000}).status_code == 200
+    try:  # 1 MB of headers (serve.max_header_bytes is 64 KiB): refused, or the connection closed on it
+        refused = 400 <= httpx.get(f"{smol.url}/health", headers={"X-Pad": "a" * (1 << 20)}, timeout=30).status_code < 500
+    except httpx.TransportError:
+        refused = True
+    assert refused
+    assert httpx.get(f"{smol.url}/health").status_code == 200  # the server is unharmed
+
+
+QUESTIONS = ["What is the capital of Zorbia?", "Who founded Velmora?", "What is kelmet?",
+             "How many seats has the Amber Hall?", "When was Velmora founded?", "Where does parliament meet?",
+             "What river flows through Velmora?", "How often are elections held in Zorbia?",
+             "What is Velmora known for?", "What roof does the Amber Hall have?", "When is kelmet served?",
+             "What is in kelmet?", "Who was Idris Kell?", "What kind of country is Zorbia?",
+             "Which city has glass bridges?", "What is the national dish of Zorbia?"]
+
+
+def test_sixteen_concurrent_blend_streams_equal_their_answers_asked_alone_in_float32(smol):
+    """No KV mixing between requests batched together (in bfloat16 batching itself may change a few
+    answers: the README's serving notes)."""
+    key = "shared-key"
+    ask = dict(model="acme", max_tokens=12, extra_body={"ragcache": {"top_k": 2}})
+    alone = [client(smol, key).chat.completions.create(messages=user(q), **ask).choices[0].message.content.strip()
+             for q in QUESTIONS]
+
+    async def one(ac: openai.AsyncOpenAI, q: str) -> str:
+        stream = await ac.chat.completions.create(messages=user(q), stream=True, **ask)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices]).strip()
+
+    async def together() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{smol.url}/v1", api_key=key, max_retries=0, timeout=600) as ac:
+            return await asyncio.gather(*(one(ac, q) for q in QUESTIONS))
+
+    assert asyncio.run(together()) == alone
