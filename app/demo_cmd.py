@@ -57,6 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: why the blend used its ratio, by RequestMetrics.ratio_source
+RATIO_SOURCES = {"settings": "set in blend.recompute_ratio", "calibration": "calibrated for this index",
+                 "fallback": "blend.fallback_ratio: the index has no calibration", "request": "asked per request"}
+
+
 def _cut(text: str, n: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -87,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
             "speedup": full.metrics.ttft_s / max(blend.metrics.ttft_s, 1e-9),
             "prompt_tokens": blend.metrics.prompt_tokens, "reused_tokens": blend.metrics.reused_tokens,
             "recomputed_tokens": blend.metrics.recomputed_tokens, "tier_hits": blend.metrics.tier_hits,
+            "recompute_ratio": blend.metrics.recompute_ratio, "ratio_source": blend.metrics.ratio_source,
+            "loop_blend": blend.metrics.repetition_loop, "loop_full": full.metrics.repetition_loop,
             "sources": [s.title or s.doc_id for s in blend.sources],
         })
         r = rows[-1]
@@ -94,15 +101,20 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
 
     header = f"{'question':<38} {'TTFT blend':>10} {'TTFT full':>9} {'speedup':>7} {'prompt':>6} " \
-             f"{'reused':>6} {'recomp':>6}  tier hits"
+             f"{'reused':>6} {'recomp':>6} {'loop':>4}  tier hits"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         hits = ",".join(f"{t}:{n}" for t, n in sorted(r["tier_hits"].items()))
         print(f"{_cut(r['question'], 38):<38} {r['ttft_blend_s']:>9.3f}s {r['ttft_full_s']:>8.3f}s "
-              f"{r['speedup']:>6.1f}x {r['prompt_tokens']:>6} {r['reused_tokens']:>6} {r['recomputed_tokens']:>6}  {hits}")
+              f"{r['speedup']:>6.1f}x {r['prompt_tokens']:>6} {r['reused_tokens']:>6} {r['recomputed_tokens']:>6} "
+              f"{'yes' if r['loop_blend'] else 'no':>4}  {hits}")
     if rows:
         med = statistics.median(r["speedup"] for r in rows)
-        print(f"\nmedian TTFT speedup of blend over full prefill: {med:.1f}x")
+        loops = sum(r["loop_blend"] for r in rows)
+        print(f"\nmedian TTFT speedup of blend over full prefill: {med:.1f}x; blend recompute ratio "
+              f"{rows[0]['recompute_ratio']:g} ({RATIO_SOURCES.get(rows[0]['ratio_source'], rows[0]['ratio_source'])}); "
+              f"answers with a repetition loop: blend {loops}/{len(rows)}, full "
+              f"{sum(r['loop_full'] for r in rows)}/{len(rows)}")
     stats = rag.cache_stats()
     tiers = stats.get("tiers", stats)
     print("KV store: " + "; ".join(

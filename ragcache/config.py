@@ -96,6 +96,9 @@ class EngineSettings(_Section):
     self_check: bool = Field(
         True, description="at start, check that reuse/blend reproduce vLLM's prefill on a short prompt "
         "(disables them on a mismatch)")
+    connector_step_tokens: int = Field(
+        2048, ge=0, description="context tokens the KV connector loads (reuse/blend) per engine step; another "
+        "request waits for the next step (the first of a step always goes); 0 = no limit")
 
 
 class BlendSettings(_Section):
@@ -112,14 +115,17 @@ class BlendSettings(_Section):
         "question", description="how tokens are selected: question attention (default), KV deviation "
         "(CacheBlend's), or a hybrid")
     chunk_head_tokens: int = Field(
-        0, ge=0, le=64, description="hybrid: the first k tokens of every moved chunk are always recomputed")
+        0, ge=0, le=64, description="the first k tokens of every moved chunk are always recomputed")
     question_weight: float = Field(
         0.5, ge=0.0, le=1.0, description="hybrid: weight of question attention against KV deviation")
     max_chunk_share: float = Field(
-        1.0, gt=0.0, le=1.0, description="hybrid: largest share of the budget one chunk may take")
+        1.0, gt=0.0, le=1.0, description="largest share of the budget one chunk may take")
     granule: int = Field(
         8, ge=1, le=256, description="tokens are recomputed in aligned runs of this many tokens within each chunk "
         "(1 = token by token)")
+    probe_layers: int = Field(
+        -1, ge=-1, description="question scores: layers after the check layer the question is probed through over "
+        "the reused KV (0 = only the layers up to the check layer; -1 = all)")
     pipeline_overlap: bool = Field(True, description="load layer i+1 while computing layer i")
     attention: Literal["auto", "kernel", "torch"] = Field(
         "auto", description="the blend's attention: vLLM's own kernel over the paged KV cache (kernel), torch SDPA "

@@ -172,3 +172,60 @@ def test_the_settings_offer_exactly_the_blend_selection_strategies():
     from ragcache.config import SELECTIONS as SETTING_CHOICES
 
     assert SETTING_CHOICES == SELECTIONS
+
+
+# --- run-granular selection ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["deviation", "question", "hybrid"])
+@pytest.mark.parametrize("granule", [4, 8, 16])
+def test_runs_keep_the_exact_budget_and_the_forced_tokens(strategy, granule):
+    g = torch.Generator().manual_seed(granule)
+    n = 100
+    dev, q = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    forced = torch.zeros(n, dtype=torch.bool)
+    forced[[50, 51]] = True
+    exact = torch.zeros(n, dtype=torch.bool)
+    exact[:7] = True
+    starts = [0, 7, 40, 77]
+    for cap in (1.0, 0.4):
+        sel = Selection(strategy, chunk_head_tokens=2, max_chunk_share=cap, granule=granule)
+        for budget in (0, 1, 5, 15, 40, 98):
+            got = select_tokens(budget, sel, deviation=dev, question=q, forced=forced, exact=exact,
+                                segment_starts=starts).tolist()
+            assert got == sorted(set(got)) and {50, 51} <= set(got)
+            assert len(got) == min(budget, n - 2) + 2
+
+
+def test_runs_are_aligned_within_each_chunk_and_chosen_whole():
+    # chunk starts 0 (the exact head), 5, 29; runs of 8 inside each chunk: 5-12, 13-20, 21-28, 29-36, ...
+    n, starts = 45, [0, 5, 29]
+    q = torch.zeros(n)
+    q[14] = 1.0  # one hot token in the run 13-20
+    q[30] = 0.6  # and one in the run 29-36
+    exact = torch.zeros(n, dtype=torch.bool)
+    exact[:5] = True
+    sel = Selection("question", granule=8)
+    assert select_tokens(8, sel, question=q, exact=exact, segment_starts=starts).tolist() == list(range(13, 21))
+    assert select_tokens(16, sel, question=q, exact=exact, segment_starts=starts).tolist() == \
+        list(range(13, 21)) + list(range(29, 37))
+    # a budget that ends inside a run keeps that run's best tokens
+    got = select_tokens(10, sel, question=q, exact=exact, segment_starts=starts).tolist()
+    assert got[:8] == list(range(13, 21)) and 30 in got[8:] and all(29 <= i < 37 for i in got[8:])
+    assert len(got) == 10
+
+
+def test_granule_one_equals_token_by_token():
+    g = torch.Generator().manual_seed(5)
+    q = torch.rand(60, generator=g)
+    for budget in (3, 17):
+        by_runs = select_tokens(budget, Selection("question", granule=1, max_chunk_share=0.99), question=q,
+                                segment_starts=[0, 30])
+        plain = select_tokens(budget, Selection("question"), question=q, segment_starts=[0, 30])
+        assert by_runs.tolist() == plain.tolist()
+
+
+def test_granule_and_probe_layers_are_checked():
+    with pytest.raises(ValueError, match="granule"):
+        Selection("question", granule=0)
+    with pytest.raises(ValueError, match="probe_layers"):
+        Selection("question", probe_layers=-1)

@@ -37,12 +37,17 @@ def request(req_id: str, p: BlendParams | None, n_prompt: int = 60):
                            prompt_token_ids=list(range(n_prompt)))
 
 
-@pytest.fixture
-def scheduler_side():
+def scheduler_connector(**extra) -> RagcacheConnector:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(), cache_config=SimpleNamespace(block_size=16))
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+                             cache_config=SimpleNamespace(block_size=16))
     return RagcacheConnector(config, KVConnectorRole.SCHEDULER, SimpleNamespace())
+
+
+@pytest.fixture
+def scheduler_side():
+    return scheduler_connector()
 
 
 def schedule(conn, *reqs):
@@ -73,6 +78,12 @@ def test_blend_params_round_trip_through_plain_data():
     with pytest.raises(ValueError, match="selection = 'attention'"):
         params(selection="attention")
     assert params(selection="hybrid").selection == "hybrid"
+    spec = params(selection="question/16")
+    assert (spec.selection, spec.granule) == ("question", 16) and params().granule == BlendSettings().granule
+    with pytest.raises(ValueError, match="granule"):
+        params(selection="question/0")
+    with pytest.raises(ValueError, match="integer"):
+        params(selection="question/x")
 
 
 def test_metrics_round_trip_and_read_the_worker_stats_from_the_output():
@@ -154,3 +165,22 @@ def test_a_second_in_process_engine_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setattr(engine_module, "_IN_PROCESS", weakref.ref(running))
     with pytest.raises(RuntimeError, match="engine.in_process = false"):
         BlendEngine(Settings.load(engine={"in_process": True}))
+
+
+def test_loads_are_paced_by_the_step_token_budget_the_first_always_goes():
+    conn = scheduler_connector(step_tokens=60)  # each request claims 45 context tokens
+    a, b, c = (request(r, params()) for r in ("a", "b", "c"))
+    assert conn.get_num_new_matched_tokens(a, 0) == (45, False)
+    conn.update_state_after_alloc(a, None, 45)
+    assert conn.get_num_new_matched_tokens(b, 0) == (None, False)  # 90 > 60: b waits for the next step
+    assert conn.get_num_new_matched_tokens(request("full", None), 0) == (0, False)  # full is never held
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a", block_ids=([7, 8, 9],))],
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]))
+    assert [ld.req_id for ld in conn.build_connector_meta(out).loads] == ["a"]
+    assert conn.get_num_new_matched_tokens(b, 0) == (45, False)  # a new step: b goes first
+    big = scheduler_connector(step_tokens=10)
+    assert big.get_num_new_matched_tokens(c, 0) == (45, False)  # over the budget alone, but first of its step
+    unlimited = scheduler_connector(step_tokens=0)
+    for r in (a, b, c):
+        assert unlimited.get_num_new_matched_tokens(r, 0) == (45, False)
+        unlimited.update_state_after_alloc(r, None, 45)

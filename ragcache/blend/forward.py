@@ -566,7 +566,9 @@ def blend_kv(
         moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (moved K, V), loaded by the probe
         if question is not None:
             with clock("question_probe_s"):
-                _question_probe(ops, range(check_layer + 1, num_layers), ctx, hidden_tail, loader, question, moved)
+                probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
+                _question_probe(ops, range(check_layer + 1, min(probe_end, num_layers)), ctx, hidden_tail, loader,
+                                question, moved)
         with clock("select_s"):
             selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
                                (k_pre_cached, v_cached), question, scores_matter)  # [n]

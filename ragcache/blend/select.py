@@ -51,12 +51,15 @@ class Selection:
 
     Attributes:
         strategy: ``"deviation"``, ``"question"`` or ``"hybrid"`` (see the module docstring).
-        chunk_head_tokens: hybrid: the first k tokens of every moved chunk are always in the set.
+        chunk_head_tokens: the first k tokens of every moved chunk are always in the set (any strategy).
         question_weight: hybrid: weight of the question-attention rank against the deviation rank,
             in [0, 1] (0 = deviation only, 1 = question only).
-        max_chunk_share: hybrid: no chunk takes more than this share of the budget, in (0, 1].
+        max_chunk_share: no chunk takes more than this share of the budget, in (0, 1] (any strategy).
         granule: tokens are chosen in aligned runs of this many tokens within each chunk (1 = token
             by token), >= 1.
+        probe_layers: question scores: how many layers after the check layer the question tail is
+            probed through over the reused KV (0 = the layers up to the check layer only, which
+            cost nothing extra; None = every later layer).
     """
 
     strategy: str
@@ -64,6 +67,7 @@ class Selection:
     question_weight: float = 0.5
     max_chunk_share: float = 1.0
     granule: int = 1
+    probe_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in SELECTIONS:
@@ -76,6 +80,8 @@ class Selection:
             raise ValueError(f"max_chunk_share must be in (0, 1], got {self.max_chunk_share}")
         if self.granule < 1:
             raise ValueError(f"granule must be >= 1, got {self.granule}")
+        if self.probe_layers is not None and self.probe_layers < 0:
+            raise ValueError(f"probe_layers must be >= 0 or None, got {self.probe_layers}")
 
     @property
     def needs_question(self) -> bool:
@@ -149,23 +155,19 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     n, num_kv_heads, _ = k_ctx.shape
     g = num_heads // num_kv_heads
     # rows ordered (group member, tail token): [Hkv, G * T, D]; batched matmuls over the KV heads
-    q = q_tail.reshape(t, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, g * t, head_dim)
-    logits_ctx = torch.bmm(q, k_ctx.permute(1, 2, 0).contiguous()).float() * scaling  # [Hkv, G*T, N]
-    logits_tail = torch.bmm(q, k_tail.permute(1, 2, 0)).float() * scaling  # [Hkv, G*T, T]
+    q = (q_tail * scaling).reshape(t, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, g * t,
+                                                                                          head_dim)
+    logits = torch.cat([torch.bmm(q, k_ctx.permute(1, 2, 0).contiguous()).float(),
+                        torch.bmm(q, k_tail.permute(1, 2, 0)).float()], dim=-1)  # [Hkv, G*T, N+T]
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)  # [G*T, T]: tail i sees <= i
-    logits_tail.masked_fill_(future, float("-inf"))
-    # one softmax over [context, tail] without concatenating them
-    top = torch.maximum(logits_ctx.amax(dim=-1, keepdim=True), logits_tail.amax(dim=-1, keepdim=True))
-    w_ctx = logits_ctx.sub_(top).exp_()  # [Hkv, G*T, N]
-    w_tail = logits_tail.sub_(top).exp_()  # [Hkv, G*T, T]
-    total = w_ctx.sum(dim=-1, keepdim=True) + w_tail.sum(dim=-1, keepdim=True)
-    w_ctx.div_(total)
-    w_tail.div_(total)
-    scores = w_ctx.mean(dim=(0, 1))  # [N]
+    logits[..., n:].masked_fill_(future, float("-inf"))
+    weights = torch.softmax(logits, dim=-1)  # float32 in, float32 out (a bf16 input takes a slow path)
+    scores = weights[..., :n].mean(dim=(0, 1))  # [N]
     if v_ctx is None or v_tail is None:
         return None, scores
-    out = (torch.bmm(w_ctx.to(v_ctx.dtype), v_ctx.permute(1, 0, 2))
-           + torch.bmm(w_tail.to(v_tail.dtype), v_tail.permute(1, 0, 2)))  # [Hkv, G*T, D]
+    w = weights.to(v_ctx.dtype)
+    out = (torch.bmm(w[..., :n], v_ctx.permute(1, 0, 2).contiguous())
+           + torch.bmm(w[..., n:], v_tail.permute(1, 0, 2)))  # [Hkv, G*T, D]
     return out.reshape(num_kv_heads, g, t, head_dim).permute(2, 0, 1, 3).reshape(t, num_heads, head_dim), scores
 
 
@@ -205,7 +207,7 @@ def select_tokens(
         forced: ``[N]`` bool, tokens with no cached KV: always selected, outside the budget.
         exact: ``[N]`` bool, tokens whose cached KV already equals the fresh KV: chosen last.
         segment_starts: first index of every segment (chunk) of the context, ascending, starting
-            at 0; used by ``hybrid`` (chunk heads and the per-chunk cap).
+            at 0; used for the chunk heads, the per-chunk cap and the runs.
 
     Returns:
         ``[n]`` int64 indices, ascending; ``n = min(budget, N - num_forced) + num_forced``.
@@ -252,24 +254,22 @@ def select_tokens(
     priority[exact] = -1.0
     priority[forced] = float("-inf")
 
-    if selection.strategy == "hybrid":
+    k = selection.chunk_head_tokens
+    if k > 0:  # a floor of structure: the first tokens of every chunk whose KV moved
         chunk = _chunk_ids(num_tokens, segment_starts, device)  # [N]
-        movable = candidates & ~exact
-        k = selection.chunk_head_tokens
-        if k > 0:
-            starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
-            offset = torch.arange(num_tokens, device=device) - starts[chunk]
-            heads = movable & (offset < k)
-            if int(heads.sum()) > budget:  # more chunk heads than budget: the lowest offsets first
-                order = torch.argsort(offset.float().masked_fill(~heads, float("inf")), stable=True)[:budget]
-                heads = torch.zeros_like(heads)
-                heads[order] = True
-            chosen |= heads
-            budget -= int(heads.sum())
-            priority[heads] = float("-inf")
+        starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
+        offset = torch.arange(num_tokens, device=device) - starts[chunk]
+        heads = candidates & ~exact & (offset < k)
+        if int(heads.sum()) > budget:  # more chunk heads than budget: the lowest offsets first
+            order = torch.argsort(offset.float().masked_fill(~heads, float("inf")), stable=True)[:budget]
+            heads = torch.zeros_like(heads)
+            heads[order] = True
+        chosen |= heads
+        budget -= int(heads.sum())
+        priority[heads] = float("-inf")
     if budget <= 0:
         return chosen.nonzero().squeeze(1)
-    capped = selection.strategy == "hybrid" and selection.max_chunk_share < 1.0
+    capped = selection.max_chunk_share < 1.0
     if selection.granule == 1 and not capped:
         top = torch.topk(priority, budget, sorted=False).indices
         chosen[top] = True

@@ -201,6 +201,7 @@ class EngineBase:
                 kv_connector="RagcacheConnector",
                 kv_connector_module_path="ragcache.engine.connector",
                 kv_role="kv_both",
+                kv_connector_extra_config={"step_tokens": eng.connector_step_tokens},
             ),
             worker_extension_cls="ragcache.engine.worker.RagcacheWorkerExtension",
             seed=0,

@@ -82,7 +82,10 @@ class RagcacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        self.step_tokens = int(extra.get("step_tokens", 0))  # context tokens loaded per step (0 = no limit)
         # scheduler side
+        self._admitted = 0  # context tokens of the loads admitted into the step being scheduled
         self._pending: dict[str, tuple["Request", BlendParams]] = {}
         self._loading: set[str] = set()  # loads sent to the worker, stats not back yet
         self._stats: dict[str, dict[str, Any]] = {}  # stats back, request not finished yet
@@ -137,16 +140,27 @@ class RagcacheConnector(KVConnectorBase_V1):
 
         Side-effect free. Requests without ragcache params claim nothing. At least one prompt token
         (the tail) is always left for vLLM to prefill.
+
+        Pacing: the worker loads (blends) a step's requests one after the other before the step's
+        forward, so every request admitted into a step waits for all of them. Once the step holds
+        ``step_tokens`` context tokens (``engine.connector_step_tokens``), another request is
+        deferred to a later step (``None``: vLLM keeps it waiting and asks again); the first load
+        of a step always goes. Under load this serves requests one by one as they arrive, as vLLM's
+        chunked prefill does for full prefills, instead of making each wait for every other.
         """
         p = blend_params(request)
         if p is None:
             return 0, False
         ctx_len = min(p.ctx_len, request.num_prompt_tokens - 1)
-        return max(0, ctx_len - num_computed_tokens), False
+        claim = max(0, ctx_len - num_computed_tokens)
+        if claim and self.step_tokens and self._admitted and self._admitted + claim > self.step_tokens:
+            return None, False
+        return claim, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens > 0:
             self._pending[request.request_id] = (request, blend_params(request))
+            self._admitted += num_external_tokens
 
     def _load(self, req_id: str, request: "Request", params: BlendParams, block_ids: list[int]) -> LoadRequest:
         self._loading.add(req_id)
@@ -154,7 +168,9 @@ class RagcacheConnector(KVConnectorBase_V1):
                            block_ids=list(block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        """Turn this step's newly scheduled ragcache requests into :class:`LoadRequest` entries."""
+        """Turn this step's newly scheduled ragcache requests into :class:`LoadRequest` entries (the
+        end of the step's scheduling: the pacing budget starts afresh)."""
+        self._admitted = 0
         meta = RagcacheConnectorMetadata()
         for new_req in scheduler_output.scheduled_new_reqs:
             pending = self._pending.pop(new_req.req_id, None)

@@ -56,7 +56,7 @@ class Rpc:
 
 #: the [blend] settings every reuse/blend request carries
 _BLEND_KNOBS = {"recompute_ratio", "check_layer", "deviation", "selection", "chunk_head_tokens", "question_weight",
-                "max_chunk_share", "granule", "pipeline_overlap"}
+                "max_chunk_share", "granule", "probe_layers", "pipeline_overlap"}
 
 
 def _pick(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,7 +105,7 @@ class BlendParams:
             ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
             the continuation they score (a gold answer) is not seen by the selection.
         recompute_ratio, check_layer, deviation, selection, chunk_head_tokens, question_weight,
-            max_chunk_share, granule, pipeline_overlap: the ``[blend]`` settings in force for this request
+            max_chunk_share, granule, probe_layers, pipeline_overlap: the ``[blend]`` settings in force for this request
             (see :class:`ragcache.config.BlendSettings`).
     """
 
@@ -122,6 +122,7 @@ class BlendParams:
     question_weight: float
     max_chunk_share: float
     granule: int
+    probe_layers: int
     pipeline_overlap: bool
 
     @classmethod
@@ -175,6 +176,7 @@ class BlendParams:
                 deviation=str(data["deviation"]), selection=str(data["selection"]),
                 chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),
                 max_chunk_share=float(data["max_chunk_share"]), granule=int(data["granule"]),
+                probe_layers=int(data["probe_layers"]),
                 pipeline_overlap=bool(data["pipeline_overlap"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
