@@ -33,6 +33,11 @@ KV_LAYOUT_VERSION = 1
 #: separates a store namespace from an index namespace in a key's namespace
 NAMESPACE_SEPARATOR = "/"
 
+#: a namespace part starting with this is private to ragcache itself (the start-up self-check's KV):
+#: users cannot name one (:data:`ragcache.config.NAMESPACE_PATTERN` starts with a letter or digit),
+#: and the KV store leaves its lookups out of every counter (:func:`is_private_key`)
+PRIVATE_NAMESPACE_PREFIX = "_"
+
 
 def kv_namespace(store_namespace: str, index_namespace: str = "") -> str:
     """The namespace of chunk keys: ``store`` alone, or ``store/index`` when the index has its own.
@@ -40,6 +45,13 @@ def kv_namespace(store_namespace: str, index_namespace: str = "") -> str:
     Names are validated where users give them (``ragcache.config.check_namespace``).
     """
     return f"{store_namespace}{NAMESPACE_SEPARATOR}{index_namespace}" if index_namespace else store_namespace
+
+
+def is_private_key(key: str) -> bool:
+    """Whether the store key ``key`` (``str(ChunkKey)``) lies in a private namespace: one of its
+    namespace parts starts with :data:`PRIVATE_NAMESPACE_PREFIX` (e.g. ``default/_self-check-1a2b:...``)."""
+    namespace = key.rpartition(":")[0]
+    return any(part.startswith(PRIVATE_NAMESPACE_PREFIX) for part in namespace.split(NAMESPACE_SEPARATOR))
 
 
 def chunk_id_for(text: str) -> str:

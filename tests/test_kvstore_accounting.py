@@ -69,6 +69,47 @@ def test_the_prompt_head_is_counted_apart_from_chunk_lookups(tmp_path):
     assert_adds_up(store)
 
 
+def test_keys_in_a_private_namespace_count_in_no_counter(tmp_path):
+    """The start-up self-check keys its KV under ``<store ns>/_self-check-...``: its misses, hits,
+    reads and writes never show in the hit rates, the byte counters or the counter file."""
+    disk = DiskTier(tmp_path / "kv")
+    store = TieredStore(SPEC, [(CpuTier(), 10**9), (disk, 10**9)], counter_file=tmp_path / COUNTER_FILE)
+    private = [f"default/_self-check-1a2b3c4d:{d * 32}" for d in "ab"]
+    assert store.open(private[0], head=True) is None and store.open(private[1]) is None  # the check's misses
+    store.put(private[0], *make_kv(), 0)
+    store.put(private[1], *make_kv(1), 0)
+    with store.open(private[1]) as h:  # read back by its reuse request
+        [h.layer(i) for i in range(SPEC.num_layers)]
+    assert store.get(private[1])[1] == "cpu"
+    for key in private:
+        store.delete(key)
+    assert store.ledger.summary()["lookups"] == 0 and store.ledger.summary()["head_lookups"] == 0
+    for name, row in store.stats().items():
+        assert (row["lookups"], row["hits"], row["misses"], row["bytes_read"], row["bytes_written"]) == (0, 0, 0, 0, 0), name
+    # the users' lookups after it: every one a hit, 100%
+    store.put("default:" + "c" * 32, *make_kv(2), 0)
+    for _ in range(3):
+        with store.open("default:" + "c" * 32) as h:
+            h.layer(0)
+    assert store.stats()["cpu"]["hit_rate"] == 1.0 and store.stats()["disk"]["misses"] == 3
+    store.ledger.flush()
+    assert CounterFile(tmp_path / COUNTER_FILE).read()["lookups"]["lookups"] == 3
+    assert_adds_up(store)
+
+
+def test_only_the_self_checks_namespace_is_private():
+    from ragcache.chunks import ChunkKey, is_private_key, kv_namespace
+    from ragcache.config import ConfigError, check_namespace
+    from ragcache.engine.selfcheck import SELF_CHECK_NAMESPACE
+
+    check = ChunkKey.of([1, 2, 3], "fp", kv_namespace("default", f"{SELF_CHECK_NAMESPACE}-1a2b3c4d"))
+    assert is_private_key(str(check))
+    for ns in ("default", kv_namespace("default", "acme"), kv_namespace("default", "a_b-c"), ""):
+        assert not is_private_key(str(ChunkKey.of([1, 2, 3], "fp", ns)))
+    with pytest.raises(ConfigError):  # no user can name a private namespace
+        check_namespace("_self-check")
+
+
 def test_lookups_reaching_an_unreachable_tier_are_counted_as_unavailable(tmp_path):
     dead = RedisTier(f"redis://127.0.0.1:{free_port()}/0", connect_timeout=0.2)  # nothing listens there
     store = TieredStore(SPEC, [(CpuTier(), 10**9), (dead, None)], remote_backoff_sec=0.0, remote_backoff_max_sec=0.0)

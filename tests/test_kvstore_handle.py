@@ -29,7 +29,7 @@ class Owner:
     def should_promote(self, pos: int, nbytes: int) -> bool:
         return pos > 0 and nbytes <= self.top_capacity
 
-    def record_read(self, pos: int, nbytes: int) -> None:
+    def record_read(self, pos: int, key: str, nbytes: int) -> None:
         self.reads.append((pos, nbytes))
 
     def read_failed(self, pos: int, key: str, exc: Exception, head: bool = False) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ragcache.chunks import Chunk, chunk_id_for
+from ragcache.chunks import PRIVATE_NAMESPACE_PREFIX, Chunk, chunk_id_for
 from ragcache.engine.messages import CONNECTOR_MODES, OpsProbe, Rpc
 from ragcache.models import encode
 from ragcache.prompt import PromptTooLongError
@@ -73,8 +73,9 @@ PROBE_TEXTS = ("The lighthouse keeper Mara Olin logged every ship.",)
 PROBE_QUESTION = "Who logged the ships?"
 
 #: prefix of the self-check's private KV namespace (below the store namespace; user namespaces must
-#: start with a letter or digit, so no index can share it)
-SELF_CHECK_NAMESPACE = "_self-check"
+#: start with a letter or digit, so no index can share it, and the KV store counts none of its lookups:
+#: :func:`ragcache.chunks.is_private_key`)
+SELF_CHECK_NAMESPACE = f"{PRIVATE_NAMESPACE_PREFIX}self-check"
 
 
 def tolerance_for(dtype: str, kv_dtype: str = "model") -> float:

@@ -40,8 +40,8 @@ class HandleOwner(Protocol):
         into the top memory tier once it was read completely."""
         ...
 
-    def record_read(self, pos: int, nbytes: int) -> None:
-        """Count ``nbytes`` read from tier ``pos``."""
+    def record_read(self, pos: int, key: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``key`` read from tier ``pos``."""
         ...
 
     def read_failed(self, pos: int, key: str, exc: Exception, head: bool = False) -> None:
@@ -127,7 +127,7 @@ class KVHandle:
             self.close()
             raise TierError(f"reading layer {i} of {self.key!r} from {self.tier}: {exc}") from exc
         self._read[i] = True
-        owner.record_read(self._pos, 2 * self.meta.tensor_nbytes)
+        owner.record_read(self._pos, self.key, 2 * self.meta.tensor_nbytes)
         # a memory tier's layer is a view of the stored entry, the promotion buffer is kept: copy those;
         # a layer read into a fresh tensor is already the caller's own
         owned = self._buf is None and not self._from_memory

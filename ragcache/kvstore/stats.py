@@ -17,6 +17,10 @@ the log line:
   a miss, counted under that tier's ``corrupt``; a tier that is down when a lookup reaches it
   counts the lookup under ``unavailable``.
 
+Keys in a private namespace (:func:`ragcache.chunks.is_private_key`: the start-up self-check's own
+KV) count in none of the lookup, hit, miss, unavailable and byte counters: they are ragcache's
+traffic, not the users'.
+
 So for every tier, ``hits + misses == lookups`` (its ``misses`` are the chunk lookups it did not
 serve), and the tiers' hits plus the store's misses equal the chunk lookups: hit rates add up.
 """

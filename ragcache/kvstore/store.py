@@ -23,7 +23,8 @@ Policy in one place:
   ``corrupt`` and treated as misses; entries of another model/layout are counted under
   ``foreign``, left in place and treated as misses. Neither is ever returned.
 - Lookups are counted once each, as :mod:`~ragcache.kvstore.stats` defines them (the prompt
-  head's apart; a handle whose layer turns out damaged turns its hit into a miss), in a ledger
+  head's apart; a handle whose layer turns out damaged turns its hit into a miss; keys in a
+  private namespace, :func:`ragcache.chunks.is_private_key`, not at all), in a ledger
   whose totals across processes live in a counter file beside the disk tier
   (:mod:`~ragcache.kvstore.ledger`).
 - Room: a tier's capacity is its setting, but for ``disk`` no more than the filesystem can hold
@@ -50,6 +51,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
 from ragcache.kvstore.configure import GB, tiers_from_settings
 from ragcache.kvstore.entry import (
@@ -258,8 +260,10 @@ class TieredStore:
                 continue
             finally:
                 reader.close()
-            self._slots[pos].record_hit(key, reader.stored_bytes, reader.meta.nbytes)
-            self._lookup_done(served=True)
+            counted = _counted(key)
+            self._slots[pos].record_hit(key, reader.stored_bytes, reader.meta.nbytes if counted else 0,
+                                        chunk=counted)
+            self._lookup_done(key, served=True)
             item = StoredKV(key, reader.meta, kv)
             entry = KVEntry(
                 key,
@@ -270,7 +274,7 @@ class TieredStore:
             if self.should_promote(pos, item.nbytes):
                 self.promote(pos, item)
             return entry, self._slots[pos].name
-        self._lookup_done(served=False)
+        self._lookup_done(key, served=False)
         return None
 
     def open(self, key: str, *, head: bool = False) -> KVHandle | None:
@@ -286,12 +290,12 @@ class TieredStore:
         """
         found = next(self._lookup(key, head), None)
         if found is None:
-            self._lookup_done(served=False, head=head)
+            self._lookup_done(key, served=False, head=head)
             return None
         pos, reader = found
         slot = self._slots[pos]
-        slot.record_hit(key, reader.stored_bytes, 0, chunk=not head)
-        self._lookup_done(served=True, head=head)
+        slot.record_hit(key, reader.stored_bytes, 0, chunk=not head and _counted(key))
+        self._lookup_done(key, served=True, head=head)
         return KVHandle(self, pos, reader, slot.name, slot.tier.memory, head=head)
 
     def contains(self, key: str) -> str | None:
@@ -470,9 +474,10 @@ class TieredStore:
         cap = self._slots[top].capacity
         return cap is None or nbytes <= cap
 
-    def record_read(self, pos: int, nbytes: int) -> None:
-        """Count ``nbytes`` read from tier ``pos`` (a handle's layer)."""
-        self._slots[pos].count(bytes_read=nbytes)
+    def record_read(self, pos: int, key: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``key`` read from tier ``pos`` (a handle's layer)."""
+        if _counted(key):
+            self._slots[pos].count(bytes_read=nbytes)
 
     def read_failed(self, pos: int, key: str, exc: Exception, head: bool = False) -> None:
         """A layer of ``key`` read through a handle from tier ``pos`` failed: the lookup the handle
@@ -483,7 +488,8 @@ class TieredStore:
             slot.discard_corrupt(key, exc)
         else:
             slot.read_failed(key, exc)
-        self._ledger.retract_hit(slot.name, head)
+        if _counted(key):
+            self._ledger.retract_hit(slot.name, head)
 
     def promote(self, pos: int, item: StoredKV) -> None:
         """Copy (persistent source) or move (memory source) ``item``, found in tier ``pos``, into
@@ -510,7 +516,7 @@ class TieredStore:
         ``(tier position, open reader)``.
 
         Foreign and damaged entries found on the way are counted (and damaged ones deleted) here,
-        and so is a chunk lookup (not ``head``) that reaches a tier while it is down
+        and so is a counted chunk lookup (not ``head``) that reaches a tier while it is down
         (``unavailable``); the caller counts the lookup (:meth:`_lookup_done`) and the hit
         (``TierSlot.record_hit``) or the failure of its own read, closes the reader, and stops at
         the first entry it keeps.
@@ -526,12 +532,13 @@ class TieredStore:
                 if reader is not None:
                     yield pos, reader
                     continue
-            if not slot.guard.up and not head:
+            if not slot.guard.up and not head and _counted(key):
                 slot.count(unavailable=1)
 
-    def _lookup_done(self, served: bool, head: bool = False) -> None:
-        self._ledger.lookup(served, head)
-        self._ledger.maybe_flush()
+    def _lookup_done(self, key: str, served: bool, head: bool = False) -> None:
+        if _counted(key):
+            self._ledger.lookup(served, head)
+            self._ledger.maybe_flush()
 
     def _insert(self, pos: int, item: StoredKV, freq: int) -> bool:
         """Put ``item`` into tier ``pos``, evict over capacity, demote the victims. True if stored."""
@@ -548,7 +555,7 @@ class TieredStore:
                     slot.guard.warn("write", f"{slot.name} tier: cannot keep {item.key!r} ({exc}); skipped")
                     return False
                 slot.index.add(item.key, written, freq)
-                slot.counters.bytes_written += written
+                slot.counters.bytes_written += written if _counted(item.key) else 0
                 victims = (slot.index.pop_victims(slot.capacity, protect=item.key)
                            if slot.capacity is not None else [])
                 evicted = [(slot.tier.pop(v.key), v) for v in victims]
@@ -562,7 +569,7 @@ class TieredStore:
             return False
         stale = False
         with self._lock:
-            slot.counters.bytes_written += written
+            slot.counters.bytes_written += written if _counted(item.key) else 0
             if slot.index is not None and slot.capacity is not None:
                 slot.index.add(item.key, written, freq)
                 over = slot.index.used_bytes > slot.capacity
@@ -613,3 +620,9 @@ class TieredStore:
             except (TierError, OSError) as exc:
                 slot.guard.warn("delete", f"{slot.name} tier: evicting {victim.key!r} failed ({exc})")
             slot.count(evictions=1)
+
+
+def _counted(key: str) -> bool:
+    """Whether lookups, reads and writes of ``key`` count (not a private namespace's key: the
+    start-up self-check's KV is ragcache's own traffic, not the users')."""
+    return not is_private_key(key)
