@@ -38,23 +38,21 @@ def user_errors() -> tuple[type[BaseException], ...]:
     (BlendUnavailableError too: the mode asked for cannot run on this model or host; the message
     names the mode that does).
 
-    ``ragcache.ingest`` (llama-index, seconds to import) is only consulted when it was imported: an
-    ingest error cannot have been raised otherwise.
+    ``ragcache.pgindex`` (psycopg) is only consulted when it was imported: its errors cannot have
+    been raised otherwise.
     """
     from ragcache.config import ConfigError
     from ragcache.engine.selfcheck import BlendUnavailableError
-    from ragcache.index import IndexMismatchError, IndexNameError, IndexNotFoundError
+    from ragcache.index import IndexMismatchError, IndexNameError, IndexNotFoundError, IngestError
     from ragcache.models import ModelNotFoundError
     from ragcache.pipeline import EmptyIndexError
     from ragcache.prompt import EmptyQuestionError, PromptTooLongError
 
     errors: tuple[type[BaseException], ...] = (
         ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, IndexNameError, EmptyIndexError,
-        PromptTooLongError, EmptyQuestionError, BlendUnavailableError)
-    ingest = sys.modules.get("ragcache.ingest")
+        PromptTooLongError, EmptyQuestionError, BlendUnavailableError, IngestError)
     pg = sys.modules.get("ragcache.pgindex")  # imported only with ingest.vector_store = "pgvector"
-    return (errors + ((ingest.IngestError,) if ingest is not None else ())
-            + ((pg.PgUnavailableError,) if pg is not None else ()))
+    return errors + ((pg.PgUnavailableError,) if pg is not None else ())
 
 
 def main(argv: list[str] | None = None) -> int:

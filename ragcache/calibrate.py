@@ -1,9 +1,11 @@
 """Per-index quality gate: the smallest recompute ratio whose blend answers like full prefill.
 
-Owns: measuring blend against full prefill on prompts drawn from one index (:func:`calibrate`),
-the probe questions made from the index's own chunks (:func:`probe_questions`), and the record
-kept in the index folder (``calibration.json``, one entry per model fingerprint and selection
-strategy) that ``blend.recompute_ratio = "auto"`` reads (:func:`read_calibration`).
+Owns: measuring blend against full prefill on prompts drawn from one index (:func:`calibrate`) and
+the probe questions made from the index's own chunks (:func:`probe_questions`). The record it
+produces is kept in the index folder (``calibration.json``, one entry per model fingerprint and
+selection strategy; :class:`~ragcache.index.Calibration`, :func:`~ragcache.index.read_calibration`,
+:func:`~ragcache.index.write_calibration`, re-exported here), where ``blend.recompute_ratio =
+"auto"`` reads it.
 
 Why probe questions from the index's chunks: the quality of a blend depends on the chunks that
 end up side by side and on how strongly the question draws on them, so the prompts must be the
@@ -21,19 +23,14 @@ Never app/ or ui/.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
-import tempfile
-from dataclasses import asdict, dataclass, field
+import statistics
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from ragcache.bench.metrics import mean
+from ragcache.index import CALIBRATION, Calibration, RatioScore, read_calibration, write_calibration
 from ragcache.quality import kl_divergence, mean_nll
-from ragcache.index import CALIBRATION
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk
@@ -41,7 +38,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_FILE = CALIBRATION  # the file in the index folder (ragcache.index lists what a folder holds)
+#: the file in the index folder; the record (:class:`Calibration`) and its I/O live beside the
+#: manifest in :mod:`ragcache.index`, so the pipeline reads it without importing this module
+CALIBRATION_FILE = CALIBRATION
+__all__ = ["Calibration", "CalibrationError", "RatioScore", "calibrate", "probe_questions", "read_calibration",
+           "write_calibration", "DEFAULT_MAX_KL", "DEFAULT_RATIOS"]
 #: ratios tried by default, ascending
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 #: default quality target: mean first-token KL(full || blend) in nats
@@ -52,94 +53,8 @@ class CalibrationError(ValueError):
     """Calibration cannot run (bad target or ratios, no prompts)."""
 
 
-@dataclass
-class RatioScore:
-    """Blend at one ratio against full prefill, means over the prompts.
-
-    Attributes:
-        ratio: recompute ratio in [0, 1].
-        kl_mean: mean first-token KL(full || blend), nats.
-        answer_nll_rel: mean NLL of full's own greedy answer under blend / under full - 1.
-        ttft_median_s: median blend TTFT, seconds.
-        meets: ``kl_mean <= max_kl``.
-    """
-
-    ratio: float
-    kl_mean: float
-    answer_nll_rel: float | None
-    ttft_median_s: float
-    meets: bool
-
-
-@dataclass
-class Calibration:
-    """The outcome of one calibration of an index for one model and selection strategy.
-
-    Attributes:
-        ratio: the smallest ratio that met the target, or None when none did (use ``--mode full``).
-        max_kl: the target, nats.
-        selection: the token-selection strategy measured.
-        model_fingerprint: the model measured (its chunk KV is what was blended).
-        n: prompts measured. source: ``"questions"`` (users' questions) or ``"probes"``.
-        full_ttft_median_s: median full-prefill TTFT of the same prompts, seconds.
-        scores: one :class:`RatioScore` per ratio tried, ascending.
-        created: UTC time, ISO 8601.
-    """
-
-    ratio: float | None
-    max_kl: float
-    selection: str
-    model_fingerprint: str
-    n: int
-    source: str
-    full_ttft_median_s: float
-    scores: list[RatioScore] = field(default_factory=list)
-    created: str = ""
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Calibration":
-        data = dict(data)
-        data["scores"] = [RatioScore(**s) for s in data.get("scores", [])]
-        return cls(**data)
-
-
-def _key(model_fingerprint: str, selection: str) -> str:
-    return f"{model_fingerprint}/{selection}"
-
-
-def read_calibration(index_path: str | os.PathLike[str], model_fingerprint: str,
-                     selection: str) -> Calibration | None:
-    """The index's calibration for this model and selection, or None (none recorded, or unreadable)."""
-    path = Path(index_path) / CALIBRATION_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        entry = data.get(_key(model_fingerprint, selection))
-        return Calibration.from_dict(entry) if entry else None
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as exc:
-        log.warning("cannot read %s (%s); run `ragcache calibrate` again", path, exc)
-        return None
-
-
-def write_calibration(index_path: str | os.PathLike[str], cal: Calibration) -> Path:
-    """Record ``cal`` in the index folder (atomically; other models' and selections' entries kept).
-
-    Raises:
-        OSError: the folder cannot be written.
-    """
-    folder = Path(index_path)
-    path = folder / CALIBRATION_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        data = {}
-    data[_key(cal.model_fingerprint, cal.selection)] = asdict(cal)
-    fd, tmp = tempfile.mkstemp(prefix=".calibration-", dir=folder)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-    return path
+def _mean(xs: Sequence[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
 
 
 def probe_questions(chunks: Sequence["Chunk"], n: int, seed: int = 0, words: int = 8) -> list[str]:
@@ -202,11 +117,11 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
                                                                      selection=selection)))
         if progress is not None:
             progress(1)
-    base = mean(full_nlls)
+    base = _mean(full_nlls)
     scores = []
     for r in ratios:
-        kl = float(mean(kls[r]) or 0.0)
-        nll = mean(nlls[r])
+        kl = float(_mean(kls[r]) or 0.0)
+        nll = _mean(nlls[r])
         scores.append(RatioScore(ratio=r, kl_mean=round(kl, 5),
                                  answer_nll_rel=round(nll / base - 1, 4) if (nll is not None and base) else None,
                                  ttft_median_s=round(sorted(ttfts[r])[len(ttfts[r]) // 2], 4), meets=kl <= max_kl))

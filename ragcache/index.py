@@ -14,8 +14,9 @@ An index folder (``indexes/NAME`` by default) holds llama-index's persisted stor
     id_map.json                 FAISS id <-> node id (JSON)
     manifest.json               ragcache's own: build settings, KV namespace, per-file
                                 fingerprints, per-doc nodes
-    calibration.json            optional: the calibrated recompute ratios (ragcache.calibrate),
-                                carried over to every new version of the index
+    calibration.json            optional: the calibrated recompute ratios (:class:`Calibration`,
+                                measured by ragcache.calibrate), carried over to every new
+                                version of the index
 
 The folder is never modified in place: an ingest writes a complete new version into a temporary
 sibling (``.NAME.staging-*``) and swaps it in with two renames (:func:`swap_in`). Between those
@@ -29,8 +30,10 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -46,6 +49,8 @@ if TYPE_CHECKING:  # heavy imports stay lazy: `ragcache --help` must not load to
     from llama_index.core.schema import BaseNode, TextNode
 
     from ragcache.config import Settings
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 CALIBRATION = "calibration.json"
@@ -70,6 +75,11 @@ class IndexMismatchError(ValueError):
 
 class IndexNameError(ValueError):
     """An index name that cannot name an index folder (empty, ``.``, ``..``, hidden)."""
+
+
+class IngestError(RuntimeError):
+    """An ingest could not complete; the previous index (if any) is unchanged (raised by
+    :mod:`ragcache.ingest` and by the pgvector index's ingest lock, :mod:`ragcache.pgindex`)."""
 
 
 def check_index_folder(path: Path) -> None:
@@ -338,6 +348,110 @@ class Manifest:
     @property
     def num_chunks(self) -> int:
         return sum(len(d.node_ids) for d in self.docs.values())
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+@dataclass
+class RatioScore:
+    """Blend at one ratio against full prefill, means over the prompts (``ragcache calibrate``).
+
+    Attributes:
+        ratio: recompute ratio in [0, 1].
+        kl_mean: mean first-token KL(full || blend), nats.
+        answer_nll_rel: mean NLL of full's own greedy answer under blend / under full - 1.
+        ttft_median_s: median blend TTFT, seconds.
+        meets: ``kl_mean <= max_kl``.
+    """
+
+    ratio: float
+    kl_mean: float
+    answer_nll_rel: float | None
+    ttft_median_s: float
+    meets: bool
+
+
+@dataclass
+class Calibration:
+    """The outcome of one calibration of an index for one model and selection strategy, as
+    ``calibration.json`` keeps it (measured by :func:`ragcache.calibrate.calibrate`).
+
+    Attributes:
+        ratio: the smallest ratio that met the target, or None when none did (use ``--mode full``).
+        max_kl: the target, nats.
+        selection: the token-selection strategy measured.
+        model_fingerprint: the model measured (its chunk KV is what was blended).
+        n: prompts measured. source: ``"questions"`` (users' questions) or ``"probes"``.
+        full_ttft_median_s: median full-prefill TTFT of the same prompts, seconds.
+        scores: one :class:`RatioScore` per ratio tried, ascending.
+        created: UTC time, ISO 8601.
+    """
+
+    ratio: float | None
+    max_kl: float
+    selection: str
+    model_fingerprint: str
+    n: int
+    source: str
+    full_ttft_median_s: float
+    scores: list[RatioScore] = field(default_factory=list)
+    created: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Calibration":
+        """Inverse of ``dataclasses.asdict``.
+
+        Raises:
+            TypeError: a field is missing or unknown. ValueError: a ratio outside [0, 1].
+        """
+        data = dict(data)
+        data["scores"] = [RatioScore(**s) for s in data.get("scores", [])]
+        cal = cls(**data)
+        if cal.ratio is not None and not 0.0 <= float(cal.ratio) <= 1.0:
+            raise ValueError(f"calibrated ratio {cal.ratio} is outside [0, 1]")
+        return cal
+
+
+def _calibration_key(model_fingerprint: str, selection: str) -> str:
+    return f"{model_fingerprint}/{selection}"
+
+
+def read_calibration(index_path: str | os.PathLike[str], model_fingerprint: str,
+                     selection: str) -> Calibration | None:
+    """The index's calibration for this model and selection from its ``calibration.json``, or None
+    (none recorded; an unreadable file is logged as a warning and also gives None)."""
+    path = Path(index_path) / CALIBRATION
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entry = data.get(_calibration_key(model_fingerprint, selection))
+        return Calibration.from_dict(entry) if entry else None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("cannot read %s (%s); run `ragcache calibrate` again", path, exc)
+        return None
+
+
+def write_calibration(index_path: str | os.PathLike[str], cal: Calibration) -> Path:
+    """Record ``cal`` in the index folder's ``calibration.json`` (atomically; other models' and
+    selections' entries kept). Returns the file's path.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    folder = Path(index_path)
+    path = folder / CALIBRATION
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = {}
+    data[_calibration_key(cal.model_fingerprint, cal.selection)] = asdict(cal)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", dir=folder)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+    return path
 
 
 # ------------------------------------------------------------------------ FAISS vector store

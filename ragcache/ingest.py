@@ -41,6 +41,7 @@ from ragcache.index import (
     FileEntry,
     Index,
     IndexMismatchError,
+    IngestError,
     Manifest,
     check_index_folder,
     chunk_to_node,
@@ -68,10 +69,6 @@ KVHook = Callable[[list[Chunk], str], None]
 
 MB = 1_000_000  # bytes; settings.toml: sizes in (M|G)B are powers of 10
 _EMBED_BATCH = 64  # chunks per embedding call
-
-
-class IngestError(RuntimeError):
-    """An ingest could not complete; the previous index (if any) is unchanged."""
 
 
 class KVPrecomputeError(IngestError):

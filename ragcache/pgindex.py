@@ -52,6 +52,7 @@ from ragcache.index import (
     IndexMismatchError,
     IndexNameError,
     IndexNotFoundError,
+    IngestError,
     Manifest,
 )
 
@@ -532,8 +533,6 @@ def ingest_lock(settings: "Settings", name: str) -> Iterator[None]:
         PgUnavailableError: the database cannot be reached.
         IngestError: another process holds it (an ingest into the same index is running).
     """
-    from ragcache.ingest import IngestError
-
     url = require_url(settings)
     conn = connect(url)
     try:

@@ -39,7 +39,7 @@ from ragcache.conversation import Turn, retrieval_query
 from ragcache.engine.messages import RequestMetrics
 
 if TYPE_CHECKING:
-    from ragcache.calibrate import Calibration
+    from ragcache.index import Calibration
     from ragcache.engine import AsyncBlendEngine, BlendEngine, Generation, SamplingOptions
     from ragcache.ingest import IngestReport
     from ragcache.prompt import AssembledPrompt
@@ -279,14 +279,13 @@ class RAGPipeline:
     def calibration(self) -> "Calibration | None":
         """The index's calibration for the engine's model and ``blend.selection`` (``ragcache
         calibrate``), or None; re-read when the file changes."""
-        from ragcache.calibrate import CALIBRATION_FILE, read_calibration
-        from ragcache.index import readable_path
+        from ragcache.index import CALIBRATION, read_calibration, readable_path
 
         folder = readable_path(self.index_path)
         if folder is None:
             return None
         try:
-            stamp = (folder / CALIBRATION_FILE).stat().st_mtime_ns
+            stamp = (folder / CALIBRATION).stat().st_mtime_ns
         except OSError:
             return None
         if self._calibration is None or self._calibration[0] != stamp:
