@@ -35,31 +35,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_chat)
 
 
-#: query flags and the settings whose bounds they keep to
-QUERY_FLAGS = (("top_k", "--top-k", "retrieval"), ("max_tokens", "--max-tokens", "engine"),
-               ("recompute_ratio", "--recompute-ratio", "blend"))
+#: the query flags, by the QueryOptions field they set
+QUERY_FLAGS = {"mode": "--mode", "top_k": "--top-k", "max_tokens": "--max-tokens",
+               "recompute_ratio": "--recompute-ratio"}
 
 
-def _check_query_options(args: argparse.Namespace) -> None:
-    """Reject out-of-range flags before the engine starts (the same ranges as the settings)."""
-    from ragcache.config import check_value
+def query_options(args: argparse.Namespace):
+    """The flags as one :class:`~ragcache.options.QueryOptions`, validated here, before the engine
+    starts (the same ranges as the settings they override).
 
-    for key, flag, section in QUERY_FLAGS:
-        if getattr(args, key) is not None:
-            check_value(section, key, getattr(args, key), flag)
+    Raises:
+        QueryOptionsError: a flag out of range, e.g. ``--top-k 0: must be in [1, 100] (the range of
+            the setting retrieval.top_k)``.
+    """
+    from ragcache.options import QueryOptions
+
+    return QueryOptions.parse({field: getattr(args, field) for field in QUERY_FLAGS}, QUERY_FLAGS)
 
 
 def open_pipeline(args: argparse.Namespace):
     """Settings from --settings, then the pipeline over --index; every check that needs no model
-    (flags, the question, settings, the index) runs before the engine starts."""
+    (flags, the question, settings, the index) runs before the engine starts. Sets
+    ``args.options`` (the query flags as QueryOptions) and, for ``ask``, ``args.question`` (checked)."""
     from ragcache.catalog import catalog
     from ragcache.config import Settings
+    from ragcache.conversation import check_question
     from ragcache.pipeline import RAGPipeline
-    from ragcache.prompt import check_question
 
-    _check_query_options(args)
+    args.options = query_options(args)
     if getattr(args, "question", None) is not None:
-        check_question(args.question)
+        args.question = check_question(args.question)  # checked once: the pipeline takes it as checked
     settings = Settings.load(args.settings)
     catalog(settings).manifest(args.index)  # exists, readable, same embedding model
     return RAGPipeline.open(settings, index=args.index)
@@ -81,14 +86,9 @@ def format_answer(answer) -> str:
     return "\n".join(lines)
 
 
-def _query(rag, question: str, args: argparse.Namespace):
-    return rag.query(question, mode=args.mode, top_k=args.top_k, max_tokens=args.max_tokens,
-                     recompute_ratio=args.recompute_ratio)
-
-
 def run_ask(args: argparse.Namespace) -> int:
     rag = open_pipeline(args)
-    answer = _query(rag, args.question, args)
+    answer = rag.query(args.question, args.options)
     if args.json:
         print(json.dumps({k: v for k, v in answer.to_dict().items() if k != "question"}, ensure_ascii=False))
     else:
@@ -116,8 +116,7 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         answer = None
         print("ragcache> ", end="", flush=True)
-        for item in rag.stream(question, mode=args.mode, top_k=args.top_k, max_tokens=args.max_tokens,
-                               recompute_ratio=args.recompute_ratio, history=history):
+        for item in rag.stream(question, args.options.model_copy(update={"history": tuple(history)})):
             if isinstance(item, str):
                 print(item, end="", flush=True)
             else:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from app.help import HelpFormatter
+from ragcache.engine.messages import StoreStats, TierStats
 
 if TYPE_CHECKING:
     from ragcache.config import Settings
@@ -102,6 +104,19 @@ def _pct(n: int, total: int) -> str:
     return f"{100.0 * n / total:.1f}%" if total else "-"
 
 
+def _cumulative(now: StoreStats, total: dict[str, Any]) -> StoreStats:
+    """``now`` (what each tier holds, its capacity) with the counters summed over every process
+    (``Ledger.cumulative()``) in place of this process's."""
+    n = int(total["lookups"].get("lookups", 0))
+    tiers = {}
+    for name, row in now.tiers.items():
+        counts = {k: v for k, v in total["tiers"].get(name, {}).items() if k in TierStats.__dataclass_fields__}
+        hits = int(counts.get("hits", 0))
+        tiers[name] = replace(row, **{**counts, "hits": hits, "lookups": n, "misses": max(0, n - hits),
+                                      "hit_rate": hits / n if n else 0.0})
+    return StoreStats(tiers)
+
+
 def run_stats(args: argparse.Namespace) -> int:
     from ragcache.config import Settings
 
@@ -110,25 +125,22 @@ def run_stats(args: argparse.Namespace) -> int:
     try:
         if args.reset:
             store.ledger.reset()
-        tiers = store.stats()
+        now = StoreStats.from_dict(store.stats())
         total = store.ledger.cumulative()
         namespaces = store.namespaces()
     finally:
         store.close()
     lookups = total["lookups"]
-    n = int(lookups.get("lookups", 0))
-    served = {name: int(total["tiers"].get(name, {}).get("hits", 0)) for name in tiers}
+    stats = _cumulative(now, total)
+    n = stats.lookups
     persisted = store.ledger.counter_file is not None
     if args.json:
-        rows = {name: {**row, **{k: v for k, v in total["tiers"].get(name, {}).items()},
-                       "lookups": n, "misses": max(0, n - served[name]),
-                       "hit_rate": served[name] / n if n else 0.0}
-                for name, row in tiers.items()}
         print(json.dumps({**_where(settings), "cumulative": persisted, "since": total["since"],
-                          "updated": total.get("updated"), "lookups": {**lookups, "hits": sum(served.values()),
-                                                                       "misses": max(0, n - sum(served.values()))},
-                          "tiers": rows, "namespaces": namespaces}, indent=2))
+                          "updated": total.get("updated"), "lookups": {**lookups, "hits": stats.hits,
+                                                                       "misses": stats.misses},
+                          "tiers": stats.to_dict(), "namespaces": namespaces}, indent=2))
         return 0
+    tiers = stats.tiers
     print(f"the KV store (shared by all indexes); disk folder {settings.store.ssd_cache_dir}; "
           f"namespace {settings.store.namespace}")
     if not tiers:
@@ -142,18 +154,16 @@ def run_stats(args: argparse.Namespace) -> int:
     print(f"{'tier':8} {'up':4} {'hits':>8} {'hit rate':>8} {'entries':>8} {'occupancy':>10} {'capacity':>10} "
           f"{'used':>6} {'corrupt':>7} {'unavail':>7} {'not stored':>10}")
     for name, t in tiers.items():
-        c = total["tiers"].get(name, {})
-        cap = t["capacity_bytes"]
-        used = f"{100.0 * t['occupancy_bytes'] / cap:.1f}%" if cap else "-"
-        print(f"{name:8} {'yes' if t['up'] else 'DOWN':4} {served[name]:>8} {_pct(served[name], n):>8} "
-              f"{t['entries']:>8} {_size(t['occupancy_bytes']):>10} {_size(cap):>10} {used:>6} "
-              f"{c.get('corrupt', 0):>7} {c.get('unavailable', 0):>7} {c.get('not_stored', 0):>10}")
-    missed = max(0, n - sum(served.values()))
-    print(f"{'miss':8} {'':4} {missed:>8} {_pct(missed, n):>8}   (no tier held a usable entry: computed)")
+        cap = t.capacity_bytes
+        used = f"{100.0 * t.occupancy_bytes / cap:.1f}%" if cap else "-"
+        print(f"{name:8} {'yes' if t.up else 'DOWN':4} {t.hits:>8} {_pct(t.hits, n):>8} "
+              f"{t.entries:>8} {_size(t.occupancy_bytes):>10} {_size(cap):>10} {used:>6} "
+              f"{t.corrupt:>7} {t.unavailable:>7} {t.not_stored:>10}")
+    print(f"{'miss':8} {'':4} {stats.misses:>8} {_pct(stats.misses, n):>8}   (no tier held a usable entry: computed)")
     disk = tiers.get("disk")
-    if disk and disk.get("free_bytes") is not None and disk["capacity_bytes"] != disk["configured_capacity_bytes"]:
-        print(f"disk capacity is what its filesystem can hold: {_size(disk['free_bytes'])} free "
-              f"(store.ssd_cache_max_gb allows {_size(disk['configured_capacity_bytes'])})")
+    if disk and disk.free_bytes is not None and disk.capacity_bytes != disk.configured_capacity_bytes:
+        print(f"disk capacity is what its filesystem can hold: {_size(disk.free_bytes)} free "
+              f"(store.ssd_cache_max_gb allows {_size(disk.configured_capacity_bytes)})")
     for name, counts in namespaces.items():
         listed = ", ".join(f"{ns or '(none)'} {k}" for ns, k in sorted(counts.items())) or "empty"
         print(f"{name} entries per namespace: {listed}")
@@ -161,11 +171,12 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_removed(before: dict[str, int], after: dict[str, dict[str, Any]], what: str) -> int:
-    for name, n in before.items():
-        state = "" if after[name]["up"] else " (DOWN: not cleared)"
-        print(f"{name}: removed {n - after[name]['entries']} {what}{state}")
-    return 0 if all(t["up"] for t in after.values()) else 1
+def _report_removed(before: StoreStats, after: StoreStats, what: str) -> int:
+    for name, t in before.tiers.items():
+        now = after.tiers[name]
+        state = "" if now.up else " (DOWN: not cleared)"
+        print(f"{name}: removed {t.entries - now.entries} {what}{state}")
+    return 0 if all(t.up for t in after.tiers.values()) else 1
 
 
 def run_clear(args: argparse.Namespace) -> int:
@@ -178,15 +189,15 @@ def run_clear(args: argparse.Namespace) -> int:
     settings = Settings.load(args.settings)
     store = _open_store(settings, None)
     try:
-        before = {name: t["entries"] for name, t in store.stats().items()}
+        before = StoreStats.from_dict(store.stats())
         known = store.namespaces()
         store.clear(namespace=ns)
-        after = store.stats()
+        after = StoreStats.from_dict(store.stats())
     finally:
         store.close()
     what = "entries" if ns is None else f"entries of namespace {ns}"
     code = _report_removed(before, after, what)
-    if ns is not None and all(before[t] == after[t]["entries"] for t in before):
+    if ns is not None and all(t.entries == after.tiers[name].entries for name, t in before.tiers.items()):
         listed = sorted({n for counts in known.values() for n in counts if n})
         print(f"no entries in namespace {ns}; namespaces stored: {', '.join(listed) or 'none'}", file=sys.stderr)
     return code
@@ -213,10 +224,10 @@ def run_drop(args: argparse.Namespace) -> int:
         keys.update(builder.key(c, manifest.namespace) for c in chunks)
     store = _open_store(settings, None)
     try:
-        before = {name: t["entries"] for name, t in store.stats().items()}
+        before = StoreStats.from_dict(store.stats())
         for key in keys:
             store.delete(key)
-        after = store.stats()
+        after = StoreStats.from_dict(store.stats())
     finally:
         store.close()
     print(f"index {args.index}: {len(chunks)} chunks, {len(keys)} KV keys ({', '.join(COMPUTE_DTYPES)}) in namespace "

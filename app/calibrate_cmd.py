@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from app.help import HelpFormatter
@@ -46,12 +45,12 @@ def _check(args: argparse.Namespace) -> list[float]:
         raise ConfigError(f"--max-kl {args.max_kl}: must be > 0 nats (e.g. 0.05)")
     if args.n < 1:
         raise ConfigError(f"--n {args.n}: must be >= 1")
+    from ragcache.calibrate import CalibrationError, blend_options
+
     try:
-        ratios = sorted({float(x) for x in args.ratios.split(",") if x.strip()})
-    except ValueError:
-        raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1]") from None
-    if not ratios or ratios[0] < 0 or ratios[-1] > 1:
-        raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1]")
+        ratios = list(blend_options([float(x) for x in args.ratios.split(",") if x.strip()], args.selection))
+    except (ValueError, CalibrationError) as exc:  # not numbers, or out of range (checked as every ratio is)
+        raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1] ({exc})") from None
     if args.questions is not None and not args.questions.is_file():
         raise ConfigError(f"--questions {args.questions}: no such file")
     return ratios
@@ -81,10 +80,9 @@ def read_questions(path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from app.ask_cmd import open_pipeline
     from ragcache.calibrate import calibrate, probe_questions, write_calibration
+    from ragcache.progress import progress
     from ragcache.config import ConfigError, Settings
     from ragcache.index import readable_path
 
@@ -99,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if questions is None:
         questions = probe_questions(list(rag.retriever.index.chunks()), args.n, args.seed)
         source = "probes"
-    with tqdm(total=len(questions), unit="prompt", desc="calibrate", file=sys.stderr) as bar:
+    with progress(total=len(questions), unit="prompt", desc="calibrate") as bar:
         cal = calibrate(rag, questions, ratios=ratios, max_kl=args.max_kl, selection=args.selection,
                         source=source, progress=bar.update)
     path = write_calibration(readable_path(rag.index_path), cal)

@@ -44,13 +44,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from ragcache.config import ConfigError
     from ragcache.engine.selfcheck import BlendUnavailableError
     from ragcache.index import IndexMismatchError, IndexNameError, IndexNotFoundError, IngestError
+    from ragcache.conversation import EmptyQuestionError
     from ragcache.models import ModelNotFoundError
+    from ragcache.options import QueryOptionsError
     from ragcache.pipeline import EmptyIndexError
-    from ragcache.prompt import EmptyQuestionError, PromptTooLongError
+    from ragcache.prompt import PromptTooLongError
 
     errors: tuple[type[BaseException], ...] = (
         ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, IndexNameError, EmptyIndexError,
-        PromptTooLongError, EmptyQuestionError, BlendUnavailableError, IngestError)
+        PromptTooLongError, EmptyQuestionError, BlendUnavailableError, IngestError, QueryOptionsError)
     pg = sys.modules.get("ragcache.pgindex")  # imported only with ingest.vector_store = "pgvector"
     return errors + ((pg.PgUnavailableError,) if pg is not None else ())
 

@@ -116,10 +116,9 @@ def run(args: argparse.Namespace) -> int:
               f"answers with a repetition loop: blend {loops}/{len(rows)}, full "
               f"{sum(r['loop_full'] for r in rows)}/{len(rows)}")
     stats = rag.cache_stats()
-    tiers = stats.get("tiers", stats)
-    print("KV store: " + "; ".join(
-        f"{name} {t.get('entries', 0)} entries, hit rate {t.get('hit_rate', 0.0):.0%}"
-        for name, t in tiers.items() if isinstance(t, dict)))
+    served = ", ".join(f"{name} {t.hits}" for name, t in stats.tiers.items() if t.hits) or "none"
+    print(f"KV store: {stats.lookups} chunk lookups, hit rate {stats.hit_rate:.0%} (served by {served}; "
+          f"{stats.misses} computed); " + ", ".join(f"{name} {t.entries} entries" for name, t in stats.tiers.items()))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     return 0 if rows else 1

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from app.help import HelpFormatter
+from ragcache.engine.messages import PrecomputeReport, StoreStats, TierStats
 
 if TYPE_CHECKING:
     from ragcache.config import Settings
@@ -55,8 +56,8 @@ class EngineKVHook:
         self.settings = settings
         self.show_progress = show_progress
         self.engine = None
-        self.totals: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "computed_keys": []}
-        self.store: dict[str, dict[str, Any]] = {}
+        self.totals = PrecomputeReport()
+        self.store = StoreStats()
 
     def __call__(self, chunks, namespace: str = "") -> None:
         if not chunks:
@@ -66,10 +67,7 @@ class EngineKVHook:
 
             print(f"starting the engine for the KV precompute of {len(chunks)} chunks ...", file=sys.stderr, flush=True)
             self.engine = BlendEngine(self.settings)
-        out = self.engine.precompute(chunks, show_progress=self.show_progress, namespace=namespace)
-        for k in ("computed", "skipped", "tokens", "seconds"):
-            self.totals[k] += out[k]
-        self.totals["computed_keys"].extend(out["computed_keys"])
+        self.totals.add(self.engine.precompute(chunks, show_progress=self.show_progress, namespace=namespace))
         self.store = self.engine.store_stats()
 
     def summary(self) -> list[str]:
@@ -77,22 +75,22 @@ class EngineKVHook:
         for every persistent tier that does not hold them all (full, capped by its filesystem, down,
         failing)."""
         t = self.totals
-        holders = self.engine.store_holders(t["computed_keys"]) if t["computed_keys"] else []
+        holders = self.engine.store_holders(t.computed_keys) if t.computed_keys else []
         self.store = self.engine.store_stats()
-        held = dict.fromkeys(self.store, 0)  # per tier: the entries computed here that it holds now
+        held = dict.fromkeys(self.store.names, 0)  # per tier: the entries computed here that it holds now
         for tiers in holders:
             for tier in tiers:
                 held[tier] = held.get(tier, 0) + 1
         where = ", ".join(f"{tier} {n}" + (" (this process's memory)" if tier in MEMORY_TIERS else "")
                           for tier, n in held.items()) or "no tier"
-        lines = [f"KV precompute: {t['computed']} entries computed ({t['tokens']} tokens, {t['seconds']:.1f} s), "
-                 f"{t['skipped']} already stored; stored on {where}"]
+        lines = [f"KV precompute: {t.computed} entries computed ({t.tokens} tokens, {t.seconds:.1f} s), "
+                 f"{t.skipped} already stored; stored on {where}"]
         for tier, n in held.items():
-            missed = t["computed"] - n
+            missed = t.computed - n
             if tier in MEMORY_TIERS or missed <= 0:
                 continue
-            lines.append(f"warning: {missed} of {t['computed']} new entries are not on the {tier} tier "
-                         f"({_why_missing(self.store.get(tier, {}))}); see `ragcache cache stats`")
+            lines.append(f"warning: {missed} of {t.computed} new entries are not on the {tier} tier "
+                         f"({_why_missing(self.store.tiers.get(tier, TierStats()))}); see `ragcache cache stats`")
         lost = sum(not any(tier not in MEMORY_TIERS for tier in tiers) for tiers in holders)
         if lost > 0:
             lines.append(f"warning: {lost} new entries are on no persistent tier: they are computed again when first "
@@ -100,21 +98,21 @@ class EngineKVHook:
         return lines
 
 
-def _why_missing(row: dict[str, Any]) -> str:
+def _why_missing(row: TierStats) -> str:
     """Why a persistent tier does not hold every new entry, from its stats row."""
-    if not row.get("up", True):
+    if not row.up:
         return "the tier is down"
     parts = []
-    if row.get("not_stored"):
-        parts.append(f"no room: {row['not_stored']} entries not stored, {(row.get('free_bytes') or 0) / 1e6:.0f} MB free")
-    cap, setting = row.get("capacity_bytes"), row.get("configured_capacity_bytes")
+    if row.not_stored:
+        parts.append(f"no room: {row.not_stored} entries not stored, {(row.free_bytes or 0) / 1e6:.0f} MB free")
+    cap, setting = row.capacity_bytes, row.configured_capacity_bytes
     if cap is not None and setting is not None and cap < setting:
         parts.append(f"it holds at most {cap / 1e6:.1f} MB: its filesystem is smaller than the setting "
                      f"({setting / 1e9:g} GB)")
-    if row.get("evictions"):
-        parts.append(f"{row['evictions']} entries evicted to make room")
-    if row.get("write_errors"):
-        parts.append(f"{row['write_errors']} write errors")
+    if row.evictions:
+        parts.append(f"{row.evictions} entries evicted to make room")
+    if row.write_errors:
+        parts.append(f"{row.write_errors} write errors")
     return "; ".join(parts) or "removed since they were written"
 
 
@@ -186,9 +184,9 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout)
     elif executor == "ray" and want_kv and report.chunks_added:
         t = ingestor.kv_totals
-        where = ", ".join(f"{tier} {n}" for tier, n in t["stored"].items()) or "no tier"
-        print(f"KV precompute: {t['computed']} entries computed ({t['tokens']} tokens, on Ray), "
-              f"{report.chunks_added - t['computed']} already stored; stored on {where}")
+        where = ", ".join(f"{tier} {n}" for tier, n in t.stored.items()) or "no tier"
+        print(f"KV precompute: {t.computed} entries computed ({t.tokens} tokens, on Ray), "
+              f"{report.chunks_added - t.computed} already stored; stored on {where}")
     elif not want_kv:
         print("KV precompute skipped (--no-kv): chunk KV is computed on first use instead")
     if report.nothing_usable or report.total_chunks == 0:

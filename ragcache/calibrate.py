@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ragcache.index import CALIBRATION, Calibration, RatioScore, read_calibration, write_calibration
+from ragcache.options import QueryOptions, QueryOptionsError
 from ragcache.quality import kl_divergence, mean_nll
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ __all__ = ["Calibration", "CalibrationError", "RatioScore", "calibrate", "probe_
            "write_calibration", "DEFAULT_MAX_KL", "DEFAULT_RATIOS"]
 #: ratios tried by default, ascending
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+#: how full's own answer is scored (exact: vLLM's prefix cache over full prefill's KV)
+EXACT = QueryOptions(mode="prefix")
 #: default quality target: mean first-token KL(full || blend) in nats
 DEFAULT_MAX_KL = 0.05
 
@@ -71,6 +74,23 @@ def probe_questions(chunks: Sequence["Chunk"], n: int, seed: int = 0, words: int
     return [f"What do the documents say about {' '.join(c.text.split()[:words]).rstrip('.,;:')}?" for c in picks]
 
 
+def blend_options(ratios: Sequence[float], selection: str | None = None) -> dict[float, QueryOptions]:
+    """The blend request of each ratio (one decoded token; ``selection`` None: ``blend.selection``),
+    ascending: the ratios checked once, by :class:`~ragcache.options.QueryOptions`'s own range.
+
+    Raises:
+        CalibrationError: no ratios, a ratio outside [0, 1] or an unknown selection.
+    """
+    if not ratios:
+        raise CalibrationError("no ratios to try")
+    try:
+        return {r: QueryOptions.parse({"mode": "blend", "recompute_ratio": r, "selection": selection, "max_tokens": 1},
+                                      {"recompute_ratio": "ratio"})
+                for r in sorted(set(float(r) for r in ratios))}
+    except QueryOptionsError as exc:
+        raise CalibrationError(str(exc)) from None
+
+
 def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[float] = DEFAULT_RATIOS,
               max_kl: float = DEFAULT_MAX_KL, selection: str | None = None, max_tokens: int = 16,
               source: str = "probes", progress: Callable[[int], None] | None = None) -> Calibration:
@@ -87,15 +107,15 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     Raises:
         CalibrationError: no questions, a ratio outside [0, 1] or ``max_kl`` <= 0.
     """
-    ratios = sorted(set(float(r) for r in ratios))
+    blends = blend_options(ratios, selection)
+    ratios = list(blends)
     if not questions:
         raise CalibrationError("no questions to calibrate with")
-    if not ratios or ratios[0] < 0.0 or ratios[-1] > 1.0:
-        raise CalibrationError(f"ratios must lie in [0, 1]; got {ratios}")
     if not max_kl > 0:
         raise CalibrationError(f"--max-kl must be > 0 nats; got {max_kl}")
     engine = rag.engine
     selection = selection or engine.settings.blend.selection
+    full_opts = QueryOptions(mode="full", max_tokens=max_tokens)
     kls: dict[float, list[float]] = {r: [] for r in ratios}
     nlls: dict[float, list[float]] = {r: [] for r in ratios}
     ttfts: dict[float, list[float]] = {r: [] for r in ratios}
@@ -103,18 +123,17 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     full_ttfts: list[float] = []
     for q in questions:
         prompt = engine.prompts.build(q, [r.chunk for r in rag.retrieve(q)], namespace=rag.namespace)
-        full = engine.generate(prompt, "full", max_tokens=max_tokens, logprobs=-1)
+        full = engine.generate(prompt, full_opts, logprobs=-1)
         full_ttfts.append(full.metrics.ttft_s)
         answer = full.token_ids
         if answer:
-            full_nlls.append(mean_nll(engine.continuation_logprobs(prompt, answer, "prefix")))
-        for r in ratios:
-            g = engine.generate(prompt, "blend", recompute_ratio=r, selection=selection, max_tokens=1, logprobs=-1)
+            full_nlls.append(mean_nll(engine.continuation_logprobs(prompt, answer, EXACT)))
+        for r, blend in blends.items():
+            g = engine.generate(prompt, blend, logprobs=-1)
             kls[r].append(kl_divergence(full.first_token_logprobs or {}, g.first_token_logprobs or {}))
             ttfts[r].append(g.metrics.ttft_s)
             if answer:
-                nlls[r].append(mean_nll(engine.continuation_logprobs(prompt, answer, "blend", recompute_ratio=r,
-                                                                     selection=selection)))
+                nlls[r].append(mean_nll(engine.continuation_logprobs(prompt, answer, blend)))
         if progress is not None:
             progress(1)
     base = _mean(full_nlls)

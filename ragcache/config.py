@@ -19,7 +19,7 @@ import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -39,6 +39,14 @@ MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
 SelectionName = Literal["deviation", "question", "hybrid"]
 #: the token-selection strategies of ragcache.blend.select (a test checks the two lists agree)
 SELECTIONS: tuple[str, ...] = get_args(SelectionName)
+
+
+#: ranges shared by a setting and the per-request option that overrides it (ragcache.options):
+#: defined once, so a flag, an SDK argument and an HTTP field keep to the setting's range
+Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=1, le=100)]
+MaxTokens = Annotated[int, Field(ge=1)]
+Granule = Annotated[int, Field(ge=1, le=256)]
 
 
 class ConfigError(ValueError):
@@ -92,7 +100,7 @@ class EngineSettings(_Section):
         True, description="run vLLM's engine core in this process (start-up ~6 s vs ~30 s multi-process on CPU)"
     )
     mode: Mode = Field("blend", description="default query mode: full, prefix, reuse or blend")
-    max_tokens: int = Field(64, ge=1, description="tokens to decode per answer")
+    max_tokens: MaxTokens = Field(64, description="tokens to decode per answer")
     self_check: bool = Field(
         True, description="at start, check that reuse/blend reproduce vLLM's prefill on a short prompt "
         "(disables them on a mismatch)")
@@ -107,8 +115,8 @@ class BlendSettings(_Section):
     recompute_ratio: float | Literal["auto"] = Field(
         0.15, description="share of context tokens recomputed, in [0, 1], or 'auto': the index's calibrated ratio "
         "(`ragcache calibrate`), else fallback_ratio")
-    fallback_ratio: float = Field(
-        0.15, ge=0.0, le=1.0, description="ratio used when recompute_ratio = 'auto' and the index has no calibration")
+    fallback_ratio: Ratio = Field(
+        0.15, description="ratio used when recompute_ratio = 'auto' and the index has no calibration")
     check_layer: int = Field(1, ge=0, description="layer where the recomputed tokens are selected")
     deviation: Literal["value", "key"] = Field("value", description="KV deviation measured on V or K")
     selection: SelectionName = Field(
@@ -120,8 +128,8 @@ class BlendSettings(_Section):
         0.5, ge=0.0, le=1.0, description="hybrid: weight of question attention against KV deviation")
     max_chunk_share: float = Field(
         1.0, gt=0.0, le=1.0, description="largest share of the budget one chunk may take")
-    granule: int = Field(
-        8, ge=1, le=256, description="tokens are recomputed in aligned runs of this many tokens within each chunk "
+    granule: Granule = Field(
+        8, description="tokens are recomputed in aligned runs of this many tokens within each chunk "
         "(1 = token by token)")
     probe_layers: int = Field(
         -1, ge=-1, description="question scores: layers after the check layer the question is probed through over "
@@ -140,8 +148,8 @@ class BlendSettings(_Section):
             ratio = float(v)
         except (TypeError, ValueError):
             raise ValueError("must be a number in [0, 1] or 'auto'") from None
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError("must be in [0, 1] (or 'auto')")
+        if not 0.0 <= ratio <= 1.0:  # Ratio's range
+            raise ValueError(f"{range_text(Ratio)} (or 'auto')")
         return ratio
 
     @property
@@ -231,7 +239,7 @@ class IngestSettings(_Section):
 class RetrievalSettings(_Section):
     """Search."""
 
-    top_k: int = Field(5, ge=1, le=100, description="chunks retrieved per question")
+    top_k: TopK = Field(5, description="chunks retrieved per question")
 
 
 class PromptSettings(_Section):
@@ -366,7 +374,7 @@ def check_value(section: str, key: str, value: Any, flag: str) -> Any:
     try:
         return getattr(cls(**{key: value}), key)
     except ValidationError as exc:
-        text = _range_text(cls.model_fields[key])
+        text = range_text(cls.model_fields[key])
         if text == _NO_RANGE:  # a validator's own rule (e.g. a number or "auto"): its message says it
             text = exc.errors()[0]["msg"].removeprefix("Value error, ")
         raise ConfigError(f"{flag} {value}: {text} (the range of the setting {section}.{key})") from None
@@ -375,10 +383,14 @@ def check_value(section: str, key: str, value: Any, flag: str) -> Any:
 _NO_RANGE = "is not a valid value"
 
 
-def _range_text(info: Any) -> str:
-    """``must be in [0, 1]`` / ``must be >= 1`` / ``must be in (0, 1]`` from a field's bounds."""
+def range_text(info: Any) -> str:
+    """``must be in [0, 1]`` / ``must be >= 1`` / ``must be in (0, 1]`` from the bounds of a field
+    (pydantic ``FieldInfo``) or of an ``Annotated`` range type such as :data:`Ratio`."""
     lo = hi = None
-    for m in info.metadata:
+    metadata = list(getattr(info, "metadata", ()))
+    for extra in get_args(info)[1:]:  # Annotated[float, Field(ge=..)]: the FieldInfo's own metadata
+        metadata += list(getattr(extra, "metadata", ()))
+    for m in metadata:
         for name, bracket in (("ge", "["), ("gt", "(")):
             if getattr(m, name, None) is not None:
                 lo = (bracket, getattr(m, name))

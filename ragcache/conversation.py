@@ -1,6 +1,7 @@
 """Multi-turn conversations: turns, and which text a follow-up question retrieves with.
 
-Owns: :class:`Turn` (one earlier message), :func:`split_messages` (a chat message list -> the
+Owns: :class:`Turn` (one earlier message), :class:`Question` and :func:`check_question` (the one
+check that there is something to answer), :func:`split_messages` (a chat message list -> the
 question and the earlier turns) and the *retrieval-query rule* (:func:`retrieval_query`). How the
 turns enter the prompt is :mod:`ragcache.prompt`'s template (after the retrieved chunks, so the
 chunk KV reuse is unchanged). Pure Python: imports nothing else from ragcache, no vLLM, no app/ or ui/.
@@ -46,6 +47,29 @@ CONTINUATIONS = ("and ", "also ", "but ", "so ", "what about ", "how about ")
 _WORD = re.compile(r"[a-z']+")
 
 
+class EmptyQuestionError(ValueError):
+    """The question is empty or only white space."""
+
+
+class Question(str):
+    """A question :func:`check_question` accepted: the check is not run again on it (the CLI checks
+    before its engine starts, the pipeline where a request enters the SDK; each passes on this)."""
+
+
+def check_question(question: str) -> Question:
+    """``question`` as a :class:`Question` when there is something to answer (a Question is
+    returned as is: it was checked when it was made).
+
+    Raises:
+        EmptyQuestionError: ``question`` is empty or only white space.
+    """
+    if isinstance(question, Question):
+        return question
+    if not question or not question.strip():
+        raise EmptyQuestionError("the question is empty; ask something")
+    return Question(question)
+
+
 @dataclass(frozen=True)
 class Turn:
     """One earlier message of a conversation.
@@ -59,7 +83,7 @@ class Turn:
     content: str
 
 
-def split_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[Turn]]:
+def split_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[Question, list[Turn]]:
     """A chat message list (``[{"role", "content"}, ...]``, oldest first) as ``(question, history)``.
 
     The last message must be the user's: it is the question; every message before it is the
@@ -81,10 +105,14 @@ def split_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[Tur
             raise ValueError(f"messages[{i}].content must be a string")
         turns.append(Turn(role, content))
     last = turns[-1]
-    if last.role != "user" or not last.content.strip():
+    try:
+        if last.role != "user":
+            raise EmptyQuestionError(last.role)
+        question = check_question(last.content)
+    except EmptyQuestionError:
         raise ValueError(f"messages[{len(turns) - 1}] must be a non-empty user message: the last message is the "
-                         "question")
-    return last.content, turns[:-1]
+                         "question") from None
+    return question, turns[:-1]
 
 
 def refers_back(question: str) -> bool:

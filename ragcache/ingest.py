@@ -25,7 +25,6 @@ import hashlib
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from ragcache.index import (
     swap_in,
 )
 from ragcache.models import TokenizerInfo, load_embed_model, load_tokenizer
+from ragcache.progress import progress
 
 if TYPE_CHECKING:  # llama-index loads when an ingest runs: the input checks stay light
     from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -210,7 +210,8 @@ class Ingestor:
         index: index name under ``ingest.index_dir``, or a folder path (:func:`resolve_index_path`).
         kv_hook: called with the newly added chunks after they are indexed and before the new
             index is published; None skips KV precompute.
-        show_progress: tqdm bars on stderr (reading: files and chunks; embedding: chunks, tok/s).
+        show_progress: progress on stderr (reading: files and chunks; embedding: chunks, tok/s): bars
+            on a terminal, a line every few seconds in a log (:func:`ragcache.progress.progress`).
         embed_model / tokenizer: already loaded models to reuse (default: the configured ones).
         namespace: the index's own KV namespace, recorded at its first ingest; None = keep the
             recorded one ("" for a new index: the store namespace alone).
@@ -408,8 +409,6 @@ class Ingestor:
         return Index.create(build, self.embed_model)
 
     def _run(self, paths: Sequence[str | os.PathLike[str]], prune: bool, report: IngestReport) -> None:
-        from tqdm import tqdm
-
         from ragcache.readers import SkipFile
 
         index = self._load_existing()
@@ -446,7 +445,7 @@ class Ingestor:
                 report.files_unchanged += 1
                 continue
             changed.append((path, st, sha))
-        bar = tqdm(total=len(changed), desc="reading", unit="file", disable=not self.show_progress, file=sys.stderr)
+        bar = progress(total=len(changed), desc="reading", unit="file", disable=not self.show_progress)
         self._left_out = {}
         for (path, st, sha), docs in zip(changed, self._read_files([p for p, _, _ in changed])):
             key = str(path)
@@ -559,8 +558,6 @@ class Ingestor:
 
     def _embed(self, pending: list[_Pending], total: int) -> None:
         """Embed the pending chunks in batches (llama-index embedding model) and build their nodes."""
-        from tqdm import tqdm
-
         nodes = []
         for p in pending:
             p.nodes = [chunk_to_node(c, source=p.source) for c in p.chunks]
@@ -571,7 +568,7 @@ class Ingestor:
 
         embed_model = self.embed_model  # load before the bar starts: tok/s is embedding only
         t0, tokens = time.perf_counter(), 0
-        with tqdm(total=total, desc="embedding", unit="chunk", disable=not self.show_progress, file=sys.stderr) as bar:
+        with progress(total=total, desc="embedding", unit="chunk", disable=not self.show_progress) as bar:
             for i in range(0, len(nodes), _EMBED_BATCH):
                 batch = nodes[i:i + _EMBED_BATCH]
                 vectors = embed_model.get_text_embedding_batch(

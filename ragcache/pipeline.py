@@ -15,6 +15,11 @@ Example::
     follow_up = rag.query("And if I lost my phone?", history=[Turn("user", answer.question),
                                                              Turn("assistant", answer.text)])
 
+Options: how to answer is one :class:`~ragcache.options.QueryOptions` (mode, top_k, max_tokens,
+recompute_ratio, selection, sampling, history), passed as ``options=`` or built here from keyword
+arguments (``rag.query(q, mode="full", top_k=3)``), validated once either way and handed on
+unchanged (the engine gets it with the recompute ratio the pipeline resolved, :meth:`RAGPipeline.recompute_ratio`).
+
 Async: ``aquery`` / ``astream`` (and ``aprepare`` + ``astream_answer``, which let a server show the
 sources before the answer) are native on an :class:`~ragcache.engine.async_engine.AsyncBlendEngine`
 (concurrent requests are batched by vLLM). On a :class:`~ragcache.engine.BlendEngine` they run the
@@ -35,12 +40,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ragcache.config import Settings
-from ragcache.conversation import Turn, retrieval_query
-from ragcache.engine.messages import RequestMetrics
+from ragcache.conversation import Turn, check_question, retrieval_query
+from ragcache.engine.messages import RequestMetrics, StoreStats
+from ragcache.options import DEFAULTS, QueryOptions, options_from
 
 if TYPE_CHECKING:
     from ragcache.index import Calibration
-    from ragcache.engine import AsyncBlendEngine, BlendEngine, Generation, SamplingOptions
+    from ragcache.engine import AsyncBlendEngine, BlendEngine, Generation
     from ragcache.ingest import IngestReport
     from ragcache.prompt import AssembledPrompt
     from ragcache.retrieval import RetrievedChunk, Retriever
@@ -108,6 +114,7 @@ class Retrieval:
             the whole conversation does not fit ``engine.max_model_len``).
         retrieval_s: seconds of question embedding + search.
         t0: ``time.perf_counter()`` when the question arrived.
+        options: the request's options, as they were given (the answer uses the same).
     """
 
     question: str
@@ -116,6 +123,7 @@ class Retrieval:
     history: list[Turn]
     retrieval_s: float
     t0: float
+    options: QueryOptions = DEFAULTS
 
     @property
     def sources(self) -> list[Source]:
@@ -202,17 +210,20 @@ class RAGPipeline:
         """The index's own KV namespace ("" = none), as its manifest records it."""
         return self.retriever.index.manifest.namespace
 
-    def retrieve(self, question: str, top_k: int | None = None) -> list["RetrievedChunk"]:
-        """Top-k chunks for ``question``, in stable order (same set -> same order).
+    def retrieve(self, question: str, options: QueryOptions | None = None, **fields: Any) -> list["RetrievedChunk"]:
+        """Top-k chunks for ``question`` (``top_k`` of the options, as :meth:`query` takes them; default
+        ``retrieval.top_k``), in stable order (same set -> same order).
 
         Raises:
-            EmptyQuestionError: empty question. IndexNotFoundError / EmptyIndexError: nothing ingested.
+            EmptyQuestionError: empty question. QueryOptionsError: an option out of range.
+            IndexNotFoundError / EmptyIndexError: nothing ingested.
         """
-        from ragcache.prompt import check_question
+        return self._search(check_question(question), options_from(options, fields).top_k)
+
+    def _search(self, text: str, top_k: int | None) -> list["RetrievedChunk"]:
         from ragcache.retrieval import stable_order
 
-        check_question(question)
-        found = self.retriever.retrieve(question, self.settings.retrieval.top_k if top_k is None else top_k)
+        found = self.retriever.retrieve(text, self.settings.retrieval.top_k if top_k is None else top_k)
         if not found:
             raise EmptyIndexError(f"the index {self.index_path} has no chunks; run `ragcache ingest PATH "
                                   f"--index {self.index_name}` first")
@@ -227,24 +238,25 @@ class RAGPipeline:
         if self.is_async:
             raise TypeError(f"this pipeline runs on an AsyncBlendEngine: use `await a{method}(...)`")
 
-    def prepare(self, question: str, top_k: int | None = None, *, history: Sequence[Turn] = ()) -> Retrieval:
-        """Retrieve chunks for ``question`` (after ``history``) and assemble the prompt.
+    def prepare(self, question: str, options: QueryOptions = DEFAULTS) -> Retrieval:
+        """Retrieve chunks for ``question`` (after ``options.history``) and assemble the prompt.
 
         Retrieval uses :func:`ragcache.conversation.retrieval_query` (the previous user message is
         added to a short or referring follow-up). When question, chunks and history exceed
-        ``engine.max_model_len``, the oldest turns are dropped until the prompt fits.
+        ``engine.max_model_len``, the oldest turns are dropped until the prompt fits. The question is
+        checked here, once (:func:`~ragcache.conversation.check_question`).
 
         Raises:
-            ValueError: empty question. PromptTooLongError: the question over the chunks alone does not
-            fit. EmptyIndexError / IndexNotFoundError: nothing ingested.
+            EmptyQuestionError: empty question. PromptTooLongError: the question over the chunks alone
+            does not fit. EmptyIndexError / IndexNotFoundError: nothing ingested.
         """
-        from ragcache.prompt import PromptTooLongError, check_question
+        from ragcache.prompt import PromptTooLongError
 
         t0 = time.perf_counter()
-        check_question(question)
-        turns = list(history)
+        question = check_question(question)
+        turns = list(options.history)
         with self._lock:
-            found = self.retrieve(retrieval_query(question, turns), top_k)
+            found = self._search(retrieval_query(question, turns), options.top_k)
         retrieval_s = time.perf_counter() - t0
         chunks = [r.chunk for r in found]
         while True:
@@ -256,12 +268,11 @@ class RAGPipeline:
                     raise
                 turns = turns[1:]  # drop the oldest turn
                 log.info("conversation does not fit engine.max_model_len: dropped its oldest turn")
-        return Retrieval(question, found, prompt, turns, retrieval_s, t0)
+        return Retrieval(question, found, prompt, turns, retrieval_s, t0, options)
 
-    async def aprepare(self, question: str, top_k: int | None = None, *,
-                       history: Sequence[Turn] = ()) -> Retrieval:
+    async def aprepare(self, question: str, options: QueryOptions = DEFAULTS) -> Retrieval:
         """:meth:`prepare` in a worker thread (question embedding and search are CPU work)."""
-        return await asyncio.to_thread(self.prepare, question, top_k, history=history)
+        return await asyncio.to_thread(self.prepare, question, options)
 
     @staticmethod
     def _answer(r: Retrieval, gen: "Generation", ratio_source: str) -> Answer:
@@ -314,102 +325,101 @@ class RAGPipeline:
                         "blend.fallback_ratio = %g", self.index_name, why, b.fallback_ratio)
         return b.fallback_ratio, "fallback"
 
-    def query(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-              max_tokens: int | None = None, recompute_ratio: float | None = None,
-              history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None) -> Answer:
+    def _for_engine(self, options: QueryOptions) -> tuple[QueryOptions, str]:
+        """``options`` as the engine gets them, and where the blend's ratio came from: in blend mode
+        without a ratio of the request's own, the pipeline's (:meth:`recompute_ratio`) is filled in;
+        everything else passes unchanged."""
+        if (options.mode or self.settings.engine.mode) != "blend":
+            return options, ""
+        ratio, source = self.recompute_ratio(options.recompute_ratio)
+        return (options if options.recompute_ratio is not None else options.with_ratio(ratio)), source
+
+    def query(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Answer:
         """Answer ``question`` from the index.
 
         Args:
-            mode: full, prefix, reuse or blend (default ``engine.mode``).
-            top_k: chunks to retrieve (default ``retrieval.top_k``).
-            recompute_ratio: override ``blend.recompute_ratio`` for this query (see :meth:`recompute_ratio`
-                for where the ratio comes from otherwise; ``answer.metrics.ratio_source`` says which).
-            history: earlier turns of the conversation, oldest first (see :meth:`prepare`).
-            sampling: temperature, top_p, stop strings, seed (default greedy).
+            options: how to answer (:class:`~ragcache.options.QueryOptions`); or, instead, its fields
+                as keyword arguments, validated here: ``mode`` (full, prefix, reuse or blend; default
+                ``engine.mode``), ``top_k`` (default ``retrieval.top_k``), ``max_tokens``,
+                ``recompute_ratio`` (overrides ``blend.recompute_ratio``; see :meth:`recompute_ratio`
+                for where the ratio comes from otherwise, ``answer.metrics.ratio_source`` says which),
+                ``selection``, ``sampling`` (:class:`~ragcache.options.SamplingOptions`, default
+                greedy) and ``history`` (earlier turns, oldest first; see :meth:`prepare`).
 
         Raises:
-            ValueError: empty question, unknown mode or bad sampling values. PromptTooLongError: the
-            prompt does not fit ``engine.max_model_len``. EmptyIndexError / IndexNotFoundError:
-            nothing ingested. TypeError: the engine is an AsyncBlendEngine (use :meth:`aquery`).
+            QueryOptionsError: an option out of range (a ValueError naming it). EmptyQuestionError:
+            empty question. PromptTooLongError: the prompt does not fit ``engine.max_model_len``.
+            EmptyIndexError / IndexNotFoundError: nothing ingested. TypeError: the engine is an
+            AsyncBlendEngine (use :meth:`aquery`), or both ``options`` and keyword fields.
         """
         self._require_sync("query")
+        opts = options_from(options, fields)
         with self._lock:
-            r = self.prepare(question, top_k, history=history)
-            ratio, source = self.recompute_ratio(recompute_ratio)
-            gen = self.engine.generate(r.prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio,
-                                       sampling=sampling)
+            r = self.prepare(question, opts)
+            engine_opts, source = self._for_engine(opts)
+            gen = self.engine.generate(r.prompt, engine_opts)
         return self._answer(r, gen, source)
 
-    def stream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-               max_tokens: int | None = None, recompute_ratio: float | None = None,
-               history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None) -> Iterator[str | Answer]:
+    def stream(self, question: str, options: QueryOptions | None = None,
+               **fields: Any) -> Iterator[str | Answer]:
         """Yield the answer's text pieces as they are decoded, then the :class:`Answer` (arguments as
         :meth:`query`)."""
         self._require_sync("stream")
+        opts = options_from(options, fields)
         with self._lock:
-            r = self.prepare(question, top_k, history=history)
-            ratio, source = self.recompute_ratio(recompute_ratio)
-            for item in self.engine.stream(r.prompt, mode, max_tokens=max_tokens, recompute_ratio=ratio,
-                                           sampling=sampling):
+            r = self.prepare(question, opts)
+            engine_opts, source = self._for_engine(opts)
+            for item in self.engine.stream(r.prompt, engine_opts):
                 yield item if isinstance(item, str) else self._answer(r, item, source)
 
     # ---- async -----------------------------------------------------------------------------
 
-    async def aquery(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-                     max_tokens: int | None = None, recompute_ratio: float | None = None,
-                     history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None) -> Answer:
+    async def aquery(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Answer:
         """:meth:`query` as a coroutine: native on an AsyncBlendEngine (concurrent calls are batched by
         vLLM), a worker thread on a BlendEngine. Cancelling it aborts the vLLM request (on a
         BlendEngine the request runs to its end). Raises as :meth:`query`."""
-        r = await self.aprepare(question, top_k, history=history)
-        return await self.aanswer(r, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, sampling=sampling)
+        r = await self.aprepare(question, options_from(options, fields))
+        return await self.aanswer(r)
 
-    async def aanswer(self, r: Retrieval, mode: str | None = None, *, max_tokens: int | None = None,
-                      recompute_ratio: float | None = None, sampling: "SamplingOptions | None" = None) -> Answer:
-        """Answer a prepared :class:`Retrieval` (from :meth:`aprepare`); arguments as :meth:`query`."""
-        ratio, source = self.recompute_ratio(recompute_ratio)
-        kwargs = dict(max_tokens=max_tokens, recompute_ratio=ratio, sampling=sampling)
+    async def aanswer(self, r: Retrieval) -> Answer:
+        """Answer a prepared :class:`Retrieval` (from :meth:`aprepare`) with the options it was prepared with."""
+        engine_opts, source = self._for_engine(r.options)
         if self.is_async:
-            gen = await self.engine.generate(r.prompt, mode, **kwargs)
+            gen = await self.engine.generate(r.prompt, engine_opts)
         else:
-            gen = await asyncio.to_thread(self.engine.generate, r.prompt, mode, **kwargs)
+            gen = await asyncio.to_thread(self.engine.generate, r.prompt, engine_opts)
         return self._answer(r, gen, source)
 
-    async def astream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-                      max_tokens: int | None = None, recompute_ratio: float | None = None,
-                      history: Sequence[Turn] = (), sampling: "SamplingOptions | None" = None
-                      ) -> AsyncIterator[str | Answer]:
+    async def astream(self, question: str, options: QueryOptions | None = None,
+                      **fields: Any) -> AsyncIterator[str | Answer]:
         """:meth:`stream` as an async iterator: text pieces, then the :class:`Answer`."""
-        r = await self.aprepare(question, top_k, history=history)
-        async with aclosing(self.astream_answer(r, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio,
-                                                sampling=sampling)) as items:
+        r = await self.aprepare(question, options_from(options, fields))
+        async with aclosing(self.astream_answer(r)) as items:
             async for item in items:
                 yield item
 
-    async def astream_answer(self, r: Retrieval, mode: str | None = None, *, max_tokens: int | None = None,
-                             recompute_ratio: float | None = None,
-                             sampling: "SamplingOptions | None" = None) -> AsyncIterator[str | Answer]:
-        """Stream the answer to a prepared :class:`Retrieval` (from :meth:`aprepare`): text pieces, then
-        the :class:`Answer`. A consumer that stops early aborts the vLLM request (on a BlendEngine,
-        after the next decoded piece)."""
-        ratio, source = self.recompute_ratio(recompute_ratio)
-        kwargs = dict(max_tokens=max_tokens, recompute_ratio=ratio, sampling=sampling)
+    async def astream_answer(self, r: Retrieval) -> AsyncIterator[str | Answer]:
+        """Stream the answer to a prepared :class:`Retrieval` (from :meth:`aprepare`, with its
+        options): text pieces, then the :class:`Answer`. A consumer that stops early aborts the vLLM
+        request (on a BlendEngine, after the next decoded piece)."""
+        engine_opts, source = self._for_engine(r.options)
         if self.is_async:
-            items = self.engine.stream(r.prompt, mode, **kwargs)
+            items = self.engine.stream(r.prompt, engine_opts)
         else:
-            items = _iterate_in_thread(lambda: self.engine.stream(r.prompt, mode, **kwargs))
+            items = _iterate_in_thread(lambda: self.engine.stream(r.prompt, engine_opts))
         async with aclosing(items):
             async for item in items:
                 yield item if isinstance(item, str) else self._answer(r, item, source)
 
     # ---- cache -----------------------------------------------------------------------------
 
-    def cache_stats(self) -> dict[str, Any]:
-        """Per-tier KV store stats (hits, misses, hit_rate, occupancy, capacity, ...)."""
+    def cache_stats(self) -> StoreStats:
+        """Per-tier KV store stats (:class:`~ragcache.engine.messages.StoreStats`: hits, misses,
+        hit_rate, entries, occupancy, capacity, ... per tier)."""
         self._require_sync("cache_stats")
         return self.engine.store_stats()
 
-    async def acache_stats(self) -> dict[str, Any]:
+    async def acache_stats(self) -> StoreStats:
         """:meth:`cache_stats` as a coroutine (either engine)."""
         if self.is_async:
             return await self.engine.store_stats()

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from ragcache.chunks import Chunk, ChunkKey, kv_namespace
 from ragcache.config import PromptSettings
-from ragcache.conversation import Turn
+from ragcache.conversation import EmptyQuestionError, Question, Turn, check_question  # noqa: F401 (re-exported)
 from ragcache.models import encode
 
 _CTX = "\u2063RAGCACHE_CONTEXT\u2063"
@@ -87,21 +87,6 @@ def is_canonical(start: int, head_ids: Sequence[int]) -> bool:
 
 class PromptTooLongError(ValueError):
     """The assembled prompt does not fit the model's context (max_model_len)."""
-
-
-class EmptyQuestionError(ValueError):
-    """The question is empty or only white space."""
-
-
-def check_question(question: str) -> str:
-    """Return ``question`` when there is something to answer.
-
-    Raises:
-        EmptyQuestionError: ``question`` is empty or only white space.
-    """
-    if not question or not question.strip():
-        raise EmptyQuestionError("the question is empty; ask something")
-    return question
 
 
 @dataclass(frozen=True)

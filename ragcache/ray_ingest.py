@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ragcache.chunks import Chunk
+from ragcache.engine.messages import PrecomputeReport
 from ragcache.ingest import IngestError, Ingestor, KVPrecomputeError, _Pending
 
 if TYPE_CHECKING:
@@ -123,10 +124,10 @@ class _KVPrecompute:
         rows = _rows(batch)
         out = self.engine.precompute([_row_chunk(r) for r in rows], show_progress=False, namespace=self.namespace)
         for r in rows:  # per row: what the batch did (the driver sums distinct batches)
-            r["kv_computed"] = int(out["computed"])
-            r["kv_tokens"] = int(out["tokens"])
+            r["kv_computed"] = out.computed
+            r["kv_tokens"] = out.tokens
             r["kv_batch"] = min(str(x["chunk_id"]) for x in rows) + f":{len(rows)}"
-            r["kv_stored"] = ",".join(f"{t}={n}" for t, n in out["stored"].items())
+            r["kv_stored"] = ",".join(f"{t}={n}" for t, n in out.stored.items())
         return _columns(rows)
 
 
@@ -175,7 +176,7 @@ class RayIngestor(Ingestor):
         self.precompute_kv = precompute_kv
         self.ray_address = ray_address or ""
         #: what the KV stage did: computed, tokens, per tier the entries stored
-        self.kv_totals: dict[str, Any] = {"computed": 0, "tokens": 0, "stored": {}}
+        self.kv_totals = PrecomputeReport()  # summed over distinct batches (rows carry no seconds and no keys)
         self._started_ray = False
 
     # ---- Ray itself
@@ -278,11 +279,9 @@ class RayIngestor(Ingestor):
             if self.precompute_kv:
                 batches[str(r["kv_batch"])] = r
         for b in batches.values():
-            self.kv_totals["computed"] += int(b["kv_computed"])
-            self.kv_totals["tokens"] += int(b["kv_tokens"])
-            for part in filter(None, str(b["kv_stored"]).split(",")):
-                tier, n = part.split("=")
-                self.kv_totals["stored"][tier] = self.kv_totals["stored"].get(tier, 0) + int(n)
+            stored = dict(part.split("=") for part in filter(None, str(b["kv_stored"]).split(",")))
+            self.kv_totals.add(PrecomputeReport(computed=int(b["kv_computed"]), tokens=int(b["kv_tokens"]),
+                                                stored={tier: int(n) for tier, n in stored.items()}))
         for p in pending:
             found = by_doc.get(p.doc.id_, {})
             p.chunks = [_row_chunk(found[i]) for i in sorted(found)]

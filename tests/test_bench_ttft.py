@@ -8,6 +8,7 @@ from ragcache.bench.common import answer_ids
 from ragcache.bench.datasets import load_qa, make_chunks
 from ragcache.bench.metrics import mean_nll
 from ragcache.bench.ttft import run_eval
+from ragcache.options import QueryOptions
 from tests.conftest import shared_data
 
 pytestmark = pytest.mark.integration
@@ -20,9 +21,9 @@ def test_gold_answer_scoring_matches_across_exact_paths_and_eval_reports_quality
     engine.precompute(chunks)
     prompt = engine.prompts.build(ex.question, chunks)
     gold = answer_ids(engine, ex.answers[0])
-    full = engine.continuation_logprobs(prompt, gold, "full")
-    blend_all = engine.continuation_logprobs(prompt, gold, "blend", recompute_ratio=1.0)
-    reuse = engine.continuation_logprobs(prompt, gold, "reuse")
+    full = engine.continuation_logprobs(prompt, gold, QueryOptions(mode="full"))
+    blend_all = engine.continuation_logprobs(prompt, gold, QueryOptions(mode="blend", recompute_ratio=1.0))
+    reuse = engine.continuation_logprobs(prompt, gold, QueryOptions(mode="reuse"))
     assert len(full) == len(gold) and all(lp <= 0 for lp in full)
     assert blend_all == pytest.approx(full, abs=5e-3)
     assert reuse != pytest.approx(full, abs=1e-3)  # two chunks moved without recompute: not exact

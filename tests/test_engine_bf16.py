@@ -26,6 +26,7 @@ from __future__ import annotations
 import pytest
 
 from ragcache.bench.metrics import kl_divergence, mean_nll
+from ragcache.options import QueryOptions
 from tests.test_engine_blend import FACTS, make_chunks
 
 pytestmark = pytest.mark.integration
@@ -62,15 +63,15 @@ def bf16_chunks(bf16_engine):
 
 def assert_close_to_full(engine, prompt, mode, **kwargs):
     max_kl, max_nll_rel, same_tokens = BOUNDS[engine.worker.attention]
-    full = engine.generate(prompt, "full", max_tokens=12, logprobs=-1)
-    got = engine.generate(prompt, mode, max_tokens=12, logprobs=-1, **kwargs)
+    full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=12), logprobs=-1)
+    got = engine.generate(prompt, QueryOptions(mode=mode, max_tokens=12, **kwargs), logprobs=-1)
     assert got.token_ids[0] == full.token_ids[0], (full.text, got.text)
     if same_tokens:
         assert got.token_ids == full.token_ids, (full.text, got.text)
     kl = kl_divergence(full.first_token_logprobs, got.first_token_logprobs)
     assert kl <= max_kl, (kl, full.text, got.text)
-    exact = mean_nll(engine.continuation_logprobs(prompt, full.token_ids, "prefix"))
-    served = mean_nll(engine.continuation_logprobs(prompt, full.token_ids, mode, **kwargs))
+    exact = mean_nll(engine.continuation_logprobs(prompt, full.token_ids, QueryOptions(mode="prefix")))
+    served = mean_nll(engine.continuation_logprobs(prompt, full.token_ids, QueryOptions(mode=mode, **kwargs)))
     assert abs(served / exact - 1) <= max_nll_rel, (served, exact)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.models import encode
+from ragcache.options import QueryOptions
 from tests.conftest import shared_data
 
 pytestmark = pytest.mark.integration
@@ -48,8 +49,8 @@ def test_ratio_one_reproduces_full_prefill(engine, fact_chunks):
     orders = [fact_chunks, fact_chunks[::-1], fact_chunks[1:3]]
     for q, chunks in zip(questions, orders):
         prompt = engine.prompts.build(q, chunks)
-        full = engine.generate(prompt, "full", max_tokens=16)
-        blend = engine.generate(prompt, "blend", max_tokens=16, recompute_ratio=1.0)
+        full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=16))
+        blend = engine.generate(prompt, QueryOptions(mode="blend", max_tokens=16, recompute_ratio=1.0))
         assert blend.token_ids == full.token_ids, (q, full.text, blend.text)
         assert blend.metrics.recomputed_tokens == prompt.ctx_len
         assert full.metrics.reused_tokens == 0
@@ -58,15 +59,15 @@ def test_ratio_one_reproduces_full_prefill(engine, fact_chunks):
 def test_single_chunk_at_canonical_position_reuse_is_exact(engine, fact_chunks):
     for chunk in fact_chunks[:2]:
         prompt = engine.prompts.build("Summarize the document in one sentence.", [chunk])
-        full = engine.generate(prompt, "full", max_tokens=20)
-        reuse = engine.generate(prompt, "reuse", max_tokens=20)
+        full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=20))
+        reuse = engine.generate(prompt, QueryOptions(mode="reuse", max_tokens=20))
         assert reuse.token_ids == full.token_ids, (full.text, reuse.text)
         assert reuse.metrics.recomputed_tokens == 0 and reuse.metrics.reused_tokens == prompt.ctx_len
 
 
 def test_blend_reuses_and_reports_metrics(engine, fact_chunks):
     prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
-    g = engine.generate(prompt, "blend")
+    g = engine.generate(prompt, QueryOptions(mode="blend"))
     m = g.metrics
     assert m.mode == "blend" and m.ttft_s > 0 and m.prompt_tokens == len(prompt.token_ids)
     assert m.reused_tokens > 0 and 0 < m.recomputed_tokens < prompt.ctx_len
@@ -81,21 +82,21 @@ def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks)
     engine.forget(new)
     assert engine.stored_tiers(new) == [None]
     prompt = engine.prompts.build("What instrument do Zorbian children learn?", fact_chunks[:1] + new)
-    first = engine.generate(prompt, "blend")
+    first = engine.generate(prompt, QueryOptions(mode="blend"))
     assert first.metrics.chunk_tiers[-1] == "computed" and first.text.strip()
     assert engine.stored_tiers(new)[0] is not None
-    second = engine.generate(prompt, "blend")
+    second = engine.generate(prompt, QueryOptions(mode="blend"))
     assert "computed" not in second.metrics.chunk_tiers
     assert second.token_ids == first.token_ids
 
 
 def test_blended_kv_is_not_a_prefix_hit_for_full(engine, fact_chunks):
     prompt = engine.prompts.build("Where does the parliament meet?", fact_chunks)
-    engine.generate(prompt, "blend")
-    full = engine.generate(prompt, "full")
+    engine.generate(prompt, QueryOptions(mode="blend"))
+    full = engine.generate(prompt, QueryOptions(mode="full"))
     assert full.metrics.num_cached_tokens == 0
-    prefix1 = engine.generate(prompt, "prefix")
-    prefix2 = engine.generate(prompt, "prefix")
+    prefix1 = engine.generate(prompt, QueryOptions(mode="prefix"))
+    prefix2 = engine.generate(prompt, QueryOptions(mode="prefix"))
     assert prefix2.metrics.num_cached_tokens > 0  # prefix mode does use vLLM's exact prefix cache
     assert prefix2.token_ids == prefix1.token_ids == full.token_ids
 
@@ -108,7 +109,7 @@ def test_blend_first_token_closer_to_full_than_reuse_on_musique(engine):
         chunks = make_chunks(engine, texts)
         engine.precompute(chunks)
         prompt = engine.prompts.build(ex["question"], chunks)
-        dists = {mode: engine.generate(prompt, mode, max_tokens=1, logprobs=-1).first_token_logprobs
+        dists = {mode: engine.generate(prompt, QueryOptions(mode=mode, max_tokens=1), logprobs=-1).first_token_logprobs
                  for mode in ("full", "reuse", "blend")}
         kl_blend.append(kl(dists["full"], dists["blend"]))
         kl_reuse.append(kl(dists["full"], dists["reuse"]))
@@ -117,11 +118,11 @@ def test_blend_first_token_closer_to_full_than_reuse_on_musique(engine):
 
 def test_stream_yields_text_then_generation(engine, fact_chunks):
     prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
-    pieces = list(engine.stream(prompt, "blend", max_tokens=12))
+    pieces = list(engine.stream(prompt, QueryOptions(mode="blend", max_tokens=12)))
     final = pieces[-1]
     assert not isinstance(final, str) and all(isinstance(p, str) for p in pieces[:-1])
     assert "".join(pieces[:-1]) == final.text and final.metrics.reused_tokens > 0
-    batch = engine.generate(prompt, "blend", max_tokens=12)
+    batch = engine.generate(prompt, QueryOptions(mode="blend", max_tokens=12))
     assert batch.token_ids == final.token_ids
 
 
@@ -130,10 +131,10 @@ def test_scoring_a_continuation_does_not_show_it_to_the_question_selection(engin
     # scored teacher-forced, it must not take part: two different continuations get the same blend,
     # so the same log-probability for their shared first token, and the one a plain request gets.
     prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
-    g = engine.generate(prompt, "blend", max_tokens=1, logprobs=-1, recompute_ratio=0.3, selection="question")
+    blend = QueryOptions(mode="blend", recompute_ratio=0.3, selection="question")
+    g = engine.generate(prompt, blend.model_copy(update={"max_tokens": 1}), logprobs=-1)
     first = g.token_ids[0]
-    a = engine.continuation_logprobs(prompt, [first, 13], "blend", recompute_ratio=0.3, selection="question")
-    b = engine.continuation_logprobs(prompt, [first] + encode(engine.tokenizer, " Velmora, on the Aster."),
-                                     "blend", recompute_ratio=0.3, selection="question")
+    a = engine.continuation_logprobs(prompt, [first, 13], blend)
+    b = engine.continuation_logprobs(prompt, [first] + encode(engine.tokenizer, " Velmora, on the Aster."), blend)
     assert a[0] == b[0]
     assert a[0] == pytest.approx(g.first_token_logprobs[first], abs=1e-4)

@@ -17,6 +17,7 @@ from tiny_models import ALMANAC, FACTS, start_engine
 
 from ragcache.blend import compute_kv, move_keys
 from ragcache.engine.selfcheck import (
+from ragcache.options import QueryOptions
     TOLERANCES,
     ContextBeyondWindowError,
     first_token_error,
@@ -39,7 +40,7 @@ def family(request, tmp_path_factory):
 
 
 def first_token(engine, prompt, mode, **kwargs) -> dict[int, float]:
-    return engine.generate(prompt, mode, max_tokens=1, logprobs=-1, **kwargs).first_token_logprobs
+    return engine.generate(prompt, QueryOptions(mode=mode, max_tokens=1, **kwargs), logprobs=-1).first_token_logprobs
 
 
 def test_self_check_passes_with_the_family_adapter(family):
@@ -55,8 +56,8 @@ def test_ratio_one_gives_full_prefills_greedy_tokens_on_a_multi_chunk_prompt(fam
     _, engine, chunks = family
     for question, order in [("What is the capital of Zorbia?", chunks), ("Who founded Velmora?", chunks[::-1])]:
         prompt = engine.prompts.build(question, order)
-        full = engine.generate(prompt, "full", max_tokens=8)
-        blend = engine.generate(prompt, "blend", max_tokens=8, recompute_ratio=1.0)
+        full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=8))
+        blend = engine.generate(prompt, QueryOptions(mode="blend", max_tokens=8, recompute_ratio=1.0))
         assert blend.token_ids == full.token_ids, (question, full.token_ids, blend.token_ids)
         assert blend.metrics.recomputed_tokens == prompt.ctx_len
         assert len(set(full.token_ids)) > 1  # the model does not just repeat one token
@@ -69,8 +70,8 @@ def test_ratio_one_gives_full_prefills_greedy_tokens_on_a_multi_chunk_prompt(fam
 def test_chunk_at_its_canonical_position_served_by_reuse_equals_full(family):
     _, engine, chunks = family
     prompt = engine.prompts.build("Summarize the document.", chunks[1:2])
-    full = engine.generate(prompt, "full", max_tokens=8)
-    reuse = engine.generate(prompt, "reuse", max_tokens=8)
+    full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=8))
+    reuse = engine.generate(prompt, QueryOptions(mode="reuse", max_tokens=8))
     assert reuse.token_ids == full.token_ids
     assert reuse.metrics.reused_tokens == prompt.ctx_len and reuse.metrics.recomputed_tokens == 0
     assert first_token_error(first_token(engine, prompt, "full"), first_token(engine, prompt, "reuse")) < 1e-4
@@ -109,10 +110,11 @@ def test_mistral_sliding_window_exact_within_and_refused_beyond(family):
     chunks = probe_chunks(engine.tokenizer, ALMANAC, doc_id="almanac")
     short = engine.prompts.build("What is kelmet?", chunks[:3])
     assert short.ctx_len <= 256
-    assert engine.generate(short, "blend", recompute_ratio=1.0).token_ids == engine.generate(short, "full").token_ids
+    full = engine.generate(short, QueryOptions(mode="full"))
+    assert engine.generate(short, QueryOptions(mode="blend", recompute_ratio=1.0)).token_ids == full.token_ids
     long = engine.prompts.build("What is kelmet?", chunks)
     assert long.ctx_len > 256
     for mode in ("blend", "reuse"):
         with pytest.raises(ContextBeyondWindowError, match=r"sliding window of 256 tokens.*--mode full"):
-            engine.generate(long, mode)
-    assert len(engine.generate(long, "full").token_ids) == 8  # full still serves it (vLLM's own window)
+            engine.generate(long, QueryOptions(mode=mode))
+    assert len(engine.generate(long, QueryOptions(mode="full")).token_ids) == 8  # full serves it (vLLM's own window)

@@ -13,6 +13,7 @@ from tiny_models import ALMANAC, FACTS, start_engine
 
 from ragcache.engine import ops as engine_ops
 from ragcache.engine.selfcheck import TOLERANCES, BlendUnavailableError, probe_chunks
+from ragcache.options import QueryOptions
 
 pytestmark = pytest.mark.integration
 
@@ -27,12 +28,13 @@ def test_qwen3_served_by_the_llama_adapter_fails_the_self_check(tmp_path_factory
         prompt = engine.prompts.build("What is the capital of Zorbia?", probe_chunks(engine.tokenizer, FACTS))
         for mode in ("blend", "reuse"):
             with pytest.raises(BlendUnavailableError, match=r"Qwen3ForCausalLM.*self-check.*--mode full") as err:
-                engine.generate(prompt, mode)
+                engine.generate(prompt, QueryOptions(mode=mode))
             assert str(err.value) == support.reason
         with pytest.raises(BlendUnavailableError):
             engine.precompute(probe_chunks(engine.tokenizer, FACTS))
-        assert len(engine.generate(prompt, "full").token_ids) == 8
-        assert engine.generate(prompt, "prefix").token_ids == engine.generate(prompt, "full").token_ids
+        assert len(engine.generate(prompt, QueryOptions(mode="full")).token_ids) == 8
+        prefix, full = QueryOptions(mode="prefix"), QueryOptions(mode="full")
+        assert engine.generate(prompt, prefix).token_ids == engine.generate(prompt, full).token_ids
     finally:
         engine.close()
 
@@ -48,11 +50,12 @@ def test_unsupported_architecture_gives_the_named_error_and_full_and_prefix_work
         prompt = engine.prompts.build("What is the capital of Zorbia?", probe_chunks(engine.tokenizer, ALMANAC))
         for mode in ("blend", "reuse"):
             with pytest.raises(BlendUnavailableError, match="no DecoderOps adapter is registered"):
-                engine.generate(prompt, mode)
+                engine.generate(prompt, QueryOptions(mode=mode))
         with pytest.raises(BlendUnavailableError):
             engine.precompute(probe_chunks(engine.tokenizer, FACTS))
-        full = engine.generate(prompt, "full")
-        first, second = engine.generate(prompt, "prefix"), engine.generate(prompt, "prefix")
+        full = engine.generate(prompt, QueryOptions(mode="full"))
+        prefix = QueryOptions(mode="prefix")
+        first, second = engine.generate(prompt, prefix), engine.generate(prompt, prefix)
         assert len(full.token_ids) == 8 and first.token_ids == second.token_ids == full.token_ids
         assert second.metrics.num_cached_tokens >= 128  # vLLM's own prefix cache serves whole blocks
     finally:

@@ -69,12 +69,12 @@ def ask(probe: Probe, question: str, rag=None):
     after = probe.engine.store_stats()
     tiers = answer.metrics.tier_hits
     assert sum(tiers.values()) == len(answer.sources) == TOP_K
-    lookups = {name: after[name]["lookups"] - before[name]["lookups"] for name in after}
+    lookups = {name: after.tiers[name].lookups - before.tiers[name].lookups for name in after.tiers}
     assert set(lookups.values()) == {TOP_K}
     for name in after:
-        assert after[name]["hits"] - before[name]["hits"] == tiers.get(name, 0), (name, tiers)
-        assert after[name]["hits"] + after[name]["misses"] == after[name]["lookups"]
-    served = sum(after[n]["hits"] - before[n]["hits"] for n in after)
+        assert after.tiers[name].hits - before.tiers[name].hits == tiers.get(name, 0), (name, tiers)
+        assert after.tiers[name].hits + after.tiers[name].misses == after.tiers[name].lookups
+    served = sum(after.tiers[n].hits - before.tiers[n].hits for n in after.tiers)
     assert TOP_K - served == tiers.get("computed", 0)
     return answer
 
@@ -178,8 +178,8 @@ def test_damaged_kv_is_never_served_and_each_damage_is_counted_as_a_miss(probe):
     assert_answers_unchanged(probe, {"computed": TOP_K})
 
     after = probe.engine.store_stats()
-    assert after["disk"]["corrupt"] - before["disk"]["corrupt"] == 2 * TOP_K
-    assert after["remote"]["corrupt"] - before["remote"]["corrupt"] == TOP_K
+    assert after.tiers["disk"].corrupt - before.tiers["disk"].corrupt == 2 * TOP_K
+    assert after.tiers["remote"].corrupt - before.tiers["remote"].corrupt == TOP_K
     assert probe.cli("cache", "verify", "--json") == 0  # what is left is intact
 
 
@@ -193,17 +193,17 @@ def test_redis_killed_and_back_costs_nothing_but_hits(probe):
             probe.disk.path(key).unlink(missing_ok=True)
         assert_answers_unchanged(probe, {"computed": TOP_K})  # Redis down: counted, skipped
         after = probe.engine.store_stats()
-        assert after["remote"]["up"] is False
-        assert after["remote"]["unavailable"] - before["remote"]["unavailable"] >= TOP_K
+        assert after.tiers["remote"].up is False
+        assert after.tiers["remote"].unavailable - before.tiers["remote"].unavailable >= TOP_K
     finally:
         probe.redis.start()  # the same port, empty (no persistence)
     deadline = time.monotonic() + 30
-    while not probe.engine.store_stats()["remote"]["up"] and time.monotonic() < deadline:
+    while not probe.engine.store_stats().tiers["remote"].up and time.monotonic() < deadline:
         time.sleep(1)  # the tier is retried after its back-off (2-10 s)
-    assert probe.engine.store_stats()["remote"]["up"]
+    assert probe.engine.store_stats().tiers["remote"].up
     probe.engine.forget(list(probe.rag.retriever.index.chunks()))
     assert ask(probe, QUESTIONS[0]).metrics.tier_hits == {"computed": TOP_K}  # written through to Redis again
-    assert probe.engine.store_stats()["remote"]["entries"] >= TOP_K
+    assert probe.engine.store_stats().tiers["remote"].entries >= TOP_K
     for key in keys:
         os.unlink(probe.disk.path(key))
     assert_answers_unchanged(probe, {"remote": TOP_K})
@@ -217,8 +217,8 @@ def test_a_full_disk_says_how_many_entries_it_could_not_keep_and_answers_stay_ri
     from ragcache.ingest import Ingestor
     from ragcache.pipeline import RAGPipeline
 
-    stats = probe.engine.store_stats()["disk"]
-    assert stats["capacity_bytes"] <= FS_SIZE < stats["configured_capacity_bytes"]
+    stats = probe.engine.store_stats().tiers["disk"]
+    assert stats.capacity_bytes <= FS_SIZE < stats.configured_capacity_bytes
     assert probe.cli("cache", "clear") == 0
     filler = fill(probe.kv, leave_bytes=MiB)  # another program fills the disk: 1 MB left
     try:
@@ -235,8 +235,8 @@ def test_a_full_disk_says_how_many_entries_it_could_not_keep_and_answers_stay_ri
         assert f"stored on disk {on_disk}, remote 3" in lines[0]
         assert any(line.startswith(f"warning: {len(DOCS) - on_disk} of {len(DOCS)} new entries are not on the disk "
                                    "tier (no room:") for line in lines), lines
-        row = probe.engine.store_stats()["disk"]
-        assert row["not_stored"] >= 1 and row["capacity_bytes"] <= 2 * MiB  # the others were stored, then evicted
+        row = probe.engine.store_stats().tiers["disk"]
+        assert row.not_stored >= 1 and row.capacity_bytes <= 2 * MiB  # the others were stored, then evicted
         served = {t: n for t, n in (("disk", on_disk), ("remote", TOP_K - on_disk)) if n}
         for q in QUESTIONS:  # served from Redis (and the disk); the same answer as from the first index's disk KV
             answer = ask(probe, q, rag=full)
@@ -288,7 +288,7 @@ def test_two_namespaces_never_share_kv_on_any_tier(probe):
     shared = RAGPipeline(settings, "zorbia-again", probe.engine)
     before = probe.engine.store_stats()
     shared.ingest([probe.corpus])
-    assert probe.engine.store_stats()["disk"]["bytes_written"] == before["disk"]["bytes_written"]
+    assert probe.engine.store_stats().tiers["disk"].bytes_written == before.tiers["disk"].bytes_written
     assert ask(probe, QUESTIONS[0], rag=shared).metrics.tier_hits.get("computed", 0) == 0
 
 
@@ -305,6 +305,6 @@ def test_counters_add_up_across_processes_in_cache_stats(probe, capsys):
     n = stats["lookups"]["lookups"]
     assert n == next(iter(live.values()))["lookups"] >= 20  # this worker is the only one that counted here
     assert stats["lookups"]["head_lookups"] >= 1
-    assert all(stats["tiers"][t]["hits"] == live[t]["hits"] for t in live)
+    assert all(stats["tiers"][t]["hits"] == live.tiers[t].hits for t in live.tiers)
     assert sum(t["hits"] for t in stats["tiers"].values()) + stats["lookups"]["misses"] == n
     assert all(t["hits"] + t["misses"] == n for t in stats["tiers"].values())

@@ -80,8 +80,8 @@ def test_ray_kv_precompute_stores_the_keys_the_local_path_would(tmp_path):
                              engine={"max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20})
     ing = RayIngestor(settings, "raykv", show_progress=False)
     report = ing.ingest([docs])
-    assert report.chunks_added == 6 and ing.kv_totals["computed"] == 6
-    assert ing.kv_totals["stored"].get("disk") == 6
+    assert report.chunks_added == 6 and ing.kv_totals.computed == 6
+    assert ing.kv_totals.stored.get("disk") == 6
 
     manifest, chunks = catalog(settings).read_chunks("raykv")
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)

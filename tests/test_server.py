@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from ragcache.options import QueryOptions
 
 from tests.test_pipeline import DOCS  # the three Zorbia documents
 
@@ -315,7 +316,7 @@ def test_the_remote_pipeline_answers_with_the_sdk_objects(served):
     assert sum(answer.metrics.tier_hits.values()) == 2
     full = remote.query("What is kelmet?", mode="full", top_k=2, max_tokens=4)
     assert full.metrics.mode == "full" and full.metrics.num_cached_tokens == 0 and full.text
-    assert "cpu" in remote.cache_stats()
+    assert "cpu" in remote.cache_stats().tiers
     with pytest.raises(ServerError, match="names no index"):
         RemotePipeline(url, "nope").query("hi")
 
@@ -377,8 +378,11 @@ def test_out_of_range_seeds_and_lone_surrogates_are_400s_naming_the_field_and_le
     async def bad_seed() -> BaseException:
         prompt = state.engine.prompts.build("What is kelmet?", [])
         try:
-            await state.engine.generate(prompt, "full", max_tokens=2, sampling=SamplingOptions(temperature=1.0,
-                                                                                                seed=2**70))
+            # SamplingOptions refuses the seed itself (as the HTTP schema does): built unchecked here
+            # to show what vLLM does with one
+            sampling = SamplingOptions.model_construct(temperature=1.0, top_p=1.0, stop=(), seed=2**70,
+                                                       ignore_eos=False, min_tokens=0)
+            await state.engine.generate(prompt, QueryOptions(mode="full", max_tokens=2, sampling=sampling))
         except Exception as exc:  # noqa: BLE001 - whatever vLLM raises
             return exc
         raise AssertionError("vLLM took a seed of 2**70")

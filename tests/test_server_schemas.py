@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from ragcache.config import ConfigError, Settings
 from ragcache.conversation import Turn
-from ragcache.engine.messages import RequestMetrics
+from ragcache.engine.messages import RequestMetrics, StoreStats
 from ragcache.pipeline import Answer, Source
 from ragcache.server.metrics import ServerMetrics
 from ragcache.server.run import check_serve_settings, is_loopback
@@ -111,7 +111,8 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
     m = ServerMetrics(["cpu", "disk"])
     m.observe("docs", _answer("blend", ["cpu", "disk", "computed"]))
     m.count_outcome("docs", "blend", "aborted")
-    text = m.render({"cpu": {"occupancy_bytes": 123, "evictions": 2}, "disk": {"occupancy_bytes": 0}}).decode()
+    stats = StoreStats.from_dict({"cpu": {"occupancy_bytes": 123, "evictions": 2}, "disk": {"occupancy_bytes": 0}})
+    text = m.render(stats).decode()
     for line in ('ragcache_chunk_lookups_total{tier="cpu"} 3.0', 'ragcache_chunk_lookups_total{tier="disk"} 2.0',
                  'ragcache_chunk_hits_total{tier="cpu"} 1.0', 'ragcache_chunk_hits_total{tier="disk"} 1.0',
                  'ragcache_tier_bytes{tier="cpu"} 123.0', 'ragcache_evictions_total{tier="cpu"} 2.0',

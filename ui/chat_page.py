@@ -17,6 +17,7 @@ import streamlit as st
 
 from ragcache.config import MODES, Settings
 from ragcache.conversation import Turn
+from ragcache.options import QueryOptions
 from ui import components, state
 
 if TYPE_CHECKING:
@@ -33,15 +34,17 @@ MODE_HELP = ("blend: reuse chunk KV and recompute the HKVD tokens (CacheBlend) Â
 
 
 @dataclass(frozen=True)
-class QueryOptions:
-    mode: str
-    top_k: int
-    recompute_ratio: float | None  # None: the pipeline's own (blend.recompute_ratio, "auto" = calibrated)
+class ChatControls:
+    """The sidebar's choices: the query's options (recompute_ratio None: the pipeline's own,
+    ``blend.recompute_ratio``, "auto" = calibrated) and whether to compare with full prefill."""
+
+    options: QueryOptions
     compare: bool
 
 
-def sidebar_controls(settings: Settings) -> QueryOptions:
-    """Mode, recompute ratio, top_k and the comparison toggle (kept across page switches)."""
+def sidebar_controls(settings: Settings) -> ChatControls:
+    """Mode, recompute ratio, top_k and the comparison toggle (kept across page switches), as the
+    SDK's QueryOptions (the widgets keep to the options' ranges)."""
     with st.sidebar:
         st.subheader("Query")
         mode = st.selectbox("Mode", MODES, index=MODES.index(settings.engine.mode), key="mode",
@@ -60,13 +63,15 @@ def sidebar_controls(settings: Settings) -> QueryOptions:
         if st.button("Clear conversation", icon=":material/delete_sweep:", disabled=not st.session_state[MESSAGES]):
             st.session_state[MESSAGES] = []
             st.session_state[TTFT_LOG] = []
-    return QueryOptions(mode, int(top_k), None if auto else float(ratio), bool(compare) and mode != "full")
+    ratio = None if auto or mode != "blend" else float(ratio)
+    options = QueryOptions(mode=mode, top_k=int(top_k), recompute_ratio=ratio)
+    return ChatControls(options, bool(compare) and mode != "full")
 
 
 def render(settings: Settings, index: str | None) -> None:
     st.session_state.setdefault(MESSAGES, [])
     st.session_state.setdefault(TTFT_LOG, [])
-    opts = sidebar_controls(settings)
+    controls = sidebar_controls(settings)
 
     st.title("ragcache chat")
     if index:
@@ -110,7 +115,7 @@ def render(settings: Settings, index: str | None) -> None:
             log.exception("cannot open index %s", index)
             st.error(state.describe_error(exc, index))
     if question is not None and pipe is not None:
-        ask(pipe, index, question, opts)
+        ask(pipe, index, question, controls)
         with chart_slot.container():
             components.ttft_chart(st.session_state[TTFT_LOG])
     if pipe is not None:
@@ -173,7 +178,7 @@ def conversation(records: list[dict[str, Any]]) -> list[Turn]:
     return turns
 
 
-def ask(pipe: "RAGPipeline | RemotePipeline", index: str, question: str, opts: QueryOptions) -> None:
+def ask(pipe: "RAGPipeline | RemotePipeline", index: str, question: str, controls: ChatControls) -> None:
     """Answer ``question`` (streamed) with the conversation so far, record it, show it; errors become
     an st.error with the fix."""
     history = st.session_state[MESSAGES]
@@ -187,18 +192,19 @@ def ask(pipe: "RAGPipeline | RemotePipeline", index: str, question: str, opts: Q
             if not question.strip():
                 raise ValueError("the question is empty: type a question in the box below")
             holder: dict[str, Any] = {}
-            pieces = _text_pieces(pipe.stream(question, mode=opts.mode, top_k=opts.top_k,
-                                              recompute_ratio=opts.recompute_ratio, history=turns), holder)
+            options = controls.options.model_copy(update={"history": tuple(turns)})
+            pieces = _text_pieces(pipe.stream(question, options), holder)
             try:
                 st.write_stream(pieces)
             finally:
                 pieces.close()
                 if "answer" in holder:
                     record["answer"] = holder["answer"]
-            if opts.compare:
+            if controls.compare:
                 try:
                     with st.spinner("Running the same question with full prefillâ€¦"):
-                        record["full"] = pipe.query(question, mode="full", top_k=opts.top_k, history=turns)
+                        record["full"] = pipe.query(question, options.model_copy(
+                            update={"mode": "full", "recompute_ratio": None}))
                 except Exception as exc:
                     log.warning("full-prefill comparison failed: %s", exc)
                     record["compare_error"] = state.describe_error(exc, index)

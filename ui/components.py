@@ -1,6 +1,6 @@
 """Pieces of the chat page: an answer's metrics strip and sources, the TTFT chart, the cache panel.
 
-Pure rendering from SDK result objects (Answer, QueryMetrics, cache_stats() dicts); no engine calls.
+Pure rendering from SDK result objects (Answer, QueryMetrics, StoreStats); no engine calls.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import streamlit as st
 
 if TYPE_CHECKING:
+    from ragcache.engine.messages import StoreStats
     from ragcache.pipeline import Answer, QueryMetrics, Source
 
 #: tiers top-down, as the store names them; others are appended in the order seen
@@ -105,27 +106,26 @@ def ttft_chart(rows: Sequence[dict[str, Any]]) -> None:
     st.altair_chart(chart, width="stretch")
 
 
-def cache_table(stats: dict[str, dict[str, Any]]) -> None:
+def cache_table(stats: "StoreStats") -> None:
     """Per KV tier: the share of chunk lookups it served (bar), hits / lookups, entries, bytes
     stored of its capacity; then the misses (chunks computed), so the rates add up to 100%."""
     import pandas as pd
 
-    if not stats:
+    if not stats.tiers:
         st.caption("The KV store reports no tiers.")
         return
     rows = []
-    lookups = max((int(s.get("lookups", int(s.get("hits", 0)) + int(s.get("misses", 0)))) for s in stats.values()),
-                  default=0)
-    for tier, s in stats.items():
-        cap = s.get("capacity_bytes")
+    lookups = stats.lookups
+    for tier, s in stats.tiers.items():
+        cap = s.capacity_bytes
         rows.append({
-            "tier": tier + ("" if s.get("up", True) else " (down)"),
-            "hit rate": int(s.get("hits", 0)) / lookups if lookups else 0.0,
-            "hits": f"{s.get('hits', 0)}/{lookups}",
-            "entries": int(s.get("entries", 0)),
-            "stored": f"{_size(int(s.get('occupancy_bytes') or 0))} / {_size(cap) if cap else 'unbounded'}",
+            "tier": tier + ("" if s.up else " (down)"),
+            "hit rate": s.hit_rate,
+            "hits": f"{s.hits}/{lookups}",
+            "entries": s.entries,
+            "stored": f"{_size(s.occupancy_bytes)} / {_size(cap) if cap else 'unbounded'}",
         })
-    missed = max(0, lookups - sum(int(s.get("hits", 0)) for s in stats.values()))
+    missed = stats.misses
     rows.append({"tier": "miss", "hit rate": missed / lookups if lookups else 0.0, "hits": f"{missed}/{lookups}",
                  "entries": 0, "stored": "computed on use"})
     st.dataframe(

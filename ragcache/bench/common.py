@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ragcache.bench.metrics import rounded
 from ragcache.chunks import Chunk
-from ragcache.config import MODES
+from ragcache.config import MODES, SELECTIONS
+from ragcache.options import QueryOptions, QueryOptionsError
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
@@ -75,6 +76,15 @@ class Variant:
     ratio: float | None = None
     selection: str | None = None
 
+    def options(self, max_tokens: int | None = None) -> QueryOptions:
+        """This variant's requests (``max_tokens`` decoded; the engine's default when None).
+
+        Raises:
+            QueryOptionsError: a ratio, selection or ``max_tokens`` out of range.
+        """
+        return QueryOptions.parse({"mode": None if self.mode == PLAIN else self.mode, "recompute_ratio": self.ratio,
+                                   "selection": self.selection, "max_tokens": max_tokens})
+
 
 def ratio_name(ratio: float, selection: str | None = None) -> str:
     """The variant name of blend at ``ratio`` (and a non-default ``selection``): ``blend@0.15``,
@@ -91,24 +101,20 @@ def make_variants(modes: Sequence[str], ratios: Sequence[float], default_ratio: 
     Raises:
         BenchConfigError: an unknown mode or selection, or a ratio outside [0, 1].
     """
-    from ragcache.blend import SELECTIONS
-
     for m in modes:
         if m not in BENCH_MODES:
             raise BenchConfigError(f"unknown mode {m!r}; use some of {', '.join(BENCH_MODES)}")
     for r in [*ratios, default_ratio]:
-        if not 0.0 <= r <= 1.0:
-            raise BenchConfigError(f"recompute ratio {r} is outside [0, 1]")
-    from ragcache.engine.messages import parse_selection
-
+        try:
+            QueryOptions.parse({"recompute_ratio": r}, {"recompute_ratio": "recompute ratio"})
+        except QueryOptionsError as exc:
+            raise BenchConfigError(str(exc)) from None
     for sel in selections:
         try:
-            known = parse_selection(sel)[0] in SELECTIONS
-        except ValueError:
-            known = False
-        if not known:
-            raise BenchConfigError(f"unknown selection {sel!r}; use some of {', '.join(SELECTIONS)}, each optionally "
-                                   f"with /GRANULE (e.g. question/16)")
+            QueryOptions.parse({"selection": sel})
+        except (QueryOptionsError, ValueError) as exc:
+            raise BenchConfigError(f"unknown selection {sel!r} ({exc}); use some of {', '.join(SELECTIONS)}, each "
+                                   "optionally with /GRANULE (e.g. question/16)") from None
     named = len(set(selections)) > 1 or (bool(selections) and selections[0] != default_selection)
     out = [Variant("full", "full")]
     for m in dict.fromkeys(modes):
@@ -136,7 +142,7 @@ def warm_up(engine: "BlendEngine", chunks: Sequence[Chunk], modes: Sequence[str]
     (kernel set-up, allocations; seconds on CPU) that would otherwise land in one timed TTFT."""
     prompt = engine.prompts.build(WARMUP_QUESTION, list(chunks)[:2])
     for mode in dict.fromkeys(modes):
-        engine.generate(prompt, mode, max_tokens=2)
+        engine.generate(prompt, QueryOptions(mode=mode, max_tokens=2))
     engine.reset_prefix_cache()
 
 
@@ -157,7 +163,7 @@ def warm_prefix_cache(engine: "BlendEngine", chunks: Sequence[Chunk], how: str) 
         prompts = [engine.prompts.build(WARMUP_QUESTION, list(chunks))]
     else:
         raise ValueError(f"unknown prefix warm-up {how!r}; use chunks, context or none")
-    engine.generate_many(prompts, "prefix", max_tokens=1)
+    engine.generate_many(prompts, QueryOptions(mode="prefix", max_tokens=1))
 
 
 def answer_ids(engine: "BlendEngine", answer: str) -> list[int]:

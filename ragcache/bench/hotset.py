@@ -13,7 +13,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ragcache.bench.common import (
     TARGETS, BenchConfigError, Checkpoint, Progress, Variant, make_variants, ratio_name, request_record, rotated,
@@ -25,6 +25,7 @@ from ragcache.chunks import Chunk
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine
+    from ragcache.engine.messages import PrecomputeReport, StoreStats
 
 
 @dataclass
@@ -76,17 +77,16 @@ def build_hotset(examples: Sequence[QAExample], *, questions: int = 50, passages
     return out
 
 
-def _tier_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+def _tier_delta(before: "StoreStats", after: "StoreStats") -> dict[str, Any]:
     """Per-tier hits, misses and hit rate between two ``engine.store_stats()`` snapshots."""
     out = {}
-    for name, a in after.items():
-        b = before.get(name, {})
-        hits = a["hits"] - b.get("hits", 0)
-        misses = a["misses"] - b.get("misses", 0)
+    for name, a in after.tiers.items():
+        b = before.tiers.get(name)
+        hits = a.hits - (b.hits if b else 0)
+        misses = a.misses - (b.misses if b else 0)
         out[name] = {"hits": hits, "misses": misses,
                      "hit_rate": rounded(hits / (hits + misses)) if hits + misses else None,
-                     "entries": a["entries"], "occupancy_bytes": a["occupancy_bytes"],
-                     "capacity_bytes": a["capacity_bytes"]}
+                     "entries": a.entries, "occupancy_bytes": a.occupancy_bytes, "capacity_bytes": a.capacity_bytes}
     return out
 
 
@@ -109,7 +109,7 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
     t0 = time.perf_counter()
     pre = engine.precompute(distinct_chunks(c for s in sets for c in s))
     ingest_s = time.perf_counter() - t0
-    say(f"ingest: {pre['computed']} chunk KV computed, {pre['skipped']} already stored, {ingest_s:.1f} s")
+    say(f"ingest: {pre.computed} chunk KV computed, {pre.skipped} already stored, {ingest_s:.1f} s")
     warm_up(engine, sets[0], [v.mode for v in variants])
     before = engine.store_stats()
     seen: set[str] = set()
@@ -125,7 +125,7 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
                                "order": [], "results": {}}
         gens = {}
         for v in rotated(variants, i):
-            gens[v.name] = engine.generate(prompt, v.mode, max_tokens=max_tokens, recompute_ratio=v.ratio)
+            gens[v.name] = engine.generate(prompt, v.options(max_tokens))
             row["order"].append(v.name)
         for v in variants:
             g = gens[v.name]
@@ -147,8 +147,8 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
 
 
 def _hotset_result(engine: "BlendEngine", variants: Sequence[Variant], questions: Sequence[HotQuestion],
-                   sets: Sequence[Sequence[Chunk]], records: list[dict[str, Any]], pre: dict[str, Any],
-                   ingest_s: float, window: int, max_tokens: int, before: Mapping[str, Any],
+                   sets: Sequence[Sequence[Chunk]], records: list[dict[str, Any]], pre: "PrecomputeReport",
+                   ingest_s: float, window: int, max_tokens: int, before: "StoreStats",
                    served: Counter[str]) -> dict[str, Any]:
     after = engine.store_stats()
     summary = {}
@@ -178,7 +178,7 @@ def _hotset_result(engine: "BlendEngine", variants: Sequence[Variant], questions
         "passages": len(questions[0].passages) if questions else 0,
         "hot_per_question": questions[0].hot if questions else 0,
         "distinct_chunks": len({c.chunk_id for s in sets for c in s}),
-        "ingest": {**pre, "wall_s": rounded(ingest_s, 2)},
+        "ingest": {**pre.to_dict(), "wall_s": rounded(ingest_s, 2)},
         "overlap_seen_before_mean": rounded(mean(r["seen_before"] for r in records)),
         "jaccard_prev_mean": rounded(mean(r["jaccard_prev"] for r in records)),
         "modes": summary, "tier_hit_rates": _tier_delta(before, after),

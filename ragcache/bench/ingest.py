@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ragcache.bench.common import Progress, warm_up
 from ragcache.bench.datasets import QAExample, distinct_chunks, make_chunks
 from ragcache.bench.metrics import rounded
+from ragcache.options import QueryOptions
 from ragcache.prompt import AssembledPrompt
 
 if TYPE_CHECKING:
@@ -38,18 +39,19 @@ def run_ingest(engine: "BlendEngine", examples: Sequence[QAExample], *, passages
     unit_tokens = sum(len(engine.prompts.unit_ids(c)) for c in chunks)
     head = list(engine.prompts.head_ids)
     prompts = [AssembledPrompt(head + engine.prompts.unit_ids(c), [], 0, len(head)) for c in chunks]
-    say(f"precompute: {len(chunks)} chunks, {unit_tokens} tokens in {pre['seconds']:.1f} s")
+    say(f"precompute: {len(chunks)} chunks, {unit_tokens} tokens in {pre.seconds:.1f} s")
+    full = QueryOptions(mode="full", max_tokens=1)
     t0 = time.perf_counter()
-    single = [engine.generate(p, "full", max_tokens=1) for p in prompts]
+    single = [engine.generate(p, full) for p in prompts]
     seq_wall = time.perf_counter() - t0
     t0 = time.perf_counter()
-    engine.generate_many(prompts, "full", max_tokens=1)
+    engine.generate_many(prompts, full)
     batch_wall = time.perf_counter() - t0
     ttft_sum = sum(g.metrics.ttft_s for g in single)
     out = {
         "benchmark": "ingest", "chunks": len(chunks), "unit_tokens": unit_tokens, "head_tokens": len(head),
-        "precompute": {"computed": pre["computed"], "seconds": rounded(pre["seconds"], 3),
-                       "wall_s": rounded(pre_wall, 3), "tokens_per_s": rounded(unit_tokens / pre["seconds"], 1)},
+        "precompute": {"computed": pre.computed, "seconds": rounded(pre.seconds, 3),
+                       "wall_s": rounded(pre_wall, 3), "tokens_per_s": rounded(unit_tokens / pre.seconds, 1)},
         "vllm_prefill_sequential": {"wall_s": rounded(seq_wall, 3), "ttft_sum_s": rounded(ttft_sum, 3),
                                     "tokens_per_s": rounded(unit_tokens / ttft_sum, 1)},
         "vllm_prefill_batch": {"wall_s": rounded(batch_wall, 3), "tokens_per_s": rounded(unit_tokens / batch_wall, 1)},

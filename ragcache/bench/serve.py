@@ -132,7 +132,8 @@ def sdk_baseline(settings: Settings, passages_file: Path, questions: Sequence[st
     """Ingest ``passages_file`` into the work index with KV precompute on an in-process BlendEngine,
     then time the SDK: seconds from ``RAGPipeline.stream`` to its first text piece, blend mode,
     each question once after an untimed pass. Returns ``{"ingest", "ttft_s": [...], "ttft_p50_s"}``."""
-    from ragcache.engine import BlendEngine, SamplingOptions
+    from ragcache.engine import BlendEngine
+    from ragcache.options import QueryOptions, SamplingOptions
     from ragcache.pipeline import RAGPipeline
 
     engine = BlendEngine(settings)
@@ -140,12 +141,12 @@ def sdk_baseline(settings: Settings, passages_file: Path, questions: Sequence[st
         rag = RAGPipeline(settings, INDEX, engine)
         report = rag.ingest([passages_file])
         progress(f"ingested {report.total_chunks} chunks ({report.chunks_added} new) with KV precompute")
-        opts = SamplingOptions(ignore_eos=True)
+        opts = QueryOptions(mode="blend", top_k=top_k, max_tokens=max_tokens, sampling=SamplingOptions(ignore_eos=True))
         times = []
         for timed in (False, True):
             for q in questions:
                 t0 = time.perf_counter()
-                stream = rag.stream(q, "blend", top_k, max_tokens=max_tokens, sampling=opts)
+                stream = rag.stream(q, opts)
                 for item in stream:
                     if isinstance(item, str) and item:
                         break

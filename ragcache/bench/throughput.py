@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ragcache.bench.common import BenchConfigError, Progress, rotated
 from ragcache.bench.datasets import QAExample, distinct_chunks, make_chunks
 from ragcache.bench.metrics import mean, median, rounded
+from ragcache.options import QueryOptions
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine
@@ -38,13 +39,13 @@ def run_throughput(engine: "BlendEngine", examples: Sequence[QAExample], *, conc
         prompts.append(engine.prompts.build(ex.question, chunks))
     pre = engine.precompute(distinct_chunks(all_chunks))
     for m in modes:
-        engine.generate(prompts[0], m, max_tokens=2)
+        engine.generate(prompts[0], QueryOptions(mode=m, max_tokens=2))
     rows = []
     for j, c in enumerate(concurrency):
         for m in rotated(list(modes), j):
             batch = prompts[:c]
             t0 = time.perf_counter()
-            gens = engine.generate_many(batch, m, max_tokens=max_tokens)
+            gens = engine.generate_many(batch, QueryOptions(mode=m, max_tokens=max_tokens))
             wall = time.perf_counter() - t0
             ptoks = sum(len(p.token_ids) for p in batch)
             otoks = sum(len(g.token_ids) for g in gens)
@@ -62,5 +63,5 @@ def run_throughput(engine: "BlendEngine", examples: Sequence[QAExample], *, conc
             ratios.append({"concurrency": c, "blend_vs_full_requests_per_s":
                            rounded(by["blend"]["requests_per_s"] / by["full"]["requests_per_s"], 3)})
     return {"benchmark": "throughput", "passages": passages, "max_tokens": max_tokens,
-            "prompt_tokens_mean": rounded(mean(len(p.token_ids) for p in prompts), 1), "precompute": pre,
+            "prompt_tokens_mean": rounded(mean(len(p.token_ids) for p in prompts), 1), "precompute": pre.to_dict(),
             "rows": rows, "blend_vs_full": ratios}

@@ -17,6 +17,7 @@ from ragcache.bench.datasets import QAExample, make_chunks
 from ragcache.bench.fixtures import RedisServer, drop_page_cache
 from ragcache.bench.metrics import median, percentile, rounded
 from ragcache.config import Settings
+from ragcache.options import QueryOptions
 
 #: store overrides per tier layout. ``cpu`` and ``disk`` share one disk folder (the KV is computed
 #: once for both; in ``cpu`` an untimed request first promotes it into the cpu tier, which lookups
@@ -38,6 +39,10 @@ def _tiers_child(layout: str, settings_file: str | None, store: dict[str, Any], 
         queue.put({"layout": layout, "error": f"{type(exc).__name__}: {exc}"})
 
 
+#: the timed request: blend, one decoded token (TTFT)
+BLEND_1 = QueryOptions(mode="blend", max_tokens=1)
+
+
 def _tiers_layout(layout: str, settings_file: str | None, store: dict[str, Any], engine_over: dict[str, Any],
                   examples: Sequence[QAExample], passages: int, repeats: int) -> dict[str, Any]:
     from ragcache.engine import BlendEngine
@@ -52,15 +57,16 @@ def _tiers_layout(layout: str, settings_file: str | None, store: dict[str, Any],
             engine.precompute(chunks)
             prompt = engine.prompts.build(ex.question, chunks)
             # untimed: the first requests pay one-time costs, and in ``cpu`` this promotes KV found on disk
-            engine.generate(prompt, "blend", max_tokens=1)
-            ref = engine.generate(prompt, "full", max_tokens=1).metrics.ttft_s if layout == "cpu" else None
+            engine.generate(prompt, BLEND_1)
+            full = QueryOptions(mode="full", max_tokens=1)
+            ref = engine.generate(prompt, full).metrics.ttft_s if layout == "cpu" else None
             for rep in range(repeats):
                 for name, cold in setups:
                     for overlap in rotated([True, False], i + rep):
                         if cold:
                             drop_page_cache(Path(settings.store.ssd_cache_dir))
                         engine.settings.blend.pipeline_overlap = overlap
-                        g = engine.generate(prompt, "blend", max_tokens=1)
+                        g = engine.generate(prompt, BLEND_1)
                         m = g.metrics
                         rows.append({"tier": name, "pipeline_overlap": overlap, "example": ex.index, "repeat": rep,
                                      "ttft_s": rounded(m.ttft_s), "load_s": rounded(m.load_s),

@@ -22,6 +22,10 @@ from ragcache.bench.metrics import (
 )
 from ragcache.config import MODES
 from ragcache.models import num_hidden_layers
+from ragcache.options import QueryOptions
+
+#: how the exact modes' NLL is scored (vLLM's prefix cache over full prefill's KV)
+EXACT = QueryOptions(mode="prefix")
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
@@ -91,8 +95,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
                     continue
                 if v.mode == "prefix":
                     warm_prefix_cache(engine, chunks, prefix_warmup)
-                gens[v.name] = engine.generate(prompt, v.mode, recompute_ratio=v.ratio, selection=v.selection,
-                                               max_tokens=max_tokens, logprobs=-1)
+                gens[v.name] = engine.generate(prompt, v.options(max_tokens), logprobs=-1)
             gold_ids = answer_ids(engine, ex.answers[0]) if (nll and ex.answers) else []
             gold = _continuation_nlls(engine, prompt, gold_ids, variants)
             own = _continuation_nlls(engine, prompt, gens["full"].token_ids if nll else [], variants)
@@ -102,7 +105,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
                 "index": ex.index, "question": ex.question, "answers": ex.answers,
                 "passages": len(chunks), "prompt_tokens": len(prompt.token_ids), "ctx_tokens": prompt.ctx_len,
                 "gold_answer_tokens": len(gold_ids), "full_answer_tokens": len(gens["full"].token_ids),
-                "precompute": pre, "order": [v.name for v in order], "results": results,
+                "precompute": pre.to_dict(), "order": [v.name for v in order], "results": results,
             })
             brief = "  ".join(f"{v.name} {results[v.name]['ttft_s']:.2f}s" for v in variants)
             say(f"[{i + 1}/{len(examples)}] example {ex.index}: {len(prompt.token_ids)} tokens | {brief} "
@@ -138,11 +141,10 @@ def _continuation_nlls(engine: "BlendEngine", prompt: "AssembledPrompt", continu
             nlls[v.name] = None
         elif v.mode in ("full", "prefix"):
             if exact_nll is None:
-                exact_nll = mean_nll(engine.continuation_logprobs(prompt, continuation, "prefix"))
+                exact_nll = mean_nll(engine.continuation_logprobs(prompt, continuation, EXACT))
             nlls[v.name] = exact_nll
         else:
-            nlls[v.name] = mean_nll(engine.continuation_logprobs(prompt, continuation, v.mode,
-                                                                 recompute_ratio=v.ratio, selection=v.selection))
+            nlls[v.name] = mean_nll(engine.continuation_logprobs(prompt, continuation, v.options()))
     return nlls
 
 

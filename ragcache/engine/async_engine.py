@@ -2,7 +2,9 @@
 
 Owns: driving ``vllm.v1.engine.async_llm.AsyncLLM`` with the same KV connector, worker extension,
 requests and metrics as :class:`~ragcache.engine.engine.BlendEngine` (all from
-:class:`~ragcache.engine.base.EngineBase`), without a lock: every ``generate`` / ``stream`` call is
+:class:`~ragcache.engine.base.EngineBase`), with the same methods awaited (precompute, generate,
+generate_many, stream, continuation_logprobs, store stats and lookups, forget, flush, close),
+without a lock: every ``generate`` / ``stream`` call is
 a separate vLLM request, and vLLM's scheduler batches the ones in flight (chunk KV is still
 loaded and blended per request in the connector, inside the engine core).
 
@@ -16,7 +18,7 @@ request's KV slots (an HTTP client that disconnects mid-stream cancels its task)
 Example::
 
     engine = await AsyncBlendEngine.start(Settings.load())
-    gen = await engine.generate(engine.prompts.build("Where is Velmora?", chunks), "blend")
+    gen = await engine.generate(engine.prompts.build("Where is Velmora?", chunks), QueryOptions(mode="blend"))
     async for item in engine.stream(prompt):   # str pieces, then the Generation
         ...
     engine.close()
@@ -24,16 +26,18 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, AsyncIterator, Sequence
 
 from ragcache.chunks import Chunk
 from ragcache.config import Settings
-from ragcache.engine.base import EngineBase, Generation, SamplingOptions, StreamState
-from ragcache.engine.messages import Rpc
+from ragcache.engine.base import EngineBase, Generation, PreparedRequest, StreamState
+from ragcache.engine.messages import OpsProbe, PrecomputeReport, Rpc, StoreStats
 from ragcache.engine.selfcheck import arun_self_check
 from ragcache.models import LLMInfo
+from ragcache.options import DEFAULTS, QueryOptions
 from ragcache.prompt import AssembledPrompt
 
 log = logging.getLogger(__name__)
@@ -88,26 +92,68 @@ class AsyncBlendEngine(EngineBase):
 
     async def _warm_up(self) -> None:
         """One tiny request (blend where available): the first one pays for lazy kernel and allocator set-up."""
-        await self.generate(self._warm_up_prompt(), self._warm_up_mode(), max_tokens=1)
+        await self.generate(self._warm_up_prompt(), self._warm_up_options())
+
+    # ---- KV precompute ---------------------------------------------------------------------
+
+    async def precompute(self, chunks: Sequence[Chunk], *, show_progress: bool = False,
+                         batch_size: int = 8, namespace: str = "") -> PrecomputeReport:
+        """:meth:`BlendEngine.precompute <ragcache.engine.engine.BlendEngine.precompute>`, awaited: the
+        worker computes and stores the KV of the head and of each chunk not stored yet. Each batch
+        holds up vLLM's engine loop while it runs (requests in flight wait): precompute at ingest
+        time, not beside live traffic.
+
+        Raises:
+            BlendUnavailableError: this model has no working DecoderOps adapter (see ``blend_support``).
+        """
+        head_ids, head, batches = self._precompute_plan(chunks, namespace, batch_size)
+        report = PrecomputeReport()
+        with self._precompute_bar(len(chunks), show_progress) as bar:
+            await self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [head.to_list()]))
+            for batch in batches:
+                reply = (await self.llm.collective_rpc(Rpc.PRECOMPUTE,
+                                                       args=(head_ids, [i.to_list() for i in batch])))[0]
+                self._precompute_batch_done(report, reply, len(batch), bar)
+        return report
 
     # ---- requests --------------------------------------------------------------------------
 
-    async def generate(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
-                       recompute_ratio: float | None = None, selection: str | None = None,
-                       logprobs: int | None = None, sampling: SamplingOptions | None = None) -> Generation:
-        """Answer one prompt; concurrent calls are batched by vLLM. Arguments as
+    async def generate(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS, *,
+                       logprobs: int | None = None) -> Generation:
+        """Answer one prompt as ``options`` say; concurrent calls are batched by vLLM. Arguments as
         :meth:`BlendEngine.generate_many <ragcache.engine.engine.BlendEngine.generate_many>`.
 
         Cancelling the awaiting task aborts the request in vLLM.
 
         Raises:
-            ValueError: unknown mode, a ratio outside [0, 1], or sampling values vLLM rejects.
+            ValueError: sampling values vLLM rejects.
             BlendUnavailableError: reuse/blend on a model whose adapter is missing or failed the
                 start-up self-check; ContextBeyondWindowError: a context beyond its sliding window.
         """
-        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio,
-                            selection=selection, logprobs=logprobs, sampling=sampling)
+        req = self._request(prompt, options, logprobs=logprobs)
         t0 = time.perf_counter()
+        final = await self._final_output(req)
+        return self._generation(req, final, time.perf_counter() - t0)
+
+    async def generate_many(self, prompts: Sequence[AssembledPrompt], options: QueryOptions = DEFAULTS, *,
+                            logprobs: int | None = None) -> list[Generation]:
+        """Several prompts at once (vLLM batches them), in order; arguments and errors as :meth:`generate`."""
+        return list(await asyncio.gather(*(self.generate(p, options, logprobs=logprobs) for p in prompts)))
+
+    async def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int],
+                                    options: QueryOptions = DEFAULTS) -> list[float]:
+        """:meth:`BlendEngine.continuation_logprobs <ragcache.engine.engine.BlendEngine.continuation_logprobs>`,
+        awaited: teacher-forced log-probabilities (nats) of ``continuation`` right after ``prompt``.
+
+        Raises:
+            ValueError: empty continuation.
+            RuntimeError: the continuation's first token was served from cache (not scored).
+        """
+        req = self._scoring_request(prompt, continuation, options)
+        return self._continuation_logprobs(await self._final_output(req), prompt, continuation)
+
+    async def _final_output(self, req: PreparedRequest) -> Any:
+        """Run ``req`` (FINAL_ONLY) to its end and return vLLM's last output."""
         final = None
         try:
             async for out in self.llm.generate(req.inputs, req.sampling, req.rid):
@@ -115,7 +161,7 @@ class AsyncBlendEngine(EngineBase):
         except Exception:
             await self._forget_request(req.rid)
             raise
-        return self._generation(req, final, time.perf_counter() - t0)
+        return final
 
     async def _forget_request(self, rid: str) -> None:
         """Abort ``rid`` after vLLM raised on it: vLLM aborts what it knows to have started, but a
@@ -126,16 +172,15 @@ class AsyncBlendEngine(EngineBase):
         except Exception:  # the original error is the one to report
             log.debug("aborting request %s after its failure failed", rid, exc_info=True)
 
-    async def stream(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
-                     recompute_ratio: float | None = None, selection: str | None = None,
-                     sampling: SamplingOptions | None = None) -> AsyncIterator[str | Generation]:
-        """Yield text pieces as they are decoded, then the final :class:`Generation`.
+    async def stream(self, prompt: AssembledPrompt,
+                     options: QueryOptions = DEFAULTS) -> AsyncIterator[str | Generation]:
+        """Yield text pieces as they are decoded, then the final :class:`Generation` (``options`` as
+        :meth:`generate`).
 
         A consumer that stops early (``aclose()``, or its task is cancelled) aborts the request in
         vLLM, which frees its KV slots.
         """
-        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio,
-                            selection=selection, sampling=sampling, delta=True)
+        req = self._request(prompt, options, delta=True)
         state = StreamState(req)
         outputs = self.llm.generate(req.inputs, req.sampling, req.rid)
         try:
@@ -150,6 +195,11 @@ class AsyncBlendEngine(EngineBase):
             await outputs.aclose()  # no-op when finished; aborts the vLLM request otherwise
         yield state.generation()
 
+    async def ops_probe(self, token_ids: Sequence[int]) -> OpsProbe:
+        """The worker's report on the model's DecoderOps adapter, exercised on ``token_ids`` (the
+        self-check's first step)."""
+        return OpsProbe.from_dict((await self.llm.collective_rpc(Rpc.OPS_PROBE, args=(list(token_ids),)))[0])
+
     @property
     def num_unfinished_requests(self) -> int:
         """Requests vLLM holds now (waiting or running); 0 once every stream finished or was aborted."""
@@ -157,9 +207,9 @@ class AsyncBlendEngine(EngineBase):
 
     # ---- store -----------------------------------------------------------------------------
 
-    async def store_stats(self) -> dict[str, Any]:
-        """Per-tier stats of the worker's KV store (see ragcache.kvstore.TieredStore.stats)."""
-        return (await self.llm.collective_rpc(Rpc.STORE_STATS))[0]
+    async def store_stats(self) -> StoreStats:
+        """Per-tier stats of the worker's KV store (:class:`~ragcache.engine.messages.StoreStats`)."""
+        return StoreStats.from_dict((await self.llm.collective_rpc(Rpc.STORE_STATS))[0])
 
     async def stored_tiers(self, chunks: Sequence[Chunk], namespace: str = "") -> list[str | None]:
         """For each chunk, the highest tier holding its KV (in index namespace ``namespace``), or None."""
@@ -168,8 +218,11 @@ class AsyncBlendEngine(EngineBase):
 
     async def stored_where(self, chunks: Sequence[Chunk], namespace: str = "") -> list[list[str]]:
         """For each chunk, every tier holding its KV now (in index namespace ``namespace``), top-down."""
-        keys = [self.prompts.key(c, namespace) for c in chunks]
-        return (await self.llm.collective_rpc(Rpc.STORE_HOLDERS, args=(keys,)))[0]
+        return await self.store_holders([self.prompts.key(c, namespace) for c in chunks])
+
+    async def store_holders(self, keys: Sequence[str]) -> list[list[str]]:
+        """For each KV store key, every tier holding it now, top-down ([] for none)."""
+        return (await self.llm.collective_rpc(Rpc.STORE_HOLDERS, args=(list(keys),)))[0]
 
     async def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
         """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
@@ -180,17 +233,19 @@ class AsyncBlendEngine(EngineBase):
             keys.append(self.prompts.head_segment(namespace).key)
         return (await self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,)))[0]
 
+    async def reset_prefix_cache(self) -> None:
+        """Drop vLLM's own prefix cache (for fair side-by-side measurements)."""
+        await self.llm.reset_prefix_cache()
+
     async def flush(self) -> None:
-        """Write the store's lookup counts to its counter file (call before :meth:`close`: the
-        engine core's worker is killed on shutdown)."""
+        """Write the store's lookup counts to its counter file now (``close`` does it too)."""
         if not self._closed:
-            try:
-                await self.llm.collective_rpc(Rpc.STORE_FLUSH)
-            except Exception:  # closing must not fail the caller
-                log.debug("flushing the store's counters failed", exc_info=True)
+            await self.llm.collective_rpc(Rpc.STORE_FLUSH)
 
     def close(self) -> None:
-        """Shut the engine core and its worker down; the engine is unusable afterwards. Idempotent."""
+        """Shut the engine core and its worker down; the engine is unusable afterwards. Idempotent.
+        The worker writes the store's lookup counts to its counter file as it shuts down (the KV
+        connector's ``shutdown``), as in :class:`~ragcache.engine.engine.BlendEngine`."""
         if not self._closed:
             self._closed = True
             self.llm.shutdown()

@@ -1,14 +1,16 @@
 """What the sync and the async engine share: vLLM engine arguments, request building, results.
 
-Owns: :class:`Generation` (one answer: text, token ids, metrics), :class:`SamplingOptions` (the
-sampling knobs a caller may set per request), :class:`PreparedRequest`, :class:`StreamState` (a
-streamed request's pieces turned into a Generation) and :class:`EngineBase`, the part of
+Owns: :class:`Generation` (one answer: text, token ids, metrics), :class:`PreparedRequest`,
+:class:`StreamState` (a streamed request's pieces turned into a Generation) and :class:`EngineBase`,
+the part of
 :class:`~ragcache.engine.engine.BlendEngine` (over ``vllm.LLM``) and
 :class:`~ragcache.engine.async_engine.AsyncBlendEngine` (over ``vllm.v1.engine.async_llm.AsyncLLM``)
 that does not depend on how vLLM is driven: one set of engine arguments (the same connector and
-worker extension), one way a prompt becomes a vLLM request in each mode, one way vLLM's output
-becomes a :class:`Generation`. vLLM is imported inside the methods only, so importing this module
-costs nothing.
+worker extension), one way a prompt and its :class:`~ragcache.options.QueryOptions` become a vLLM
+request in each mode, one way vLLM's output becomes a :class:`Generation` (or a scoring result, or a
+precompute report). The two engines differ only in how they call vLLM (blocking or awaited), so
+their methods have the same names, arguments and results. vLLM is imported inside the methods
+only, so importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -17,22 +19,26 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ragcache import lifeline
 from ragcache.chunks import KV_LAYOUT_VERSION
-from ragcache.config import MODES, Settings
+from ragcache.config import Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
 from ragcache.engine.limits import check_engine_limits
 from ragcache.engine.messages import (
-    CONNECTOR_MODES, TRANSFER_KEY, BlendParams, RequestMetrics, SegmentRef, WorkerReady,
+    CONNECTOR_MODES, TRANSFER_KEY, BlendParams, PrecomputeItem, PrecomputeReport, RequestMetrics, SegmentRef,
+    WorkerReady,
 )
+from ragcache.engine.selfcheck import BlendSupport
 from ragcache.models import LLMInfo, resolve_llm
+from ragcache.options import QueryOptions, SamplingOptions  # noqa: F401 (SamplingOptions re-exported)
+from ragcache.progress import progress
 from ragcache.prompt import AssembledPrompt, PromptBuilder
 from ragcache.quality import repetition_loop
 
 if TYPE_CHECKING:
-    from ragcache.engine.selfcheck import BlendSupport
+    from ragcache.chunks import Chunk
 
 
 @dataclass
@@ -51,27 +57,6 @@ class Generation:
     metrics: RequestMetrics
     first_token_logprobs: dict[int, float] | None = None
     finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Per-request sampling (vLLM ``SamplingParams`` fields of the same names).
-
-    The default is greedy decoding (``temperature=0``): answers are reproducible and the modes
-    can be compared token for token. ``stop`` strings end the answer (not included in it);
-    ``seed`` makes sampling at ``temperature > 0`` reproducible; ``ignore_eos`` and ``min_tokens``
-    fix the answer length (load tests). Values are checked by vLLM: a bad one raises ValueError.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-
-GREEDY = SamplingOptions()
 
 
 @dataclass
@@ -237,47 +222,45 @@ class EngineBase:
         allocator set-up, seconds on CPU)."""
         return self.prompts.build("warm up", [])
 
-    def _warm_up_mode(self) -> str:
-        """blend when the self-check left it available, else full."""
-        return "blend" if self.blend_support is None or self.blend_support.available else "full"
+    def _warm_up_options(self) -> QueryOptions:
+        """One decoded token, in blend when the self-check left it available, else full."""
+        mode = "blend" if self.blend_support is None or self.blend_support.available else "full"
+        return QueryOptions(mode=mode, max_tokens=1)
 
-    def _request(self, prompt: AssembledPrompt, mode: str | None, *, max_tokens: int | None = None,
-                 recompute_ratio: float | None = None, selection: str | None = None,
-                 logprobs: int | None = None, delta: bool = False,
-                 sampling: SamplingOptions | None = None, question_end: int = 0) -> PreparedRequest:
-        """The vLLM request of ``prompt`` in ``mode`` (default ``engine.mode``). ``question_end``: see
+    def _request(self, prompt: AssembledPrompt, options: QueryOptions, *, logprobs: int | None = None,
+                 delta: bool = False, question_end: int = 0) -> PreparedRequest:
+        """The vLLM request of ``prompt`` answered as ``options`` say (mode default ``engine.mode``,
+        ``max_tokens`` default ``engine.max_tokens``). The options were validated where the request
+        entered; nothing is checked again here. ``question_end``: see
         :class:`~ragcache.engine.messages.BlendParams` (scoring requests hide their continuation from
         the selection).
 
         Raises:
-            ValueError: unknown mode, a ratio outside [0, 1], or sampling values vLLM rejects.
             BlendUnavailableError / ContextBeyondWindowError: see :meth:`BlendSupport.require
                 <ragcache.engine.selfcheck.BlendSupport.require>`.
         """
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        mode = mode or self.settings.engine.mode
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+        mode = options.mode or self.settings.engine.mode
         if self.blend_support is not None:
             self.blend_support.require(mode, prompt.ctx_len)
         rid = uuid.uuid4().hex
         extra = None
         ratio = None
         if mode in CONNECTOR_MODES:
-            params = BlendParams.from_settings(
-                self.settings.blend, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
+            params = BlendParams.from_options(
+                self.settings.blend, options, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
                 segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
-                recompute_ratio=recompute_ratio, selection=selection, question_end=question_end,
+                question_end=question_end,
             )
             ratio = params.recompute_ratio if mode == "blend" else None
             extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}
-        opts = sampling or GREEDY
+        opts = options.sampling
         sp = SamplingParams(
             temperature=opts.temperature, top_p=opts.top_p, stop=list(opts.stop) or None, seed=opts.seed,
             ignore_eos=opts.ignore_eos, min_tokens=opts.min_tokens,
-            max_tokens=max_tokens or self.settings.engine.max_tokens,
+            max_tokens=options.max_tokens or self.settings.engine.max_tokens,
             logprobs=logprobs,
             extra_args=extra,
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
@@ -301,3 +284,76 @@ class EngineBase:
         metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=out,
                                              total_s=total_s, recompute_ratio=req.recompute_ratio)
         return Generation(text, token_ids, metrics, first, comp.finish_reason)
+
+    # ---- scoring (continuation_logprobs on both engines) -----------------------------------
+
+    def _scoring_request(self, prompt: AssembledPrompt, continuation: Sequence[int],
+                         options: QueryOptions) -> PreparedRequest:
+        """One request over ``prompt + continuation`` with vLLM prompt logprobs, the context served as in
+        a normal request of ``options.mode``. Two vLLM settings make this work beside the connector:
+        ``skip_reading_prefix_cache=False`` (with prompt logprobs vLLM otherwise skips every cache
+        hit, the connector's claimed tokens included) and ``detokenize=False`` (rows of claimed tokens
+        hold uninitialised ids that must not be decoded).
+
+        Raises:
+            ValueError: empty continuation.
+        """
+        if not continuation:
+            raise ValueError("empty continuation: nothing to score")
+        extended = AssembledPrompt(list(prompt.token_ids) + list(continuation), prompt.segments, prompt.ctx_len,
+                                   prompt.lead_in_len)
+        # the blend's question-aware selection reads the question, never the continuation it scores
+        req = self._request(extended, options.model_copy(update={"max_tokens": 1}),
+                            question_end=len(prompt.token_ids))
+        req.sampling.prompt_logprobs = 0
+        req.sampling.skip_reading_prefix_cache = False
+        req.sampling.detokenize = False
+        return req
+
+    @staticmethod
+    def _continuation_logprobs(out: Any, prompt: AssembledPrompt, continuation: Sequence[int]) -> list[float]:
+        """The continuation's log-probabilities (nats) from the finished scoring request's output.
+
+        Raises:
+            RuntimeError: the continuation's first token was served from cache (not scored).
+        """
+        n_prompt = len(prompt.token_ids)
+        if int(out.num_cached_tokens or 0) > n_prompt - 1:
+            raise RuntimeError(f"{out.num_cached_tokens} cached tokens cover the continuation's first position "
+                               f"({n_prompt}); its log-probability was not computed")
+        rows = out.prompt_logprobs[n_prompt:]
+        return [float(row[tok].logprob) for row, tok in zip(rows, continuation)]
+
+    # ---- KV precompute (precompute on both engines) ----------------------------------------
+
+    def _precompute_plan(self, chunks: Sequence["Chunk"], namespace: str,
+                         batch_size: int) -> tuple[list[int], PrecomputeItem, list[list[PrecomputeItem]]]:
+        """The head's ids, the head's own item and the chunks' items in batches of ``batch_size``:
+        every unit keyed in index namespace ``namespace`` and placed where the placement rule puts it
+        (:func:`ragcache.prompt.lead_in_for`).
+
+        Raises:
+            BlendUnavailableError: this model has no working DecoderOps adapter.
+        """
+        if self.blend_support is not None:
+            self.blend_support.require("precompute")
+        head_ids = self.prompts.head_ids
+        head = self.prompts.head_segment(namespace)
+        items = []
+        for c in chunks:
+            seg = self.prompts.canonical_segment(c, namespace)
+            items.append(PrecomputeItem(seg.key, seg.start, tuple(self.prompts.unit_ids(c))))
+        batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+        return head_ids, PrecomputeItem(head.key, head.start, tuple(head_ids)), batches
+
+    @staticmethod
+    def _precompute_bar(total: int, show: bool) -> Any:
+        """The KV precompute progress display (chunks; a bar on a terminal, a line every few seconds
+        in a log; see :func:`ragcache.progress.progress`)."""
+        return progress(total=total, unit="chunk", desc="KV precompute", disable=not show)
+
+    @staticmethod
+    def _precompute_batch_done(report: PrecomputeReport, reply: Any, n: int, bar: Any) -> None:
+        report.add(PrecomputeReport.from_dict(reply))
+        bar.update(n)
+        bar.set_postfix_str(f"{report.tokens_per_s:,.0f} tok/s", refresh=False)

@@ -124,6 +124,12 @@ class RagcacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         return
 
+    def shutdown(self) -> None:
+        """vLLM shuts the worker down (``engine.close()``, the engine core's exit): the store's
+        lookup counts go to its counter file now, in the sync and the async engine alike."""
+        if self.runtime is not None:
+            self.runtime.store.ledger.flush()
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The stats of the requests loaded this step (None when there were none)."""
         if not self._done:

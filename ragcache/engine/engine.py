@@ -3,7 +3,8 @@
 Owns: driving ``vllm.LLM`` (created with the connector and worker extension of
 :class:`~ragcache.engine.base.EngineBase`, which also builds each request and its metrics), KV
 precompute calls and scoring (first-token distributions, teacher-forced continuation
-log-probabilities). Streaming and batches go through the same engine (``LLMEngine.add_request`` /
+log-probabilities). :class:`~ragcache.engine.async_engine.AsyncBlendEngine` has the same methods
+(awaited). Streaming and batches go through the same engine (``LLMEngine.add_request`` /
 ``step`` with DELTA outputs), so one engine serves ``generate``, ``generate_many`` and ``stream``;
 a lock keeps callers from stepping it concurrently. For concurrent callers (a server), use
 :class:`~ragcache.engine.async_engine.AsyncBlendEngine`: same requests, no lock, vLLM batches them.
@@ -28,15 +29,16 @@ from typing import Any, Iterator, Sequence
 
 from ragcache.chunks import Chunk
 from ragcache.config import Settings
-from ragcache.engine.base import EngineBase, Generation, SamplingOptions, StreamState
-from ragcache.engine.messages import Rpc
+from ragcache.engine.base import EngineBase, Generation, StreamState
+from ragcache.engine.messages import OpsProbe, PrecomputeReport, Rpc, StoreStats
 from ragcache.engine.selfcheck import run_self_check
 from ragcache.models import LLMInfo
+from ragcache.options import DEFAULTS, QueryOptions, SamplingOptions
 from ragcache.prompt import AssembledPrompt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlendEngine", "Generation", "SamplingOptions"]
+__all__ = ["BlendEngine", "Generation", "QueryOptions", "SamplingOptions"]
 
 #: the in-process engine of this process, if any (vLLM's KV connector agent is process-global)
 _IN_PROCESS: "weakref.ref[BlendEngine] | None" = None
@@ -111,130 +113,86 @@ class BlendEngine(EngineBase):
 
     def _warm_up(self) -> None:
         """One tiny request (blend where available): the first one pays for lazy kernel and allocator set-up."""
-        self.generate(self._warm_up_prompt(), self._warm_up_mode(), max_tokens=1)
+        self.generate(self._warm_up_prompt(), self._warm_up_options())
 
     # ---- KV precompute ---------------------------------------------------------------------
 
     def precompute(self, chunks: Sequence[Chunk], *, show_progress: bool = False,
-                   batch_size: int = 8, namespace: str = "") -> dict[str, Any]:
+                   batch_size: int = 8, namespace: str = "") -> PrecomputeReport:
         """Compute and store the KV of the head and of each chunk's unit not stored yet.
 
         Every unit is computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`)
         and keyed in the index namespace ``namespace`` (see :meth:`PromptBuilder.key`).
         Blocks the engine while it runs: call it at ingest time, not beside live requests.
-        Chunks go to the worker ``batch_size`` at a time (a tqdm bar on stderr when
-        ``show_progress``). Returns ``{"computed", "skipped", "tokens", "seconds", "stored",
-        "computed_keys"}`` (seconds of worker compute, tokens of the computed units, ``stored``: per
-        tier, how many of the computed entries it took when written, which later ones may have
-        evicted again: :meth:`store_holders` of ``computed_keys`` says what is held now; the head is
-        not counted).
+        Chunks go to the worker ``batch_size`` at a time (with ``show_progress``, a bar on a
+        terminal's stderr, a line every few seconds in a log). Returns what was computed (the head
+        is not counted; :class:`~ragcache.engine.messages.PrecomputeReport`).
 
         Raises:
             BlendUnavailableError: this model has no working DecoderOps adapter (see ``blend_support``).
         """
-        from tqdm import tqdm
-
-        self.blend_support.require("precompute")
-        head_ids = self.prompts.head_ids
-        head = self.prompts.head_segment(namespace)
-        items = []
-        for c in chunks:
-            seg = self.prompts.canonical_segment(c, namespace)
-            items.append([seg.key, seg.start, self.prompts.unit_ids(c)])
-        total: dict[str, Any] = {"computed": 0, "skipped": 0, "tokens": 0, "seconds": 0.0, "stored": {},
-                                 "computed_keys": []}
-        bar = tqdm(total=len(chunks), unit="chunk", desc="KV precompute", disable=not show_progress)
-        with self._lock, bar:
-            self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [[head.key, head.start, head_ids]]))
-            for i in range(0, len(items), batch_size):
-                batch = items[i:i + batch_size]
-                out = self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, batch))[0]
-                for k in ("computed", "skipped", "tokens", "seconds"):
-                    total[k] += out[k]
-                for tier, n in out["stored"].items():
-                    total["stored"][tier] = total["stored"].get(tier, 0) + n
-                total["computed_keys"].extend(out["computed_keys"])
-                bar.update(len(batch))
-                bar.set_postfix_str(f"{total['tokens'] / max(total['seconds'], 1e-9):,.0f} tok/s")
-        return total
+        head_ids, head, batches = self._precompute_plan(chunks, namespace, batch_size)
+        report = PrecomputeReport()
+        with self._lock, self._precompute_bar(len(chunks), show_progress) as bar:
+            self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [head.to_list()]))
+            for batch in batches:
+                reply = self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [i.to_list() for i in batch]))[0]
+                self._precompute_batch_done(report, reply, len(batch), bar)
+        return report
 
     # ---- requests --------------------------------------------------------------------------
 
-    def generate_many(self, prompts: Sequence[AssembledPrompt], mode: str | None = None, *,
-                      max_tokens: int | None = None, recompute_ratio: float | None = None,
-                      selection: str | None = None, logprobs: int | None = None,
-                      sampling: SamplingOptions | None = None) -> list[Generation]:
-        """Run several prompts as one batch (concurrent in vLLM); greedy decoding unless ``sampling``.
+    def generate_many(self, prompts: Sequence[AssembledPrompt], options: QueryOptions = DEFAULTS, *,
+                      logprobs: int | None = None) -> list[Generation]:
+        """Run several prompts as one batch (concurrent in vLLM), each answered as ``options`` say
+        (mode, max_tokens, recompute ratio, selection, sampling; the settings' defaults where unset;
+        greedy decoding unless ``options.sampling`` says otherwise).
 
         Args:
-            mode: full, prefix, reuse or blend (default ``engine.mode``).
-            max_tokens: tokens to decode (default ``engine.max_tokens``).
-            recompute_ratio: blend's ratio for these requests (default ``blend.recompute_ratio``).
-            selection: blend's token selection for these requests (default ``blend.selection``).
             logprobs: when set, the first generated token's top-``logprobs`` log-probabilities are
                 returned (-1 = the whole vocabulary), for quality measurements.
-            sampling: temperature, top_p, stop strings, seed (default greedy).
 
         Raises:
-            ValueError: unknown mode, a ratio outside [0, 1], or sampling values vLLM rejects.
+            ValueError: sampling values vLLM rejects.
             BlendUnavailableError: reuse/blend on a model whose adapter is missing or failed the
                 start-up self-check; ContextBeyondWindowError: a context beyond its sliding window.
         """
-        reqs = [self._request(p, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, selection=selection,
-                              logprobs=logprobs, sampling=sampling) for p in prompts]
+        reqs = [self._request(p, options, logprobs=logprobs) for p in prompts]
         t0 = time.perf_counter()
         with self._lock:
             outs = self.llm.generate([r.inputs for r in reqs], [r.sampling for r in reqs], use_tqdm=False)
         total = time.perf_counter() - t0
         return [self._generation(r, out, total) for r, out in zip(reqs, outs)]
 
-    def generate(self, prompt: AssembledPrompt, mode: str | None = None, **kwargs: Any) -> Generation:
+    def generate(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS, *,
+                 logprobs: int | None = None) -> Generation:
         """One prompt; see :meth:`generate_many`."""
-        return self.generate_many([prompt], mode, **kwargs)[0]
+        return self.generate_many([prompt], options, logprobs=logprobs)[0]
 
-    def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int], mode: str, *,
-                              recompute_ratio: float | None = None, selection: str | None = None) -> list[float]:
+    def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int],
+                              options: QueryOptions = DEFAULTS) -> list[float]:
         """Teacher-forced log-probabilities (nats) of ``continuation`` token ids right after ``prompt``.
 
-        One request over ``prompt + continuation`` in ``mode`` with vLLM prompt logprobs: the context
-        is served exactly as in a normal request of that mode (the connector loads/blends
-        ``[0, ctx_len)``; the tail and the continuation are prefilled over it). Two vLLM settings make
-        this work beside the connector: ``skip_reading_prefix_cache=False`` (with prompt logprobs vLLM
-        otherwise skips every cache hit, the connector's claimed tokens included) and
-        ``detokenize=False`` (rows of claimed tokens hold uninitialised ids that must not be decoded).
+        One request over ``prompt + continuation`` in ``options.mode`` with vLLM prompt logprobs: the
+        context is served exactly as in a normal request of that mode (the connector loads/blends
+        ``[0, ctx_len)``; the tail and the continuation are prefilled over it).
 
         Raises:
-            ValueError: empty continuation, unknown mode.
+            ValueError: empty continuation.
             RuntimeError: the continuation's first token was served from cache (not scored).
         """
-        if not continuation:
-            raise ValueError("empty continuation: nothing to score")
-        extended = AssembledPrompt(list(prompt.token_ids) + list(continuation), prompt.segments, prompt.ctx_len,
-                                   prompt.lead_in_len)
-        # the blend's question-aware selection reads the question, never the continuation it scores
-        req = self._request(extended, mode, max_tokens=1, recompute_ratio=recompute_ratio, selection=selection,
-                            question_end=len(prompt.token_ids))
-        req.sampling.prompt_logprobs = 0
-        req.sampling.skip_reading_prefix_cache = False
-        req.sampling.detokenize = False
+        req = self._scoring_request(prompt, continuation, options)
         with self._lock:
             out = self.llm.generate([req.inputs], [req.sampling], use_tqdm=False)[0]
-        n_prompt = len(prompt.token_ids)
-        if int(out.num_cached_tokens or 0) > n_prompt - 1:
-            raise RuntimeError(f"{out.num_cached_tokens} cached tokens cover the continuation's first position "
-                               f"({n_prompt}); its log-probability was not computed")
-        rows = out.prompt_logprobs[n_prompt:]
-        return [float(row[tok].logprob) for row, tok in zip(rows, continuation)]
+        return self._continuation_logprobs(out, prompt, continuation)
 
-    def stream(self, prompt: AssembledPrompt, mode: str | None = None, *, max_tokens: int | None = None,
-               recompute_ratio: float | None = None, selection: str | None = None,
-               sampling: SamplingOptions | None = None) -> Iterator[str | Generation]:
-        """Yield text pieces as they are decoded, then the final :class:`Generation`.
+    def stream(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS) -> Iterator[str | Generation]:
+        """Yield text pieces as they are decoded, then the final :class:`Generation` (``options`` as
+        :meth:`generate_many`).
 
         A reader that stops early aborts the request in vLLM (its KV slots are freed).
         """
-        req = self._request(prompt, mode, max_tokens=max_tokens, recompute_ratio=recompute_ratio, selection=selection,
-                            delta=True, sampling=sampling)
+        req = self._request(prompt, options, delta=True)
         engine = self.llm.llm_engine
         state = StreamState(req)
         with self._lock:
@@ -254,12 +212,23 @@ class BlendEngine(EngineBase):
                     engine.abort_request([req_id], internal=True)
         yield state.generation()
 
+    def ops_probe(self, token_ids: Sequence[int]) -> OpsProbe:
+        """The worker's report on the model's DecoderOps adapter, exercised on ``token_ids``
+        (:meth:`WorkerRuntime.probe <ragcache.engine.worker.WorkerRuntime.probe>`; the self-check's first step)."""
+        with self._lock:
+            return OpsProbe.from_dict(self.llm.collective_rpc(Rpc.OPS_PROBE, args=(list(token_ids),))[0])
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests vLLM holds now (waiting or running); 0 once every stream finished or was aborted."""
+        return int(self.llm.llm_engine.get_num_unfinished_requests())
+
     # ---- store -----------------------------------------------------------------------------
 
-    def store_stats(self) -> dict[str, Any]:
-        """Per-tier stats of the worker's KV store (see ragcache.kvstore.TieredStore.stats)."""
+    def store_stats(self) -> StoreStats:
+        """Per-tier stats of the worker's KV store (:class:`~ragcache.engine.messages.StoreStats`)."""
         with self._lock:
-            return self.llm.collective_rpc(Rpc.STORE_STATS)[0]
+            return StoreStats.from_dict(self.llm.collective_rpc(Rpc.STORE_STATS)[0])
 
     def stored_tiers(self, chunks: Sequence[Chunk], namespace: str = "") -> list[str | None]:
         """For each chunk, the highest tier holding its KV (in index namespace ``namespace``), or None."""
@@ -286,14 +255,16 @@ class BlendEngine(EngineBase):
         with self._lock:
             return self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,))[0]
 
+    def flush(self) -> None:
+        """Write the store's lookup counts to its counter file now (``close`` does it too)."""
+        with self._lock:
+            self.llm.collective_rpc(Rpc.STORE_FLUSH)
+
     def close(self) -> None:
         """Shut the engine core (and its worker processes) down; the engine is unusable afterwards.
-        The store's lookup counts are written to its counter file first (workers are killed)."""
+        The worker writes the store's lookup counts to its counter file as it shuts down (the KV
+        connector's ``shutdown``), as in :class:`~ragcache.engine.async_engine.AsyncBlendEngine`."""
         with self._lock:
-            try:
-                self.llm.collective_rpc(Rpc.STORE_FLUSH)
-            except Exception:  # closing must not fail the caller
-                log.debug("flushing the store's counters failed", exc_info=True)
             core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
             if core is not None:
                 core.shutdown()

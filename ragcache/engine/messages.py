@@ -14,19 +14,18 @@ Flow of one reuse/blend request::
     scheduler connector.request_finished  --ContextStats.to_dict()-->  RequestOutput.kv_transfer_params
     driver  --RequestMetrics.from_output(...)-->  Generation.metrics / Answer.metrics
 
-Imports only ragcache.config, ragcache.quality and pydantic (no vLLM, no torch), so the pipeline, the UI and the tests can use
-these types without starting an engine.
+Imports only ragcache.config, ragcache.options and ragcache.quality (no vLLM, no torch), so the
+pipeline, the server, the UI and the tests can use these types without starting an engine.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
-
-from pydantic import ValidationError
+from typing import Any, Mapping, Sequence
 
 from ragcache.config import BlendSettings
+from ragcache.options import QueryOptions
 from ragcache.quality import repetition_loop
 
 #: key of ragcache's entry inside vLLM's ``kv_transfer_params`` (request in, stats out)
@@ -74,23 +73,6 @@ class SegmentRef:
     length: int
 
 
-def parse_selection(spec: str) -> tuple[str, int | None]:
-    """``"question"`` -> ``("question", None)``; ``"question/16"`` -> ``("question", 16)``: a selection
-    strategy with an optional granule (tokens per recomputed run; the settings' ``blend.granule``
-    when absent). Values are range-checked where they are used (:class:`~ragcache.config.BlendSettings`).
-
-    Raises:
-        ValueError: a granule that is not an integer.
-    """
-    strategy, sep, granule = spec.partition("/")
-    if not sep:
-        return spec, None
-    try:
-        return strategy, int(granule)
-    except ValueError:
-        raise ValueError(f"selection {spec!r}: the granule after '/' must be an integer (e.g. question/16)") from None
-
-
 @dataclass(frozen=True, kw_only=True)
 class BlendParams:
     """What one reuse/blend request asks of the KV connector.
@@ -126,33 +108,28 @@ class BlendParams:
     pipeline_overlap: bool
 
     @classmethod
-    def from_settings(cls, blend: BlendSettings, *, mode: str, ctx_len: int, lead_in_len: int,
-                      segments: tuple[SegmentRef, ...], recompute_ratio: float | None = None,
-                      selection: str | None = None, question_end: int = 0) -> "BlendParams":
-        """Parameters for one request from the ``[blend]`` settings, with optional per-request
-        ratio and selection (a strategy, or ``strategy/granule`` such as ``question/16``, see
-        :func:`parse_selection`).
+    def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
+                     segments: tuple[SegmentRef, ...], question_end: int = 0) -> "BlendParams":
+        """Parameters for one request: the ``[blend]`` settings, with the request's own recompute
+        ratio and selection where its options set them (``recompute_ratio = "auto"`` unresolved by
+        the caller: ``blend.fallback_ratio``).
+
+        Nothing is range-checked here: the settings were validated when they were loaded, the
+        options where the request entered (:mod:`ragcache.options`).
 
         Raises:
-            ValueError: ``mode`` is not reuse/blend, ``recompute_ratio`` is outside [0, 1], or
-                ``selection`` is not a known strategy with a granule in range.
+            ValueError: ``mode`` is not reuse or blend (the caller's mistake, not the user's).
         """
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
-        # validated like the settings themselves (same ranges, same messages)
-        ratio = blend.static_ratio if recompute_ratio is None else recompute_ratio
-        strategy, granule = parse_selection(selection) if selection is not None else (None, None)
-        knobs = blend.model_copy(update={k: v for k, v in (("recompute_ratio", ratio), ("selection", strategy),
-                                                           ("granule", granule)) if v is not None})
-        try:
-            knobs = BlendSettings.model_validate(knobs.model_dump())
-            if knobs.recompute_ratio == "auto":
-                raise ValueError("recompute ratio 'auto' must be resolved before a request (see ragcache.calibrate)")
-        except ValidationError as exc:
-            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}"
-                                       for e in exc.errors())) from None
-        return cls(mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments),
-                   question_end=question_end, **knobs.model_dump(include=_BLEND_KNOBS))
+        sel = options.selection
+        return cls(
+            mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments), question_end=question_end,
+            recompute_ratio=blend.static_ratio if options.recompute_ratio is None else options.recompute_ratio,
+            selection=sel.strategy if sel is not None else blend.selection,
+            granule=sel.granule if sel is not None and sel.granule is not None else blend.granule,
+            **blend.model_dump(include=_BLEND_KNOBS - {"recompute_ratio", "selection", "granule"}),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``kv_transfer_params[TRANSFER_KEY]`` (segments as ``[key, start, length]``)."""
@@ -241,6 +218,163 @@ class OpsProbe:
         d = _pick(cls, data)
         d["hf_architectures"] = tuple(d.get("hf_architectures") or ())
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class PrecomputeItem:
+    """One segment whose KV the worker computes and stores at ingest (driver -> worker, ``Rpc.PRECOMPUTE``).
+
+    Attributes:
+        key: the KV store key (``str(ChunkKey)``).
+        start: the segment's canonical start position (0 for the head, the head's length for a chunk).
+        unit_ids: the segment's token ids.
+    """
+
+    key: str
+    start: int
+    unit_ids: tuple[int, ...]
+
+    def to_list(self) -> list[Any]:
+        """Plain data for ``collective_rpc``: ``[key, start, unit_ids]``."""
+        return [self.key, self.start, list(self.unit_ids)]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> "PrecomputeItem":
+        """Inverse of :meth:`to_list`."""
+        key, start, unit = data
+        return cls(str(key), int(start), tuple(int(t) for t in unit))
+
+
+@dataclass
+class PrecomputeReport:
+    """What one or more precompute calls did (worker -> driver; summed by the engine over its batches).
+
+    Attributes:
+        computed: segments computed and stored. skipped: segments some tier held already.
+        tokens: tokens of the computed segments. seconds: worker compute seconds.
+        stored: per tier of the store, how many of the computed entries it took when written (fewer
+            than ``computed`` when it was full or down; later entries may evict them again).
+        computed_keys: the keys computed, in order (ask the store what it still holds of them).
+    """
+
+    computed: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    stored: dict[str, int] = field(default_factory=dict)
+    computed_keys: list[str] = field(default_factory=list)
+
+    def add(self, other: "PrecomputeReport") -> "PrecomputeReport":
+        """Add ``other``'s counts to this report (in place); returns self."""
+        self.computed += other.computed
+        self.skipped += other.skipped
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        for tier, n in other.stored.items():
+            self.stored[tier] = self.stored.get(tier, 0) + n
+        self.computed_keys.extend(other.computed_keys)
+        return self
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Computed tokens per worker second (0.0 before any)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``collective_rpc``'s return value."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PrecomputeReport":
+        """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
+        d = _pick(cls, data)
+        d["stored"] = dict(d.get("stored") or {})
+        d["computed_keys"] = list(d.get("computed_keys") or [])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's row of the KV store's stats (``TieredStore.stats()``, see :mod:`ragcache.kvstore.stats`).
+
+    Lookup counters are this process's since the store was created: ``lookups`` is the store's chunk
+    lookups (the prompt head's are not counted), ``hits + misses == lookups`` and ``hit_rate`` =
+    hits / lookups, so the tiers' rates add up to the overall hit rate. ``entries`` and
+    ``occupancy_bytes`` describe what the tier holds now; ``capacity_bytes`` what it may hold now
+    (None: unbounded), ``configured_capacity_bytes`` the setting's, ``free_bytes`` the medium's free
+    space (None where unknown). Bytes are bytes.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    lookups: int = 0
+    hit_rate: float = 0.0
+    unavailable: int = 0
+    corrupt: int = 0
+    foreign: int = 0
+    read_errors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    write_errors: int = 0
+    not_stored: int = 0
+    entries: int = 0
+    occupancy_bytes: int = 0
+    capacity_bytes: int | None = None
+    configured_capacity_bytes: int | None = None
+    free_bytes: int | None = None
+    up: bool = True
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TierStats":
+        """One row of ``TieredStore.stats()`` (unknown keys are ignored)."""
+        return cls(**_pick(cls, data))
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """The KV store's stats per tier, top-down (worker -> driver, ``Rpc.STORE_STATS``; also what
+    ``RAGPipeline.cache_stats()``, ``GET /v1/cache`` and ``ragcache cache stats`` show).
+
+    Attributes:
+        tiers: tier name -> :class:`TierStats`, top-down (``device``, ``cpu``, ``disk``, ``remote``).
+    """
+
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """The tiers, top-down."""
+        return list(self.tiers)
+
+    @property
+    def lookups(self) -> int:
+        """Chunk lookups (every tier's denominator)."""
+        return max((t.lookups for t in self.tiers.values()), default=0)
+
+    @property
+    def hits(self) -> int:
+        """Chunk lookups some tier served."""
+        return sum(t.hits for t in self.tiers.values())
+
+    @property
+    def misses(self) -> int:
+        """Chunk lookups no tier served (the chunk was computed during its request)."""
+        return max(0, self.lookups - self.hits)
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of chunk lookups some tier served (0.0 before any)."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """``{tier: row}`` as plain data (the worker's reply, the body of ``GET /v1/cache``)."""
+        return {name: asdict(t) for name, t in self.tiers.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Mapping[str, Any]]) -> "StoreStats":
+        """Inverse of :meth:`to_dict`; also reads ``TieredStore.stats()`` directly."""
+        return cls({name: TierStats.from_dict(row) for name, row in data.items()})
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Start-up self-check of chunk-KV reuse, and the gate that keeps reuse/blend off when it fails.
 
-Owns: :func:`run_self_check` (called once by ``BlendEngine.__init__`` after the worker's init;
-:func:`arun_self_check` in ``AsyncBlendEngine.start``),
+Owns: the check itself, written once (:func:`self_check_steps`: it yields the calls it makes of
+its engine), and its two drivers, :func:`run_self_check` (called once by ``BlendEngine.__init__``
+after the worker's init) and :func:`arun_self_check` (in ``AsyncBlendEngine.start``), which make
+those calls blocking or awaited;
 :class:`BlendSupport` (what the engine may serve, and :meth:`BlendSupport.require`, the gate every
 reuse/blend request and KV precompute passes), :class:`BlendUnavailableError`,
 :class:`ContextBeyondWindowError`, :func:`first_token_error` and :data:`TOLERANCES`.
-Imports no vLLM and no torch: the driver side of the engine only.
+Imports no vLLM and no torch, and no engine module (the engines import it): the driver side only.
 
 Why: ragcache computes chunk KV with its own layer-wise forward over the model's modules (a
 DecoderOps adapter, :mod:`ragcache.engine.ops`). An adapter that misses one detail of a family
@@ -40,20 +42,20 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ragcache.chunks import PRIVATE_NAMESPACE_PREFIX, Chunk, chunk_id_for
-from ragcache.engine.messages import CONNECTOR_MODES, OpsProbe, Rpc
+from ragcache.engine.messages import CONNECTOR_MODES, OpsProbe
 from ragcache.models import encode
+from ragcache.options import QueryOptions
 from ragcache.prompt import PromptTooLongError
 
 if TYPE_CHECKING:
-    from ragcache.engine.async_engine import AsyncBlendEngine
-    from ragcache.engine.base import EngineBase
-    from ragcache.engine.engine import BlendEngine
-    from ragcache.prompt import AssembledPrompt
+    from ragcache.config import Settings
+    from ragcache.engine.dtype import DtypeChoice
+    from ragcache.prompt import AssembledPrompt, PromptBuilder
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +219,35 @@ def probe_chunks(tokenizer, texts: tuple[str, ...] | list[str] = PROBE_TEXTS,
             for i, text in enumerate(texts)]
 
 
-class _Plan:
-    """The self-check's prompt and decisions, shared by the sync and the async engine (which differ
-    only in how they make the calls: :func:`run_self_check`, :func:`arun_self_check`)."""
+class CheckedEngine(Protocol):
+    """What the self-check reads of its engine (either engine; no import of them here)."""
 
-    def __init__(self, engine: "EngineBase"):
+    settings: Settings
+    dtype: DtypeChoice
+    tokenizer: Any
+    prompts: PromptBuilder
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One call the self-check makes of its engine: ``getattr(engine, method)(*args, **kwargs)``,
+    awaited on an :class:`~ragcache.engine.async_engine.AsyncBlendEngine`. Both engines have the
+    same ``ops_probe``, ``generate`` and ``forget``."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: the self-check's two requests: one token, its whole first-token distribution
+CHECK_FULL = QueryOptions(mode="full", max_tokens=1)
+CHECK_REUSE = QueryOptions(mode="reuse", max_tokens=1)
+
+
+class _Plan:
+    """The self-check's prompt and decisions (:func:`self_check_steps` runs them)."""
+
+    def __init__(self, engine: CheckedEngine):
         self.t0 = time.perf_counter()
         self.dtype = engine.dtype.dtype
         self.settings = engine.settings
@@ -288,46 +314,70 @@ def _available(found: OpsProbe, dtype: str) -> BlendSupport:
                         available=True)
 
 
-def run_self_check(engine: "BlendEngine") -> BlendSupport:
-    """Decide whether ``engine`` may serve reuse/blend: adapter probe, then reuse vs full.
+def self_check_steps(engine: CheckedEngine) -> Generator[EngineCall, Any, BlendSupport]:
+    """The self-check, written once for both engines: it yields each :class:`EngineCall` and is sent
+    its result (or thrown its exception) by :func:`run_self_check` / :func:`arun_self_check`.
+
+    Adapter probe; then, unless that decides, full and reuse (at the canonical place) of the
+    short probe prompt, their first-token distributions compared (:meth:`_Plan.judge`). The
+    check's KV (head and chunk, in its private namespace) is deleted from every tier afterwards.
+    """
+    plan = _Plan(engine)
+    found = yield EngineCall("ops_probe", (plan.probe_ids,))
+    support = plan.early(found)
+    if support is None:
+        full = yield EngineCall("generate", (plan.prompt, CHECK_FULL), {"logprobs": -1})
+        try:
+            reuse = (yield EngineCall("generate", (plan.prompt, CHECK_REUSE), {"logprobs": -1})).first_token_logprobs
+        except Exception as exc:  # judged below: reuse/blend are disabled, the engine keeps running
+            reuse = exc
+        yield EngineCall("forget", (plan.chunks, plan.namespace), {"head": True})
+        support = plan.judge(found, full.first_token_logprobs, reuse)
+    return plan.report(support)
+
+
+def run_self_check(engine: CheckedEngine) -> BlendSupport:
+    """Decide whether a :class:`~ragcache.engine.engine.BlendEngine` may serve reuse/blend
+    (:func:`self_check_steps`, its calls made in turn).
 
     Called once from ``BlendEngine.__init__`` after the worker's init. Its two requests warm vLLM
     and the layer-wise forward up (the engine skips its own warm-up request when the check ran). With
-    ``engine.self_check = false`` only the adapter probe runs (reuse/blend then stay on,
-    unverified). The check's KV (head and chunk, in its private namespace) is deleted from every
-    tier afterwards.
+    ``engine.self_check = false`` only the adapter probe runs (reuse/blend then stay on, unverified).
 
     Returns:
         the engine's :class:`BlendSupport`; a failure is logged once as a warning.
+
+    Raises:
+        whatever the adapter probe or the full request raised (the engine cannot run at all).
     """
-    plan = _Plan(engine)
-    found = OpsProbe.from_dict(engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(plan.probe_ids,))[0])
-    support = plan.early(found)
-    if support is None:
-        full = engine.generate(plan.prompt, "full", max_tokens=1, logprobs=-1).first_token_logprobs
+    steps = self_check_steps(engine)
+    reply: Any = None
+    error: Exception | None = None
+    while True:
         try:
-            reuse = engine.generate(plan.prompt, "reuse", max_tokens=1, logprobs=-1).first_token_logprobs
+            call = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value
+        reply, error = None, None
+        try:
+            reply = getattr(engine, call.method)(*call.args, **call.kwargs)
         except Exception as exc:
-            reuse = exc
-        finally:
-            engine.forget(plan.chunks, plan.namespace, head=True)
-        support = plan.judge(found, full, reuse)
-    return plan.report(support)
+            error = exc
 
 
-async def arun_self_check(engine: "AsyncBlendEngine") -> BlendSupport:
-    """:func:`run_self_check` for :class:`~ragcache.engine.async_engine.AsyncBlendEngine` (same
-    prompt, requests and verdict; the calls are awaited)."""
-    plan = _Plan(engine)
-    found = OpsProbe.from_dict((await engine.llm.collective_rpc(Rpc.OPS_PROBE, args=(plan.probe_ids,)))[0])
-    support = plan.early(found)
-    if support is None:
-        full = (await engine.generate(plan.prompt, "full", max_tokens=1, logprobs=-1)).first_token_logprobs
+async def arun_self_check(engine: CheckedEngine) -> BlendSupport:
+    """:func:`run_self_check` for :class:`~ragcache.engine.async_engine.AsyncBlendEngine`: the same
+    steps, each call awaited."""
+    steps = self_check_steps(engine)
+    reply: Any = None
+    error: Exception | None = None
+    while True:
         try:
-            reuse = (await engine.generate(plan.prompt, "reuse", max_tokens=1, logprobs=-1)).first_token_logprobs
+            call = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value
+        reply, error = None, None
+        try:
+            reply = await getattr(engine, call.method)(*call.args, **call.kwargs)
         except Exception as exc:
-            reuse = exc
-        finally:
-            await engine.forget(plan.chunks, plan.namespace, head=True)
-        support = plan.judge(found, full, reuse)
-    return plan.report(support)
+            error = exc

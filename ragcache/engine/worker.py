@@ -17,7 +17,9 @@ import torch
 
 from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv
 from ragcache.config import StoreSettings
-from ragcache.engine.messages import ContextStats, LoadRequest, OpsProbe, WorkerReady
+from ragcache.engine.messages import (
+    ContextStats, LoadRequest, OpsProbe, PrecomputeItem, PrecomputeReport, WorkerReady,
+)
 from ragcache.engine.ops import UnsupportedArchitectureError, adapter_for, exercise, kv_layout, sliding_window
 from ragcache.engine.paged_attention import (
     AttentionChoice, PagedKernelAttention, ScratchKernelAttention, choose_attention,
@@ -125,30 +127,22 @@ class WorkerRuntime:
                 stored[tier] += 1
         return _MemoryHandle(k, v)
 
-    def precompute(self, head_ids: list[int], items: list[list[Any]]) -> dict[str, Any]:
-        """Compute and store the KV of every ``[key, start, unit_ids]`` not stored yet.
-
-        ``start`` is the segment's canonical start (0 for the head, ``len(head_ids)`` for a chunk).
-        Returns ``{"computed", "skipped", "tokens", "seconds", "stored", "computed_keys"}`` (tokens of
-        the computed units, seconds of worker time, ``stored``: per tier of the store, how many of
-        the computed entries it took; fewer than ``computed`` when it was full or down; later entries
-        may evict them again: ``computed_keys`` lets the caller ask what is still held).
-        """
+    def precompute(self, head_ids: list[int], items: list[PrecomputeItem]) -> PrecomputeReport:
+        """Compute and store the KV of every item not stored yet (see
+        :class:`~ragcache.engine.messages.PrecomputeReport` for what the report counts)."""
         t0 = time.perf_counter()
-        computed = skipped = tokens = 0
-        computed_keys: list[str] = []
-        stored = dict.fromkeys(self.store.tier_names, 0)
+        report = PrecomputeReport(stored=dict.fromkeys(self.store.tier_names, 0))
         with self.lock:
-            for key, start, unit in items:
-                if self.store.contains(key):
-                    skipped += 1
+            for item in items:
+                if self.store.contains(item.key):
+                    report.skipped += 1
                     continue
-                self._compute_and_store(key, head_ids, int(start), list(unit), stored)
-                computed += 1
-                computed_keys.append(key)
-                tokens += len(unit)
-        return {"computed": computed, "skipped": skipped, "tokens": tokens, "seconds": time.perf_counter() - t0,
-                "stored": stored, "computed_keys": computed_keys}
+                self._compute_and_store(item.key, head_ids, item.start, list(item.unit_ids), report.stored)
+                report.computed += 1
+                report.computed_keys.append(item.key)
+                report.tokens += len(item.unit_ids)
+        report.seconds = time.perf_counter() - t0
+        return report
 
     def probe(self, token_ids: list[int]) -> OpsProbe:
         """Report the adapter and exercise it on ``token_ids`` (:func:`ragcache.engine.ops.exercise`):
@@ -296,8 +290,9 @@ class RagcacheWorkerExtension:
         return self._ragcache.probe(token_ids).to_dict()
 
     def ragcache_precompute(self, head_ids: list[int], items: list[list[Any]]) -> dict[str, Any]:
-        """See :meth:`WorkerRuntime.precompute`."""
-        return self._ragcache.precompute(head_ids, items)
+        """See :meth:`WorkerRuntime.precompute`: ``PrecomputeItem.to_list()`` rows in,
+        ``PrecomputeReport.to_dict()`` out."""
+        return self._ragcache.precompute(head_ids, [PrecomputeItem.from_list(i) for i in items]).to_dict()
 
     def ragcache_store_stats(self) -> dict[str, Any]:
         """Per-tier stats of the worker's store (``TieredStore.stats``)."""

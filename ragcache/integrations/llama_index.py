@@ -20,6 +20,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ragcache.models import encode
+from ragcache.options import QueryOptions
 from ragcache.pipeline import Answer, RAGPipeline
 from ragcache.prompt import AssembledPrompt
 
@@ -92,19 +93,22 @@ class RagcacheLLM(CustomLLM):
         return LLMMetadata(context_window=eng.settings.engine.max_model_len, num_output=self.max_tokens,
                            model_name=str(eng.llm_info.path.name), is_chat_model=False)
 
+    def _options(self) -> QueryOptions:
+        return QueryOptions(mode="prefix", max_tokens=self.max_tokens)
+
     def _prompt(self, prompt: str) -> AssembledPrompt:
         ids = encode(self._engine.tokenizer, prompt)
         return AssembledPrompt(token_ids=ids, segments=[], ctx_len=0, lead_in_len=0)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        gen = self._engine.generate(self._prompt(prompt), "prefix", max_tokens=self.max_tokens)
+        gen = self._engine.generate(self._prompt(prompt), self._options())
         return CompletionResponse(text=gen.text, additional_kwargs={"metrics": gen.metrics.to_dict()})
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         text = ""
-        for item in self._engine.stream(self._prompt(prompt), "prefix", max_tokens=self.max_tokens):
+        for item in self._engine.stream(self._prompt(prompt), self._options()):
             if isinstance(item, str):
                 text += item
                 yield CompletionResponse(text=text, delta=item)

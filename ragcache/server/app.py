@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -150,28 +151,36 @@ class ServerState:
         names = self.indexes()
         return names if access.every_index else [n for n in names if access.may_read(n, self.namespace_of(n))]
 
-    def namespace_of(self, name: str) -> str | None:
-        """The own KV namespace of index ``name`` ("" = none), or None when it cannot be read (no
-        such index, a damaged one, its database down): then no key reads it by namespace."""
+    def index_path(self, name: str) -> Path:
+        """The folder of index ``name`` under ``ingest.index_dir`` (a pgvector index has none; its
+        name stands in), resolved once per request and handed on."""
+        from ragcache.index import resolve_index_path
+
+        return resolve_index_path(name, self.settings.ingest.index_dir)
+
+    def namespace_of(self, name: str, path: Path | None = None) -> str | None:
+        """The own KV namespace of index ``name`` (at ``path``, when already resolved) ("" = none),
+        or None when it cannot be read (no such index, a damaged one, its database down): then no
+        key reads it by namespace."""
         from ragcache.catalog import catalog
-        from ragcache.index import Manifest, readable_path, resolve_index_path
+        from ragcache.index import Manifest, readable_path
 
         try:
             cat = catalog(self.settings)
             if cat.backend != "faiss":
                 return cat.manifest(name).namespace
-            folder = readable_path(resolve_index_path(name, self.settings.ingest.index_dir))  # read now, not cached
+            folder = readable_path(path or self.index_path(name))  # read now, not cached
             return None if folder is None else Manifest.read(folder).namespace
         except Exception:  # noqa: BLE001 - unreadable: the namespace grants nothing
             return None
 
-    def check_access(self, access: Access, name: str, param: str) -> None:
-        """Refuse an index the caller may not read.
+    def check_access(self, access: Access, name: str, param: str, path: Path | None = None) -> None:
+        """Refuse an index the caller may not read (``path``: its folder, when already resolved).
 
         Raises:
             APIError: 403 naming the tenant, the index and what the key may read.
         """
-        if access.every_index or access.may_read(name, self.namespace_of(name)):
+        if access.every_index or access.may_read(name, self.namespace_of(name, path)):
             return
         raise APIError(403, f"{param} {name!r}: the API key of tenant {access.tenant!r} may not read this index "
                        f"(it may read {access.describe()}); ask the server's operator to add it to the key's entry "
@@ -184,13 +193,14 @@ class ServerState:
 
         return catalog(self.settings).names()
 
-    def resolve_index(self, model: str, override: str | None) -> str:
-        """The index a request asks for (see the module docstring).
+    def resolve_index(self, model: str, override: str | None, names: list[str] | None = None) -> str:
+        """The index a request asks for (see the module docstring); ``names``: the indexes served,
+        when already listed for this request.
 
         Raises:
             APIError: 404 when it names no index served here.
         """
-        names = self.indexes()
+        names = self.indexes() if names is None else names
         if override is not None:
             name, param = override, "ragcache.index"
         elif model in names:
@@ -205,14 +215,15 @@ class ServerState:
                            "(GET /v1/models lists them)", param=param, code="model_not_found")
         return name
 
-    def pipeline(self, name: str) -> "RAGPipeline":
-        """The pipeline over index ``name`` on the shared engine (new when the index was re-ingested)."""
+    def pipeline(self, name: str, path: Path | None = None) -> "RAGPipeline":
+        """The pipeline over index ``name`` (at ``path``, when already resolved) on the shared engine
+        (new when the index was re-ingested)."""
         from ragcache.catalog import catalog
-        from ragcache.index import resolve_index_path
         from ragcache.pipeline import RAGPipeline
 
-        path = resolve_index_path(name, self.settings.ingest.index_dir)
-        key = (name, catalog(self.settings).version(name))
+        path = path or self.index_path(name)
+        cat = catalog(self.settings)
+        key = (name, cat.version(path if cat.backend == "faiss" else name))
         pipe = self._pipelines.get(key)
         if pipe is None:
             for old in [k for k in self._pipelines if k[0] == name]:
@@ -324,8 +335,7 @@ def _prompt_text(state: ServerState, answer: "Answer", opts: RagcacheOptions) ->
 
 
 async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, index: str, model: str, mode: str,
-                  opts: RagcacheOptions, generate: dict[str, Any], include_usage: bool,
-                  tenant: str) -> AsyncIterator[str]:
+                  opts: RagcacheOptions, include_usage: bool, tenant: str) -> AsyncIterator[str]:
     """The SSE lines of one streamed chat completion (see the module docstring)."""
     cid, created = completion_id(), int(time.time())
     outcome = "error"
@@ -333,7 +343,7 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
         yield _sse(chunk_body(cid, model, created, delta={"role": "assistant", "content": ""},
                               extra=ragcache_body(index, opts, sources=r.sources)))
         answer = None
-        async with aclosing(pipe.astream_answer(r, mode, **generate)) as items:
+        async with aclosing(pipe.astream_answer(r)) as items:
             async for item in items:
                 if isinstance(item, str):
                     yield _sse(chunk_body(cid, model, created, delta={"content": item}))
@@ -386,7 +396,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         state.engine = engine or await AsyncBlendEngine.start(settings)
         try:
             state.mode = mode or serving_mode(settings, state.engine.blend_support)
-            state.metrics.set_tiers(list(await state.engine.store_stats()))
+            state.metrics.set_tiers((await state.engine.store_stats()).names)
             if settings.serve.index in state.indexes():  # load the embedder and the index now
                 try:
                     await state.pipeline(settings.serve.index).aprepare("warm up")
@@ -395,8 +405,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
             yield
         finally:
             if close_engine:
-                await state.engine.flush()
-                state.engine.close()
+                state.engine.close()  # the worker writes the store's counters as it shuts down
 
     app = FastAPI(title="ragcache", version="1", lifespan=lifespan,
                   description="OpenAI-compatible RAG with chunk KV reuse (CacheBlend) on vLLM")
@@ -477,7 +486,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
     @app.get("/v1/cache", dependencies=[Depends(server_wide)])
     async def cache() -> dict[str, Any]:
         """Per-tier KV store stats (hits, misses, hit_rate, entries, occupancy_bytes, capacity_bytes...)."""
-        return {"object": "ragcache.cache", "tiers": await state.engine.store_stats()}
+        return {"object": "ragcache.cache", "tiers": (await state.engine.store_stats()).to_dict()}
 
     @app.get("/metrics", dependencies=[Depends(server_wide)])
     async def metrics() -> Response:
@@ -495,12 +504,14 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
                                access: Access = Depends(authorized)) -> Response:
         """A chat completion answered from an index (see the module docstring)."""
         opts = body.options
-        state.check_access(access, *_asked_index(state, body.model, opts.index))
-        index = state.resolve_index(body.model, opts.index)
+        names = state.indexes()  # listed once per request
+        asked, param = _asked_index(state, body.model, opts.index, names)
+        path = state.index_path(asked)  # resolved once per request
+        state.check_access(access, asked, param, path)
+        index = state.resolve_index(body.model, opts.index, names)
         question, history = body.conversation()
-        generate = dict(max_tokens=body.answer_tokens, recompute_ratio=opts.recompute_ratio,
-                        sampling=body.sampling())
         mode = opts.mode or state.mode
+        options = body.query_options(history).model_copy(update={"mode": mode})  # the server's default mode
         if state.engine.blend_support is not None:
             try:
                 state.engine.blend_support.require(mode)  # refused before any work, not mid-stream
@@ -509,14 +520,14 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         tenant = access.tenant
         slot = state.acquire()
         try:
-            pipe = state.pipeline(index)
-            r = await pipe.aprepare(question, opts.top_k, history=history)
+            pipe = state.pipeline(index, path)
+            r = await pipe.aprepare(question, options)
             if body.stream:
                 events = _events(state, pipe, r, index=index, model=body.model, mode=mode, opts=opts,
-                                 generate=generate, include_usage=body.include_usage, tenant=tenant)
+                                 include_usage=body.include_usage, tenant=tenant)
                 response, slot = _EventStream(events, slot), None  # the stream frees the slot
                 return response
-            answer = await _unless_disconnected(request, pipe.aanswer(r, mode, **generate))
+            answer = await _unless_disconnected(request, pipe.aanswer(r))
             state.metrics.observe(index, answer, tenant)
             extra = ragcache_body(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
             return JSONResponse(completion_body(completion_id(), body.model, answer, extra))
@@ -533,11 +544,11 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
     return app
 
 
-def _asked_index(state: ServerState, model: str, override: str | None) -> tuple[str, str]:
+def _asked_index(state: ServerState, model: str, override: str | None, names: list[str]) -> tuple[str, str]:
     """The index name a request asks for and the field that names it, before checking it exists
     (access is checked first, so a key learns nothing about indexes it may not read)."""
     if override is not None:
         return override, "ragcache.index"
-    if model in DEFAULT_MODEL_ALIASES and model not in state.indexes():
+    if model in DEFAULT_MODEL_ALIASES and model not in names:
         return state.settings.serve.index, "model"
     return model, "model"

@@ -11,10 +11,10 @@ embedding its own. Sources carry the server's ``snippet`` as their text. Uses ht
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-from ragcache.conversation import Turn
-from ragcache.engine.messages import RequestMetrics
+from ragcache.engine.messages import RequestMetrics, StoreStats
+from ragcache.options import QueryOptions, options_from
 from ragcache.pipeline import Answer, Source
 
 
@@ -48,22 +48,19 @@ def server_indexes(base_url: str, api_key: str = "", timeout_s: float = 10.0) ->
     return [m["id"] for m in resp.json()["data"]]
 
 
-def answer_from(question: str, text: str, finish: str | None, extra: dict[str, Any],
-                usage: dict[str, Any]) -> Answer:
-    """An :class:`Answer` from a response's text, finish reason, ``ragcache`` object and usage."""
-    m = extra.get("metrics") or {}
+def answer_from(question: str, text: str, finish: str | None, extra: dict[str, Any]) -> Answer:
+    """An :class:`Answer` from a response's text, finish reason and ``ragcache`` object, whose
+    ``metrics`` is the server's :class:`~ragcache.engine.messages.RequestMetrics` record, read back
+    whole (``ratio_source``, ``chunk_tiers``, the worker's stages...).
+
+    Raises:
+        ServerError: the response carries no metrics (not a ragcache server's answer).
+    """
+    if not isinstance(extra.get("metrics"), dict):
+        raise ServerError("the response has no ragcache.metrics object; is this a ragcache server?")
     sources = [Source(s["doc_id"], s["title"], s.get("snippet", ""), s["score"], s["chunk_id"], s.get("tier") or "")
                for s in extra.get("sources") or []]
-    tiers = [s.tier for s in sources if s.tier]
-    metrics = RequestMetrics(
-        mode=m.get("mode", ""), ttft_s=m.get("ttft_s", 0.0), total_s=m.get("total_s", 0.0),
-        retrieval_s=m.get("retrieval_s", 0.0), prompt_tokens=usage.get("prompt_tokens", 0),
-        output_tokens=usage.get("completion_tokens", 0),
-        num_cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-        recompute_ratio=m.get("recompute_ratio"), reused_tokens=m.get("reused_tokens", 0),
-        recomputed_tokens=m.get("recomputed_tokens", 0), chunk_tiers=tiers, load_s=m.get("load_s", 0.0),
-        worker_s=m.get("worker_s", 0.0))
-    return Answer(question, text.strip(), sources, metrics, finish)
+    return Answer(question, text.strip(), sources, RequestMetrics.from_dict(extra["metrics"]), finish)
 
 
 class RemotePipeline:
@@ -82,33 +79,34 @@ class RemotePipeline:
         self.api_key = api_key
         self.timeout_s = timeout_s
 
-    def _body(self, question: str, mode: str | None, top_k: int | None, max_tokens: int | None,
-              recompute_ratio: float | None, history: Sequence[Turn], stream: bool) -> dict[str, Any]:
-        opts = {k: v for k, v in (("mode", mode), ("top_k", top_k), ("recompute_ratio", recompute_ratio))
-                if v is not None}
+    def _body(self, question: str, o: QueryOptions, stream: bool) -> dict[str, Any]:
+        """The request body carrying ``o`` (the server validates it again at its own edge)."""
+        opts = {k: v for k, v in (("mode", o.mode), ("top_k", o.top_k), ("recompute_ratio", o.recompute_ratio),
+                                  ("selection", None if o.selection is None else str(o.selection))) if v is not None}
+        s = o.sampling
         body: dict[str, Any] = {
             "model": self.index_name, "stream": stream, "ragcache": opts,
-            "messages": [{"role": t.role, "content": t.content} for t in history]
-            + [{"role": "user", "content": question}]}
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
-        if stream:
-            body["stream_options"] = {"include_usage": True}  # the usage chunk carries the token counts
+            "messages": [{"role": t.role, "content": t.content} for t in o.history]
+            + [{"role": "user", "content": question}],
+            "temperature": s.temperature, "top_p": s.top_p, "ignore_eos": s.ignore_eos, "min_tokens": s.min_tokens}
+        for key, value in (("max_tokens", o.max_tokens), ("seed", s.seed), ("stop", list(s.stop) or None)):
+            if value is not None:
+                body[key] = value
         return body
 
-    def stream(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-               max_tokens: int | None = None, recompute_ratio: float | None = None,
-               history: Sequence[Turn] = ()) -> Iterator[str | Answer]:
-        """Yield the answer's text pieces as the server streams them, then the :class:`Answer`.
+    def stream(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Iterator[str | Answer]:
+        """Yield the answer's text pieces as the server streams them, then the :class:`Answer`
+        (options as :meth:`RAGPipeline.query <ragcache.pipeline.RAGPipeline.query>`).
 
         Raises:
             ServerError: the server refused the question or failed while answering.
+            QueryOptionsError: an option out of range (checked here, before sending).
         """
         import httpx
 
-        body = self._body(question, mode, top_k, max_tokens, recompute_ratio, history, stream=True)
+        body = self._body(question, options_from(options, fields), stream=True)
         text: list[str] = []
-        finish, extra, usage = None, {}, {}
+        finish, extra = None, {}
         with httpx.stream("POST", f"{self.base_url}/v1/chat/completions", json=body,
                           headers=_headers(self.api_key), timeout=self.timeout_s) as resp:
             if resp.status_code >= 400:
@@ -120,40 +118,40 @@ class RemotePipeline:
                 chunk = json.loads(line[len("data: "):])
                 if "error" in chunk:
                     raise ServerError(chunk["error"].get("message", "the server failed while answering"))
-                if chunk.get("usage"):
-                    usage, extra = chunk["usage"], chunk.get("ragcache") or {}
-                elif chunk.get("choices"):
+                if "metrics" in (chunk.get("ragcache") or {}):  # the finish chunk: the whole ragcache object
+                    extra = chunk["ragcache"]
+                if chunk.get("choices"):
                     choice = chunk["choices"][0]
                     finish = choice.get("finish_reason") or finish
                     piece = choice["delta"].get("content")
                     if piece:
                         text.append(piece)
                         yield piece
-        yield answer_from(question, "".join(text), finish, extra, usage)
+        yield answer_from(question, "".join(text), finish, extra)
 
-    def query(self, question: str, mode: str | None = None, top_k: int | None = None, *,
-              max_tokens: int | None = None, recompute_ratio: float | None = None,
-              history: Sequence[Turn] = ()) -> Answer:
-        """The whole :class:`Answer` in one response.
+    def query(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Answer:
+        """The whole :class:`Answer` in one response (options as :meth:`RAGPipeline.query
+        <ragcache.pipeline.RAGPipeline.query>`).
 
         Raises:
             ServerError: the server refused the question or failed while answering.
+            QueryOptionsError: an option out of range (checked here, before sending).
         """
         import httpx
 
-        body = self._body(question, mode, top_k, max_tokens, recompute_ratio, history, stream=False)
+        body = self._body(question, options_from(options, fields), stream=False)
         resp = httpx.post(f"{self.base_url}/v1/chat/completions", json=body, headers=_headers(self.api_key),
                           timeout=self.timeout_s)
         _raise_for(resp)
         data = resp.json()
         choice = data["choices"][0]
         return answer_from(question, choice["message"]["content"], choice.get("finish_reason"),
-                           data.get("ragcache") or {}, data.get("usage") or {})
+                           data.get("ragcache") or {})
 
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self) -> StoreStats:
         """The server's per-tier KV store stats (GET /v1/cache)."""
         import httpx
 
         resp = httpx.get(f"{self.base_url}/v1/cache", headers=_headers(self.api_key), timeout=30)
         _raise_for(resp)
-        return resp.json()["tiers"]
+        return StoreStats.from_dict(resp.json()["tiers"])

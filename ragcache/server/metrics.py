@@ -33,11 +33,12 @@ Now:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ragcache.engine.messages import StoreStats
 from ragcache.pipeline import Answer
 from ragcache.server.keys import DEFAULT_TENANT
 from ragcache.server.schemas import cached_tokens
@@ -54,15 +55,15 @@ class _StoreCollector:
     """``ragcache_tier_bytes`` and ``ragcache_evictions_total`` from the last store snapshot."""
 
     def __init__(self) -> None:
-        self.stats: Mapping[str, Mapping[str, Any]] = {}
+        self.stats = StoreStats()
 
     def collect(self) -> Iterable[Any]:
         size = GaugeMetricFamily("ragcache_tier_bytes", "Bytes of chunk KV held by each tier", labels=["tier"])
         evicted = CounterMetricFamily("ragcache_evictions", "Entries evicted by each tier to stay within its "
                                       "capacity, since the server started", labels=["tier"])
-        for tier, s in self.stats.items():
-            size.add_metric([tier], float(s.get("occupancy_bytes") or 0))
-            evicted.add_metric([tier], float(s.get("evictions") or 0))
+        for tier, s in self.stats.tiers.items():
+            size.add_metric([tier], float(s.occupancy_bytes))
+            evicted.add_metric([tier], float(s.evictions))
         yield size
         yield evicted
 
@@ -71,7 +72,7 @@ class ServerMetrics:
     """The server's Prometheus registry (see the module docstring for every metric).
 
     Args:
-        tiers: the KV store's tiers, top-down (the keys of ``store_stats()``); a chunk served by a
+        tiers: the KV store's tiers, top-down (``store_stats().names``); a chunk served by a
             tier counts as a lookup in that tier and every tier above it.
     """
 
@@ -141,7 +142,7 @@ class ServerMetrics:
         """Count a request of ``tenant`` that did not complete: ``aborted`` (the client left) or ``error``."""
         self.requests.labels(index, mode, outcome, tenant).inc()
 
-    def render(self, store_stats: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
+    def render(self, store_stats: StoreStats | None = None) -> bytes:
         """The Prometheus text exposition, with the per-tier gauges from ``store_stats`` when given."""
         if store_stats is not None:
             self.store.stats = store_stats

@@ -5,7 +5,14 @@ bodies of a ChatCompletion, of a ``chat.completion.chunk`` and of an error, and 
 object added to them (sources and metrics). Shapes follow OpenAI's Chat Completions API
 (https://platform.openai.com/docs/api-reference/chat), as the ``openai`` SDK parses them; the
 ``ragcache`` additions are top-level fields the SDK keeps in ``model_extra``. Imports pydantic and
-ragcache.config / conversation / pipeline types only; no engine, no FastAPI.
+ragcache.config / conversation / options / pipeline types only; no engine, no FastAPI.
+
+The request's options are validated once, while FastAPI parses the body: its fields are declared
+with the range types of :mod:`ragcache.options` (the same ones :class:`~ragcache.options.QueryOptions`
+and the settings use), and :meth:`ChatCompletionRequest.query_options` assembles the
+``QueryOptions`` the pipeline and the engine get, without checking anything again. The metrics of
+an answer travel as the one :class:`~ragcache.engine.messages.RequestMetrics` record
+(``to_dict()`` here, ``from_dict()`` in :mod:`ragcache.server.client`).
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ragcache.config import Mode
-from ragcache.conversation import Turn, split_messages
-from ragcache.engine.base import SamplingOptions
+from ragcache.config import MaxTokens, Mode, Ratio, TopK
+from ragcache.conversation import Question, Turn, split_messages
+from ragcache.options import (
+    MinTokens, QueryOptions, SamplingOptions, Seed, Selection, Temperature, TopP, check_min_tokens,
+    check_stop,
+)
 from ragcache.pipeline import Answer, Source
 
 #: characters of a source's text returned as its ``snippet``
@@ -26,10 +36,6 @@ SNIPPET_CHARS = 240
 
 #: ``model`` values that mean "the server's default index" (``serve.index`` / ``--index``)
 DEFAULT_MODEL_ALIASES = ("", "ragcache", "default")
-
-#: the seeds vLLM accepts: a signed 64-bit integer (its own OpenAI server checks the same range;
-#: a larger one fails inside the engine, after the request was registered)
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -128,10 +134,11 @@ class RagcacheOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     index: str | None = Field(None, description="index to answer from (overrides model)")
-    top_k: int | None = Field(None, ge=1, le=100, description="chunks retrieved (default retrieval.top_k)")
+    top_k: TopK | None = Field(None, description="chunks retrieved (default retrieval.top_k)")
     mode: Mode | None = Field(None, description="full, prefix, reuse or blend (default engine.mode)")
-    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0,
-                                          description="share of context tokens recomputed in blend mode")
+    recompute_ratio: Ratio | None = Field(None, description="share of context tokens recomputed in blend mode")
+    selection: Selection | None = Field(None, description="blend's token selection, e.g. question or "
+                                        "question/16 (default blend.selection)")
     return_sources: bool = Field(True, description="include the retrieved chunks in the response")
     return_prompt: bool = Field(False, description="include the prompt text the model was given")
 
@@ -201,15 +208,15 @@ class ChatCompletionRequest(BaseModel):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="a signed 64-bit integer")
+    seed: Seed | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: MinTokens = 0
     stream_options: StreamOptions | None = None
     ragcache: RagcacheOptions | None = None
 
@@ -221,17 +228,12 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
-            raise ValueError("stop sequences must not be empty")
+        check_stop(v)
         return _check_texts(v)
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> "ChatCompletionRequest":
-        limit = self.answer_tokens
-        if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) is larger than max_tokens ({limit})")
+        check_min_tokens(self.min_tokens, self.answer_tokens)
         return self
 
     @property
@@ -249,7 +251,7 @@ class ChatCompletionRequest(BaseModel):
     def options(self) -> RagcacheOptions:
         return self.ragcache or RagcacheOptions()
 
-    def conversation(self) -> tuple[str, list[Turn]]:
+    def conversation(self) -> tuple[Question, list[Turn]]:
         """The question (the last user message) and the earlier turns.
 
         Raises:
@@ -267,10 +269,20 @@ class ChatCompletionRequest(BaseModel):
             raise APIError(400, str(exc), param="messages") from None
 
     def sampling(self) -> SamplingOptions:
-        """temperature, top_p, stop, seed, ignore_eos and min_tokens as engine options."""
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
-                               ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
+        """temperature, top_p, stop, seed, ignore_eos and min_tokens as engine options (validated
+        with the body: assembled, not checked again)."""
+        return SamplingOptions.model_construct(
+            temperature=self.temperature, top_p=self.top_p, stop=check_stop(self.stop), seed=self.seed,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
+
+    def query_options(self, history: list[Turn]) -> QueryOptions:
+        """The request's :class:`~ragcache.options.QueryOptions` (with the conversation's earlier
+        turns): its fields were validated with the body, by the same types, so they are assembled
+        here and not checked again."""
+        o = self.options
+        return QueryOptions.model_construct(
+            mode=o.mode, top_k=o.top_k, max_tokens=self.answer_tokens, recompute_ratio=o.recompute_ratio,
+            selection=o.selection, sampling=self.sampling(), history=tuple(history))
 
 
 # ---- response -----------------------------------------------------------------------------------
@@ -288,13 +300,10 @@ def source_body(s: Source, tier: str | None) -> dict[str, Any]:
 
 
 def metrics_body(answer: Answer) -> dict[str, Any]:
-    """``{mode, ttft_s, retrieval_s, total_s, reused_tokens, recomputed_tokens, tier_hits,
-    recompute_ratio, load_s, worker_s}``; seconds are the engine's (TTFT: vLLM's first-token latency)."""
-    m = answer.metrics
-    return {"mode": m.mode, "ttft_s": round(m.ttft_s, 4), "retrieval_s": round(m.retrieval_s, 4),
-            "total_s": round(m.total_s, 4), "reused_tokens": m.reused_tokens,
-            "recomputed_tokens": m.recomputed_tokens, "tier_hits": m.tier_hits,
-            "recompute_ratio": m.recompute_ratio, "load_s": round(m.load_s, 4), "worker_s": round(m.worker_s, 4)}
+    """The answer's :class:`~ragcache.engine.messages.RequestMetrics` as ``to_dict()`` writes it (every
+    field, seconds as measured, plus the derived ``tier_hits``); ``RequestMetrics.from_dict`` reads
+    it back whole (:func:`ragcache.server.client.answer_from`)."""
+    return answer.metrics.to_dict()
 
 
 def cached_tokens(answer: Answer) -> int:

@@ -1,0 +1,171 @@
+"""One typed request path: QueryOptions built and validated once where a request enters (SDK, CLI
+flags, HTTP body), handed on unchanged to the engine, and the metrics record read back whole over
+HTTP. No model: the engine's request building runs on an EngineBase without vLLM's engine."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from ragcache.config import MaxTokens, Ratio, Settings, TopK, range_text
+from ragcache.conversation import Question, Turn, check_question
+from ragcache.engine.messages import TRANSFER_KEY, BlendParams, RequestMetrics, StoreStats
+from ragcache.options import (
+    DEFAULTS, QueryOptions, QueryOptionsError, SamplingOptions, SelectionSpec, options_from,
+)
+from ragcache.prompt import AssembledPrompt, Segment
+from ragcache.server.client import answer_from
+from ragcache.server.schemas import ChatCompletionRequest, RagcacheOptions, completion_body, ragcache_body
+
+USER = [{"role": "user", "content": "What is kelmet?"}]
+
+
+def test_options_share_the_settings_ranges_and_name_the_option_and_the_rule():
+    assert range_text(Ratio) == range_text(Settings.model_fields["blend"].annotation.model_fields["fallback_ratio"])
+    assert range_text(TopK) == "must be in [1, 100]" and range_text(MaxTokens) == "must be >= 1"
+    for fields, words in (({"top_k": 0}, "top_k 0: must be in [1, 100] (the range of the setting retrieval.top_k)"),
+                          ({"recompute_ratio": 1.5}, "recompute_ratio 1.5: must be in [0, 1]"),
+                          ({"max_tokens": 0}, "max_tokens 0: must be >= 1"),
+                          ({"sampling": {"temperature": 3}}, "sampling.temperature 3: must be in [0, 2]"),
+                          ({"selection": "question/0"}, "selection.granule 0: must be in [1, 256]"),
+                          ({"selection": "attention"}, "'deviation', 'question' or 'hybrid'"),
+                          ({"mode": "fast"}, "'full', 'prefix', 'reuse' or 'blend'"),
+                          ({"max_tokens": 2, "sampling": {"min_tokens": 4}},
+                           "min_tokens (4) is larger than max_tokens (2)")):
+        with pytest.raises(QueryOptionsError) as e:
+            QueryOptions.parse(fields)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(QueryOptionsError, match=r"^--recompute-ratio 2.0: must be in \[0, 1\]") as e:
+        QueryOptions.parse({"recompute_ratio": 2.0}, {"recompute_ratio": "--recompute-ratio"})
+    assert (e.value.field, e.value.name, e.value.value) == ("recompute_ratio", "--recompute-ratio", 2.0)
+    with pytest.raises(TypeError, match="unknown query option"):
+        QueryOptions.parse({"topk": 3})
+
+
+def test_a_selection_is_typed_once_from_its_string_form():
+    o = QueryOptions.parse({"selection": "question/16", "top_k": None})  # None: not given
+    assert o.selection == SelectionSpec(strategy="question", granule=16) and str(o.selection) == "question/16"
+    assert o.top_k is None and QueryOptions(selection="hybrid").selection.granule is None
+    with pytest.raises(ValueError, match="integer"):
+        SelectionSpec.parse("question/x")
+
+
+def test_the_sdk_takes_options_or_keyword_fields_and_checks_the_question_once():
+    given = QueryOptions(mode="full", top_k=2)
+    assert options_from(given, {}) is given  # handed on as built
+    assert options_from(None, {}) is DEFAULTS
+    assert options_from(None, {"top_k": 3, "history": [Turn("user", "hi")]}).history == (Turn("user", "hi"),)
+    with pytest.raises(TypeError, match="not both"):
+        options_from(given, {"top_k": 3})
+    with pytest.raises(TypeError, match="QueryOptions"):
+        options_from("full", {})  # the mode as a keyword (mode="full"), not positionally
+    q = check_question("What is kelmet?")
+    assert isinstance(q, Question) and check_question(q) is q  # checked once: a Question passes as is
+
+
+def _engine_base(settings: Settings):
+    """The request-building half of an engine (what both engines share), without vLLM's engine."""
+    from ragcache.engine.base import EngineBase
+
+    base = EngineBase.__new__(EngineBase)
+    base.settings = settings
+    base.blend_support = None
+    return base
+
+
+def _prompt() -> AssembledPrompt:
+    segments = [Segment("default:" + "a" * 32, 0, 10, None), Segment("default:" + "b" * 32, 10, 20, "c1")]
+    return AssembledPrompt(list(range(40)), segments, 30, 10)
+
+
+def test_the_ratio_walks_from_the_http_body_to_the_connector_as_typed_objects_validated_once(tmp_path):
+    from ragcache.pipeline import RAGPipeline
+
+    settings = Settings.load(ingest={"index_dir": str(tmp_path)})
+    body = ChatCompletionRequest.model_validate({
+        "model": "docs", "messages": USER, "max_tokens": 7, "temperature": 0.5,
+        "ragcache": {"mode": "blend", "recompute_ratio": 0.25, "selection": "question/16", "top_k": 2}})
+    question, history = body.conversation()
+    options = body.query_options(history)  # assembled from the validated body, not validated again
+    assert isinstance(question, Question) and isinstance(options, QueryOptions)
+    assert (options.recompute_ratio, options.top_k, options.max_tokens) == (0.25, 2, 7)
+    assert options.sampling.temperature == 0.5
+    engine_opts, source = RAGPipeline(settings, "docs", engine=None)._for_engine(options)
+    assert engine_opts is options and source == "request"  # the pipeline hands it on unchanged
+    req = _engine_base(settings)._request(_prompt(), engine_opts)
+    params = BlendParams.from_dict(req.sampling.extra_args["kv_transfer_params"][TRANSFER_KEY])
+    assert (params.recompute_ratio, params.selection, params.granule) == (0.25, "question", 16)
+    assert (req.sampling.max_tokens, req.sampling.temperature, req.recompute_ratio) == (7, 0.5, 0.25)
+    # the one check is at the edge: a bad ratio stops at the body, naming the field
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "docs", "messages": USER, "ragcache": {"recompute_ratio": 1.5}})
+    assert e.value.errors()[0]["loc"] == ("ragcache", "recompute_ratio")
+    # ...and nothing after it checks again: a value that skipped the edge goes through as it is
+    unchecked = QueryOptions.model_construct(mode="blend", recompute_ratio=1.5, selection=None, max_tokens=None,
+                                             sampling=SamplingOptions())
+    sent = _engine_base(settings)._request(_prompt(), unchecked).sampling.extra_args["kv_transfer_params"]
+    assert sent[TRANSFER_KEY]["recompute_ratio"] == 1.5
+
+
+def test_without_a_ratio_of_its_own_the_pipeline_fills_in_its_resolved_one(tmp_path):
+    from ragcache.pipeline import RAGPipeline
+
+    settings = Settings.load(ingest={"index_dir": str(tmp_path)}, blend={"recompute_ratio": 0.3})
+    rag = RAGPipeline(settings, "docs", engine=None)
+    opts, source = rag._for_engine(QueryOptions(mode="blend", top_k=2))
+    assert (opts.recompute_ratio, opts.top_k, source) == (0.3, 2, "settings")
+    full = QueryOptions(mode="full")
+    assert rag._for_engine(full) == (full, "")  # no ratio outside blend
+
+
+def test_metrics_travel_over_http_as_the_one_record_both_ways():
+    from ragcache.pipeline import Answer, Source
+
+    m = RequestMetrics(mode="blend", ttft_s=0.123456789, total_s=0.5, retrieval_s=0.01, prompt_tokens=300,
+                       output_tokens=7, num_cached_tokens=250, ctx_tokens=250, reused_tokens=200,
+                       recomputed_tokens=50, missing_computed_tokens=0, chunk_tiers=["cpu", "computed"],
+                       head_tier="cpu", load_s=0.02, worker_s=0.03, stages={"open_s": 0.001},
+                       recompute_ratio=0.15, ratio_source="calibration", repetition_loop=True)
+    answer = Answer("q", "An answer.", [Source("d", "t", "text", 0.5, "c", "cpu"), Source("e", "u", "x", 0.4, "f",
+                                                                                          "computed")], m, "stop")
+    body = json.loads(json.dumps(completion_body("chatcmpl-1", "docs", answer,
+                                                 ragcache_body("docs", RagcacheOptions(), answer=answer))))
+    back = answer_from("q", body["choices"][0]["message"]["content"], "stop", body["ragcache"])
+    assert back.metrics == m and back.metrics.ratio_source == "calibration"  # nothing lost, nothing rounded
+    assert [s.tier for s in back.sources] == ["cpu", "computed"]
+
+
+def test_store_stats_are_one_typed_record_on_both_sides_of_the_seam(tmp_path):
+    import torch
+
+    from ragcache.kvstore import CpuTier, DiskTier, KVSpec, TieredStore
+
+    spec = KVSpec(model_fingerprint="fp", layout_version=1, num_layers=2, num_kv_heads=1, head_dim=4,
+                  dtype=torch.float32)
+    store = TieredStore(spec, [(CpuTier(), 10**9), (DiskTier(tmp_path / "kv"), 10**9)])
+    store.put("default:" + "a" * 32, torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4), 0)
+    assert store.get("default:" + "a" * 32)[1] == "cpu" and store.get("default:" + "b" * 32) is None
+    stats = StoreStats.from_dict(json.loads(json.dumps(store.stats())))  # as the worker's reply arrives
+    assert stats.names == ["cpu", "disk"] and (stats.lookups, stats.hits, stats.misses) == (2, 1, 1)
+    assert stats.hit_rate == 0.5 and stats.tiers["disk"].entries == 1 and stats.tiers["cpu"].up
+    assert StoreStats.from_dict(stats.to_dict()) == stats
+    store.close()
+
+
+def test_both_engines_offer_the_same_methods_with_the_same_arguments():
+    from ragcache.engine import AsyncBlendEngine, BlendEngine
+
+    shared = ("precompute", "generate", "generate_many", "stream", "continuation_logprobs", "ops_probe",
+              "store_stats", "stored_tiers", "stored_where", "store_holders", "forget", "flush", "close",
+              "reset_prefix_cache", "num_unfinished_requests")
+    for name in shared:
+        sync, asyn = getattr(BlendEngine, name), getattr(AsyncBlendEngine, name)
+        if isinstance(sync, property):
+            assert isinstance(asyn, property), name
+            continue
+        assert inspect.signature(sync).parameters.keys() == inspect.signature(asyn).parameters.keys(), name
+        if name != "close":
+            assert inspect.iscoroutinefunction(asyn) or inspect.isasyncgenfunction(asyn), name
