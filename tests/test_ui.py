@@ -377,4 +377,14 @@ def test_browser_asks_one_question_and_shows_the_metrics_strip(ui_env, tmp_path)
     reused = re.search(r"Reused tokens\s+([\d,]+)", text)
     assert reused and int(reused.group(1).replace(",", "")) > 0, text
     assert re.search(r"Recomputed tokens\s+[\d,]+", text) and "Tier hits" in text, text
+    assert "Deploy" not in text, text  # Streamlit's own toolbar is minimal (.streamlit/config.toml)
     assert server.returncode is not None
+
+
+def test_streamlit_reads_the_apps_config_with_a_minimal_toolbar():
+    """`make ui` starts Streamlit in the repository root, where .streamlit/config.toml sets the
+    toolbar to minimal: no Deploy button, no developer menu."""
+    out = subprocess.run([sys.executable, "-m", "streamlit", "config", "show"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r'^toolbarMode = "minimal"$', out.stdout, re.M), out.stdout[:2000]
