@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml scripts/install.sh
 demo: setup
 	$(VENV)/bin/ragcache demo
 
+# the whole suite: also what its tests need beyond setup (redis-server, haproxy, chromium, the scale
+# extra), installed by scripts/test_deps.sh where it can (root, apt-get) or named with the command
 test: setup
+	VENV=$(VENV) bash scripts/test_deps.sh
 	$(PY) -m pytest tests
 
 test-unit: setup
