@@ -1,0 +1,113 @@
+"""The layout's rules, read from the code's own imports (every import, inside functions and under
+TYPE_CHECKING too): no import cycle between ragcache's modules, data flowing one way (app/ui ->
+pipeline -> retrieval, engine -> blend, kvstore), the SDK never importing app/ or ui/, blend/ never
+importing vLLM and no module of the core importing bench/. No model, no engine."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _files() -> dict[str, Path]:
+    return {_module_of(p): p for top in ("ragcache", "app", "ui") for p in (REPO / top).rglob("*.py")}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``path`` imports (``from pkg import name`` counts as pkg.name when that is
+    a module, else as pkg)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n in modules)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _files()
+    return {m: _imports(p, modules) - {m} for m, p in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package_face(m: str) -> bool:
+    """A package's ``__init__`` that only hands names on (its own package's modules import it as a whole)."""
+    return (REPO / m.replace(".", "/") / "__init__.py").is_file()
+
+
+def test_no_import_cycle_between_modules():
+    graph = _graph()
+    # a module importing its own package's face (``from ragcache.engine import X`` inside engine/) is
+    # the package handing names on, not a dependency: leave those edges out
+    flat = {m: {t for t in ts if not (_package_face(t) and m.startswith(t + "."))} for m, ts in graph.items()}
+    assert _cycles(flat) == []
+
+
+def test_data_flows_one_way_and_the_sdk_never_imports_the_apps():
+    graph = _graph()
+    for m, targets in graph.items():
+        if m.startswith("ragcache"):
+            assert not any(t.startswith(("app", "ui")) for t in targets), (m, targets)
+        if m.startswith(("ragcache.kvstore", "ragcache.blend")):  # the bottom: nothing above them
+            assert not any(t.startswith(("ragcache.engine", "ragcache.pipeline", "ragcache.server", "ragcache.bench"))
+                           for t in targets), (m, targets)
+        if m.startswith("ragcache.engine"):
+            assert not any(t.startswith(("ragcache.pipeline", "ragcache.server", "ragcache.bench", "ragcache.calibrate"))
+                           for t in targets), (m, targets)
+        if m.startswith("ragcache") and not m.startswith("ragcache.bench"):
+            assert not any(t.startswith("ragcache.bench") for t in targets), (m, targets)  # core never uses bench/
+
+
+def test_blend_never_imports_vllm():
+    for path in (REPO / "ragcache" / "blend").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] == "vllm" for n in names), path
