@@ -38,8 +38,11 @@ bench: setup
 	$(VENV)/bin/ragcache bench tiers --out results/bench_tier_ttft.json
 	$(VENV)/bin/ragcache bench ingest --out results/bench_ingest.json
 	$(VENV)/bin/ragcache bench serve --out results/bench_serve.json
+	$(VENV)/bin/ragcache bench bandwidth --out results/bench_bandwidth.json
+	$(VENV)/bin/ragcache bench retrieval --out results/bench_retrieval.json
+	$(VENV)/bin/ragcache bench coldstart --out results/bench_coldstart.json
 	mkdir -p docs/bench
-	for b in ttft ttft_hotpotqa hotset throughput tier_ttft ingest serve; do \
+	for b in ttft ttft_hotpotqa hotset throughput tier_ttft ingest serve bandwidth retrieval coldstart; do \
 	  for f in results/bench_$$b.json results/bench_$$b.md results/bench_$$b.png; do [ ! -f $$f ] || cp -f $$f docs/bench/; done; \
 	done
 

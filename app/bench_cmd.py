@@ -1,4 +1,5 @@
-"""`ragcache bench ttft|hotset|throughput|tiers|ingest|serve` and `ragcache eval`: reproducible numbers.
+"""`ragcache bench ttft|hotset|throughput|tiers|ingest|serve|scale|bandwidth|retrieval|coldstart|plain` and
+`ragcache eval`: reproducible numbers.
 
 Thin flag parsing over ragcache.bench, where the runners, metrics, tables and plots live.
 Every benchmark writes RESULT.json, RESULT.md (its tables) and, where it has one, RESULT.png, and
@@ -193,6 +194,55 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--passages", type=_positive, default=5, help="chunks retrieved per question (top_k)")
     c.add_argument("--max-tokens", type=_positive, default=8, help="tokens decoded per request (ignore_eos)")
     c.set_defaults(func=run_scale)
+
+    w = kinds.add_parser("bandwidth", help="read bandwidth of one chunk entry from each KV tier (cpu, disk cold and "
+                         "warm, Redis) beside the disk's raw dd speed; no model", formatter_class=_FMT)
+    w.add_argument("--out", type=Path, default=Path("results/bench_bandwidth.json"),
+                   help="result JSON (the .md tables beside it)")
+    w.add_argument("--dir", type=Path, default=Path("results"),
+                   help="folder on the disk to measure (a temporary sub-folder is made and removed)")
+    w.add_argument("--tokens", type=_positive, default=512, help="tokens in the entry")
+    w.add_argument("--layers", type=_positive, default=30, help="layers (SmolLM2-135M: 30)")
+    w.add_argument("--heads", type=_positive, default=3, help="KV heads (SmolLM2-135M: 3)")
+    w.add_argument("--head-dim", type=_positive, default=64, help="head size (SmolLM2-135M: 64)")
+    w.add_argument("--reads", type=_positive, default=7, help="reads per measurement (the median is reported)")
+    w.add_argument("--redis-url", default=None, help="an existing Redis instead of a throwaway redis-server")
+    w.add_argument("--no-remote", action="store_true", help="skip the remote tier")
+    w.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (copies are memory bound)")
+    w.set_defaults(func=run_bandwidth)
+
+    q = kinds.add_parser("retrieval", help="search latency p50/p99 at 1k-100k synthetic chunks: FAISS alone, the "
+                         "llama-index retriever, end to end from question text; no LLM", formatter_class=_FMT)
+    _common(q, out="results/bench_retrieval.json", plot=False, dataset="hotpotqa")
+    q.add_argument("--sizes", type=_ints, default="1000,10000,100000", help="chunks per synthetic index")
+    q.add_argument("--queries", type=_positive, default=200, help="query vectors timed per path")
+    q.add_argument("--e2e-queries", type=_positive, default=50, help="dataset questions timed end to end")
+    q.add_argument("--top-k", type=_positive, default=5, help="chunks per query")
+    q.add_argument("--seed", type=int, default=0, help="seed of the synthetic vectors")
+    q.set_defaults(func=run_retrieval)
+
+    s = kinds.add_parser("coldstart", help="engine start-up seconds and the first long request's TTFT against the "
+                         "later ones", formatter_class=_FMT)
+    _common(s, out="results/bench_coldstart.json", plot=False)
+    s.add_argument("--example", type=_non_negative, default=0, help="example whose passages make the prompt")
+    s.add_argument("--passages", type=_positive, default=10, help="passages in the prompt")
+    s.add_argument("--modes", type=_modes, default="blend,full", help="modes, in the order asked")
+    s.add_argument("--repeats", type=_positive, default=4, help="requests per mode (the first is the cold one)")
+    s.set_defaults(func=run_coldstart)
+
+    n = kinds.add_parser("plain", help="full-prefill TTFT of a plain vLLM engine (no ragcache) in any dtype, e.g. "
+                         "vLLM's own auto", formatter_class=_FMT)
+    n.add_argument("--dataset", default="musique",
+                   help="QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR) or a JSON path")
+    n.add_argument("--out", type=Path, default=Path("results/bench_plain.json"),
+                   help="result JSON (the .md tables beside it)")
+    n.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="vLLM's dtype (its auto: the platform's preferred dtype, bfloat16 on CPU)")
+    n.add_argument("--passages", type=_positive, default=10, help="passages of example 0 in the prompt")
+    n.add_argument("--runs", type=_positive, default=2, help="timed prefills")
+    n.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                   help="vLLM's scheduler budget per step (default: vLLM's, 4096 on CPU)")
+    n.set_defaults(func=run_plain)
 
     e = sub.add_parser("eval", help="answer quality of one mode against full prefill and the gold answers (JSON)",
                        description="KL(full || mode) of the first token, mean gold-answer NLL, token F1, Rouge-L, "
@@ -420,3 +470,67 @@ def run_scale(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)
+
+
+@_user_error
+def run_bandwidth(args: argparse.Namespace) -> int:
+    from ragcache.bench.bandwidth import run_bandwidth as run
+    from ragcache.bench.environment import command_line, stamp, utc_now
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ragcache-bench-bandwidth-", dir=args.dir))
+    started = utc_now()
+    try:
+        result = run(work, tokens=args.tokens, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
+                     reads=args.reads, redis_url=args.redis_url, remote=not args.no_remote, threads=args.threads,
+                     progress=_say)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stamp(result, command=command_line(), started=started)
+    return _finish(result, args.out)
+
+
+@_user_error
+def run_retrieval(args: argparse.Namespace) -> int:
+    from ragcache.bench.environment import bench_settings, utc_now
+    from ragcache.bench.retrieval import run_retrieval as run
+
+    questions = [ex.question for ex in _load(args, args.e2e_queries)]
+    kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
+    started = utc_now()
+    try:
+        result = run(bench_settings(args.settings, kv_dir=kv_dir), questions, sizes=args.sizes,
+                     queries=args.queries, top_k=args.top_k, seed=args.seed, progress=_say)
+    finally:
+        if args.kv_dir is None:
+            shutil.rmtree(kv_dir, ignore_errors=True)
+    _stamp(args, result, started=started)
+    return _finish(result, args.out)
+
+
+@_user_error
+def run_coldstart(args: argparse.Namespace) -> int:
+    from ragcache.bench.coldstart import run_coldstart as run
+
+    example = _load(args, 1, args.example)[0]
+    return _with_engine(args, lambda eng: run(eng, example, passages=args.passages, modes=args.modes,
+                                              repeats=args.repeats, progress=_say))
+
+
+@_user_error
+def run_plain(args: argparse.Namespace) -> int:
+    from ragcache.bench.environment import bench_settings, utc_now
+    from ragcache.bench.plain import run_plain as run
+
+    example = _load(args, 1)[0]
+    kv_dir = Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))  # no KV is stored; settings need a folder
+    started = utc_now()
+    try:
+        result = run(bench_settings(args.settings, kv_dir=kv_dir), example, dtype=args.dtype,
+                     passages=args.passages, runs=args.runs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     progress=_say)
+    finally:
+        shutil.rmtree(kv_dir, ignore_errors=True)
+    _stamp(args, result, started=started)
+    return _finish(result, args.out)
+

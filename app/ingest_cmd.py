@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from app.help import HelpFormatter
 from ragcache.engine.messages import PrecomputeReport, StoreStats, TierStats

@@ -16,9 +16,11 @@ from ragcache import lifeline as _lifeline  # noqa: E402
 _lifeline.hold()  # in a vLLM process started by a ragcache engine: die with that engine's process
 
 from ragcache.config import ConfigError, Settings  # noqa: E402
+from ragcache.options import QueryOptions, QueryOptionsError, SamplingOptions  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["Settings", "ConfigError", "RAGPipeline", "Answer", "Source", "QueryMetrics", "__version__"]
+__all__ = ["Settings", "ConfigError", "QueryOptions", "QueryOptionsError", "SamplingOptions", "RAGPipeline", "Answer",
+           "Source", "QueryMetrics", "__version__"]
 
 
 def __getattr__(name: str):

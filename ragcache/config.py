@@ -104,6 +104,9 @@ class EngineSettings(_Section):
     self_check: bool = Field(
         True, description="at start, check that reuse/blend reproduce vLLM's prefill on a short prompt "
         "(disables them on a mismatch)")
+    verbose: bool = Field(
+        False, description="show vLLM's, torch's and transformers' own notices, warnings and loading bars (in this "
+        "process and the engine's); false: ragcache's lines only (the CLI's -v does the same)")
     connector_step_tokens: int = Field(
         2048, ge=0, description="context tokens the KV connector loads (reuse/blend) per engine step; another "
         "request waits for the next step (the first of a step always goes); 0 = no limit")

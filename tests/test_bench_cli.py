@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -100,3 +101,63 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
         assert ex["results"]["prefix"]["num_cached_tokens"] > 0  # the warm-up filled vLLM's prefix cache
     assert res["examples"][0]["order"] != res["examples"][1]["order"]  # rotated
     assert (tmp_path / "ttft.png").stat().st_size > 1000 and (tmp_path / "ttft.md").exists()
+
+
+# ---- the measurements that were scripts (scripts/bench_tiers.py, bench_retrieval.py, cold_start.py,
+# plain_vllm_prefill.py), now `ragcache bench` kinds ------------------------------------------------
+
+
+def test_bench_bandwidth_reads_one_entry_from_every_tier_without_a_model(tmp_path, capsys):
+    from app.cli import main
+
+    redis = shutil.which("redis-server") is not None  # make test installs it (scripts/test_deps.sh)
+    out = tmp_path / "bandwidth.json"
+    assert main(["bench", "bandwidth", "--tokens", "8", "--layers", "2", "--reads", "1", "--dir", str(tmp_path),
+                 "--out", str(out)] + ([] if redis else ["--no-remote"])) == 0
+    assert "KV entry read bandwidth" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    tiers = {"cpu", "disk cold", "disk warm"} | ({"remote"} if redis else set())
+    for dtype in ("float32", "float16"):
+        rows = [t for t in res["tiers"] if t["dtype"] == dtype]
+        assert {t["tier"] for t in rows} == tiers and all(t["get_mb_s"] > 0 and t["layers_mb_s"] > 0 for t in rows)
+    assert res["tiers"][0]["entry_bytes"] == 2 * 2 * 8 * 3 * 64 * 4  # K and V, 2 layers, 8 tokens, fp32
+    assert set(res["raw_disk"]) >= {"bytes", "dd_cold_mb_s", "dd_direct_mb_s", "dd_page_cache_mb_s"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ragcache-bench-")] == []  # cleaned up
+    assert (tmp_path / "bandwidth.md").exists() and res["machine"]["cpu_count"] >= 1
+
+
+def test_bench_retrieval_times_every_search_path_on_synthetic_indexes(tmp_path, capsys):
+    from app.cli import main
+
+    shared_data("hotpotqa/hotpotqa_distractor_100.json")
+    out = tmp_path / "retrieval.json"
+    assert main(["bench", "retrieval", "--sizes", "20,200", "--queries", "5", "--e2e-queries", "3", "--top-k", "3",
+                 "--out", str(out)]) == 0
+    assert "retrieval latency" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [r["chunks"] for r in res["results"]] == [20, 200] and res["e2e_queries"] == 3
+    for r in res["results"]:
+        for path in ("faiss", "faiss1", "search", "e2e"):
+            assert 0 < r[f"{path}_p50_ms"] <= r[f"{path}_p99_ms"], (path, r)
+    assert res["query_embedding_p50_ms"] > 0
+
+
+@pytest.mark.integration
+def test_bench_coldstart_and_plain_time_the_first_requests_and_a_plain_vllm(tmp_path):
+    shared_data("musique/musique_s.json")
+    env = dict(os.environ, RAGCACHE_ENGINE__KV_CACHE_MEMORY_BYTES=str(1 << 30))
+    cold = tmp_path / "coldstart.json"
+    r = subprocess.run([sys.executable, "-m", "app.cli", "bench", "coldstart", "--passages", "2", "--repeats", "2",
+                        "--modes", "blend,full", "--out", str(cold)], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(cold.read_text())
+    assert set(res["modes"]) == {"blend", "full"} and res["startup_s"] > 0
+    assert all(len(m["ttft_s"]) == 2 and m["first_vs_steady"] > 0 for m in res["modes"].values())
+    plain = tmp_path / "plain.json"
+    r = subprocess.run([sys.executable, "-m", "app.cli", "bench", "plain", "--dtype", "float32", "--passages", "2",
+                        "--runs", "1", "--out", str(plain)], env=env, cwd=REPO, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(plain.read_text())
+    assert res["dtype"] == "float32" and len(res["ttft_s"]) == 1 and res["ttft_median_s"] > 0

@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from ragcache.options import QueryOptions
 
+from ragcache.options import QueryOptions
 from tests.test_pipeline import DOCS  # the three Zorbia documents
 
 pytestmark = pytest.mark.integration
@@ -130,6 +130,7 @@ def test_completion_returns_text_sources_and_reused_tokens_in_blend_and_none_in_
     assert all(s["tier"] in ("cpu", "disk") and s["chunk_id"] and s["doc_id"] for s in rc["sources"])
     m = rc["metrics"]
     assert m["mode"] == "blend" and m["ttft_s"] > 0 and m["retrieval_s"] > 0 and m["recompute_ratio"] == 0.15
+    assert m["ratio_source"] == "settings" and m["chunk_tiers"] == [s["tier"] for s in rc["sources"]]
     assert m["reused_tokens"] > 0 and m["recomputed_tokens"] > 0 and sum(m["tier_hits"].values()) == 2
     cached = blend.usage.prompt_tokens_details.cached_tokens
     assert cached == m["reused_tokens"] and 0 < cached < blend.usage.prompt_tokens
@@ -312,6 +313,7 @@ def test_the_remote_pipeline_answers_with_the_sdk_objects(served):
     answer = items[-1]
     assert isinstance(answer, Answer) and "".join(items[:-1]).strip() == answer.text
     assert answer.metrics.mode == "blend" and answer.metrics.reused_tokens > 0 and answer.metrics.ttft_s > 0
+    assert answer.metrics.ratio_source == "settings" and answer.metrics.prompt_tokens > 0  # the whole record
     assert len(answer.sources) == 2 and all(s.tier in ("cpu", "disk") for s in answer.sources)
     assert sum(answer.metrics.tier_hits.values()) == 2
     full = remote.query("What is kelmet?", mode="full", top_k=2, max_tokens=4)
@@ -451,3 +453,32 @@ def test_sdk_aquery_and_astream_on_the_async_engine_match_the_server(served):
     assert isinstance(items[-1], Answer) and "".join(items[:-1]).strip() == items[-1].text == over_http
     with pytest.raises(TypeError, match="aquery"):
         rag.query(question)
+
+
+def test_the_async_engine_precomputes_batches_and_scores_as_the_sync_one_does(served):
+    """The server's AsyncBlendEngine has BlendEngine's methods (awaited): precompute, stored_where,
+    generate_many and continuation_logprobs serve as they do on the sync engine."""
+    from tests.test_engine_blend import make_chunks
+
+    _, state = served
+    eng = state.engine
+    chunks = make_chunks(eng, ["Zorbian ferries leave Velmora harbour at dawn for the outer islands."])
+
+    async def run():
+        await eng.forget(chunks)
+        report = await eng.precompute(chunks)
+        where = await eng.stored_where(chunks)
+        prompt = eng.prompts.build("When do the ferries leave?", chunks)
+        gens = await eng.generate_many([prompt, prompt], QueryOptions(mode="full", max_tokens=4), logprobs=-1)
+        scores = await eng.continuation_logprobs(prompt, gens[0].token_ids, QueryOptions(mode="prefix"))
+        return report, where, gens, scores
+
+    report, where, gens, scores = asyncio.run_coroutine_threadsafe(run(), state.loop).result(timeout=300)
+    assert report.computed == 1 and report.tokens == len(eng.prompts.unit_ids(chunks[0])) and where[0]
+    assert len(gens) == 2 and all(g.token_ids for g in gens)
+    first = gens[0].token_ids[0]
+    assert len(scores) == len(gens[0].token_ids) and all(lp <= 0 for lp in scores)
+    # the same first-token log-probability by both routes (prefill of the prompt vs of prompt + answer;
+    # bf16 rounds the two forwards apart by up to a few hundredths)
+    assert scores[0] == pytest.approx(gens[0].first_token_logprobs[first], abs=0.1)
+

@@ -371,3 +371,23 @@ def test_sixteen_concurrent_blend_streams_equal_their_answers_asked_alone_in_flo
             return await asyncio.gather(*(one(ac, q) for q in QUESTIONS))
 
     assert asyncio.run(together()) == alone
+
+
+def test_a_stopped_server_has_written_every_lookup_and_its_log_holds_no_third_party_noise(smol):
+    """Closing the server's AsyncBlendEngine (its engine core a child process) writes the store's
+    lookup counts to the counter file, as closing a BlendEngine does: every chunk lookup the server
+    counted is in the file once it stopped (the self-check's lookups are in neither). Its log, the
+    server's process and the engine's, holds none of vLLM's, torch's or Python's warnings."""
+    from ragcache.kvstore.ledger import COUNTER_FILE, CounterFile
+    from tests.test_demo import NOISE
+
+    client(smol, "ops-key-9").chat.completions.create(model="beta", messages=user("What is kelmet?"), max_tokens=2,
+                                                     extra_body={"ragcache": {"top_k": 3}})
+    served = sum(v for (n, ls), v in scrape(smol, "ops-key-9").items()
+                 if n == "ragcache_chunk_lookups_total" and ("tier", "cpu") in ls)  # every lookup tries cpu first
+    smol.stop()
+    counted = CounterFile(smol.log.parent / "kv" / COUNTER_FILE).read()["lookups"]
+    assert counted["lookups"] == served > 0, (counted, served)
+    log = smol.log.read_text()
+    noisy = [line for line in log.splitlines() if any(word in line for word in NOISE)]
+    assert noisy == [], log[-4000:]

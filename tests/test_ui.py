@@ -388,3 +388,26 @@ def test_streamlit_reads_the_apps_config_with_a_minimal_toolbar():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert re.search(r'^toolbarMode = "minimal"$', out.stdout, re.M), out.stdout[:2000]
+
+
+def test_the_tier_table_shows_a_100_percent_hit_rate_when_every_lookup_hit():
+    """The cache panel renders the store's typed stats: five lookups, all served by cpu, read
+    "5/5" and a miss row of "0/5" (the self-check's own lookups are never in the stats:
+    tests/test_kvstore_accounting.py)."""
+    from streamlit.testing.v1 import AppTest
+
+    def page() -> None:
+        from ragcache.engine.messages import StoreStats
+        from ui import components
+
+        components.cache_table(StoreStats.from_dict({
+            "cpu": {"hits": 5, "misses": 0, "lookups": 5, "hit_rate": 1.0, "entries": 3, "occupancy_bytes": 10**6,
+                    "capacity_bytes": 4 * 10**9},
+            "disk": {"hits": 0, "misses": 5, "lookups": 5, "hit_rate": 0.0, "entries": 3, "occupancy_bytes": 10**6,
+                     "capacity_bytes": 20 * 10**9}}))
+
+    at = AppTest.from_function(page, default_timeout=60).run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert list(table["tier"]) == ["cpu", "disk", "miss"] and list(table["hits"]) == ["5/5", "0/5", "0/5"]
+    assert list(table["hit rate"]) == [1.0, 0.0, 0.0]

@@ -11,10 +11,13 @@ Owns, one job per module:
   per-request record, targets);
 - one module per runner, each returning a plain JSON-able dict: ``ttft`` (with its
   recompute-ratio sweep, and the quality-only ``eval``), ``hotset``, ``throughput``, ``tiers``,
-  ``ingest``;
+  ``ingest``, ``serve``, ``scale``;
 - ``report``: text/markdown tables, plots, and the RESULT.json/.md/.png files;
 - ``fixtures``: a throwaway redis-server on a loopback port and dropping files from the page
-  cache (the tiers runner, tests/ and scripts/ share this one copy).
+  cache (the tiers and bandwidth runners and tests/ share this one copy);
+- ``bandwidth`` (a KV entry's read bandwidth per tier), ``retrieval`` (search latency),
+  ``coldstart`` (start-up and the first request), and ``plain``'s ``run_plain`` (a plain vLLM
+  prefill in any dtype): the measurements that were scripts before, now ``ragcache bench`` kinds;
 
 The CLI (app/bench_cmd.py) only parses flags. Nothing here imports app/ or ui/. ``import
 ragcache.bench`` (and each module at import) stays light: no vLLM, no torch, no matplotlib.

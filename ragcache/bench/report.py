@@ -159,7 +159,6 @@ def _serve_tables(result: Mapping[str, Any]) -> list[Table]:
             ("blend over full", ["C", "req/s ratio", "client TTFT p50 speedup"], rr)]
 
 
-#: ``result["benchmark"]`` -> its tables
 def _scale_tables(r: Mapping[str, Any]) -> list[Table]:
     ing = r.get("ingest", {})
     ingest_rows = [[name, row.get("chunks"), row.get("kv_tokens"), row.get("wall_s"), row.get("chunks_per_s"),
@@ -190,9 +189,43 @@ def _scale_tables(r: Mapping[str, Any]) -> list[Table]:
     return out
 
 
+def _bandwidth_tables(r: Mapping[str, Any]) -> list[Table]:
+    e, raw = r["entry"], r["raw_disk"]
+    rows = [[t["dtype"], t["tier"], round(t["entry_bytes"] / 1e6, 1), t["get_mb_s"], round(t["get_s"] * 1e3, 1),
+             t["layers_mb_s"], round(t["layers_s"] * 1e3, 1)] for t in r["tiers"]]
+    raw_rows = [[round(raw["bytes"] / 1e6, 1), raw["dd_cold_mb_s"], raw["dd_direct_mb_s"], raw["dd_page_cache_mb_s"]]]
+    return [(f"KV entry read bandwidth ({e['layers']} layers x {e['tokens']} tokens x {e['kv_heads']} KV heads x "
+             f"{e['head_dim']}, K+V; median of {r['reads']} reads; MB = 1e6 bytes)",
+             ["dtype", "tier", "entry MB", "get MB/s", "get ms", "layers MB/s", "layers ms"], rows),
+            ("raw disk, same folder (dd)", ["file MB", "cold MB/s", "O_DIRECT MB/s", "page cache MB/s"], raw_rows)]
+
+
+def _retrieval_tables(r: Mapping[str, Any]) -> list[Table]:
+    paths = ("faiss", "faiss1", "search", "e2e")
+    rows = [[x["chunks"], x["build_s"], *(f"{x[p + '_p50_ms']:.2f} / {x[p + '_p99_ms']:.2f}" for p in paths)]
+            for x in r["results"]]
+    return [(f"retrieval latency, top_k {r['top_k']}, p50 / p99 ms (query embedding alone: p50 "
+             f"{r['query_embedding_p50_ms']:.1f} ms, p99 {r['query_embedding_p99_ms']:.1f} ms)",
+             ["chunks", "build s", "faiss", "faiss 1 thread", "search", "e2e"], rows)]
+
+
+def _coldstart_tables(r: Mapping[str, Any]) -> list[Table]:
+    rows = [[mode, m["first_s"], m["steady_median_s"], m["first_vs_steady"]] for mode, m in r["modes"].items()]
+    return [(f"cold start: engine start {r['startup_s']} s, {r['prompt_tokens']}-token prompt, {r['repeats']} "
+             "requests per mode", ["mode", "first TTFT (s)", "later TTFT median (s)", "first / later"], rows)]
+
+
+def _plain_tables(r: Mapping[str, Any]) -> list[Table]:
+    return [(f"plain vLLM full prefill, {r['prompt_tokens']} tokens", ["dtype", "runs", "TTFT median (s)", "TTFTs (s)"],
+             [[r["dtype"], r["runs"], r["ttft_median_s"], ", ".join(f"{t:g}" for t in r["ttft_s"])]])]
+
+
+#: ``result["benchmark"]`` -> its tables
 TABLES: dict[str, Callable[[Mapping[str, Any]], list[Table]]] = {
     "ttft": _ttft_tables, "eval": _eval_tables, "hotset": _hotset_tables, "throughput": _throughput_tables,
     "tiers": _tiers_tables, "ingest": _ingest_tables, "serve": _serve_tables, "scale": _scale_tables,
+    "bandwidth": _bandwidth_tables, "retrieval": _retrieval_tables, "coldstart": _coldstart_tables,
+    "plain": _plain_tables,
 }
 
 

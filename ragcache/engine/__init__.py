@@ -10,10 +10,11 @@ Importing this package does not import vLLM; the engines do when constructed.
 """
 
 from ragcache.engine.async_engine import AsyncBlendEngine
-from ragcache.engine.base import Generation, SamplingOptions
+from ragcache.engine.base import Generation
 from ragcache.engine.engine import BlendEngine
-from ragcache.engine.messages import ContextStats, RequestMetrics
+from ragcache.engine.messages import ContextStats, RequestMetrics, StoreStats
 from ragcache.engine.selfcheck import BlendSupport, BlendUnavailableError, ContextBeyondWindowError
+from ragcache.options import QueryOptions, SamplingOptions
 
-__all__ = ["BlendEngine", "AsyncBlendEngine", "Generation", "SamplingOptions", "RequestMetrics", "ContextStats",
-           "BlendSupport", "BlendUnavailableError", "ContextBeyondWindowError"]
+__all__ = ["BlendEngine", "AsyncBlendEngine", "Generation", "QueryOptions", "SamplingOptions", "RequestMetrics",
+           "ContextStats", "StoreStats", "BlendSupport", "BlendUnavailableError", "ContextBeyondWindowError"]

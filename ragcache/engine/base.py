@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ragcache import lifeline
+from ragcache import lifeline, logs
 from ragcache.chunks import KV_LAYOUT_VERSION
 from ragcache.config import Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
@@ -32,7 +32,7 @@ from ragcache.engine.messages import (
 )
 from ragcache.engine.selfcheck import BlendSupport
 from ragcache.models import LLMInfo, resolve_llm
-from ragcache.options import QueryOptions, SamplingOptions  # noqa: F401 (SamplingOptions re-exported)
+from ragcache.options import QueryOptions
 from ragcache.progress import progress
 from ragcache.prompt import AssembledPrompt, PromptBuilder
 from ragcache.quality import repetition_loop
@@ -155,12 +155,14 @@ class EngineBase:
     blend_support: BlendSupport | None = None
 
     def _configure(self, settings: Settings, llm: LLMInfo | None, *, in_process: bool) -> None:
-        """Settings, model and dtype; the environment vLLM reads at creation.
+        """Settings, model and dtype; the environment vLLM reads at creation (and the quiet default for
+        third-party output, :func:`ragcache.logs.quiet_unless_configured`).
 
         Raises:
             ModelNotFoundError: the model cannot be found. ConfigError: engine settings vLLM would
                 refuse for this model (:func:`~ragcache.engine.limits.check_engine_limits`).
         """
+        logs.quiet_unless_configured(settings.engine.verbose)  # before vLLM is imported and its processes start
         self.settings = settings
         self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
         self.dtype = resolve_dtype(settings.engine.dtype)
@@ -189,6 +191,7 @@ class EngineBase:
                 kv_connector_extra_config={"step_tokens": eng.connector_step_tokens},
             ),
             worker_extension_cls="ragcache.engine.worker.RagcacheWorkerExtension",
+            use_tqdm_on_load=logs.is_verbose(),  # vLLM's "Loading weights" bar only when verbose
             seed=0,
         )
 

@@ -21,11 +21,10 @@ What crosses to the worker and back is typed in :mod:`ragcache.engine.messages`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from ragcache.chunks import Chunk
 from ragcache.config import Settings
@@ -101,8 +100,7 @@ class BlendEngine(EngineBase):
 
         t0 = time.perf_counter()
         _claim_in_process_slot(self, settings)
-        quiet = os.environ.get("RAGCACHE_QUIET_LOADING") == "1"  # the CLI shows its own lines
-        self.llm = LLM(**self._engine_kwargs(), use_tqdm_on_load=not quiet)
+        self.llm = LLM(**self._engine_kwargs())
         self._worker_ready(self.llm.collective_rpc(Rpc.INIT, args=self._init_args())[0])
         self._set_tokenizer(self.llm.get_tokenizer())
         self.blend_support = run_self_check(self)  # its two requests warm vLLM and the layer-wise forward up

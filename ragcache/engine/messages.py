@@ -1,13 +1,19 @@
-"""What crosses the engine's driver/worker boundary: per-request blend parameters, per-request stats, RPC names.
+"""What crosses the engine's driver/worker boundary: per-request blend parameters, per-request stats,
+the store's stats, KV precompute items and reports, RPC names.
 
 Owns the typed messages of ragcache's vLLM adapter and their one conversion to and from plain
 data. vLLM carries ``SamplingParams.extra_args["kv_transfer_params"]`` and ``collective_rpc``
 arguments between processes as plain Python data (dicts, lists, str, numbers), so every message
-here has exactly one ``to_dict`` and one ``from_dict``; nothing else builds or reads those dicts.
+here has exactly one ``to_dict`` (``to_list``) and one ``from_dict`` (``from_list``); nothing else
+builds or reads those dicts: :class:`BlendParams`, :class:`ContextStats` and :class:`RequestMetrics`
+(per request; RequestMetrics also travels over HTTP whole, see ragcache.server), :class:`WorkerReady`
+and :class:`OpsProbe` (at start), :class:`PrecomputeItem` / :class:`PrecomputeReport` (ingest),
+:class:`StoreStats` / :class:`TierStats` (the KV store's stats, also read by the server's metrics,
+the CLI and the benchmarks).
 
-Flow of one reuse/blend request::
+Flow of one reuse/blend request (its options validated once upstream, :mod:`ragcache.options`)::
 
-    driver (BlendEngine)  --BlendParams.to_dict()-->  kv_transfer_params["ragcache"]
+    driver (BlendEngine)  --BlendParams.from_options(...).to_dict()-->  kv_transfer_params["ragcache"]
     scheduler connector   --LoadRequest(params=BlendParams)-->  worker connector
     worker (WorkerRuntime.load_request)  --ContextStats-->  worker connector
     worker connector  --build_connector_worker_meta-->  scheduler connector
