@@ -108,3 +108,17 @@ def test_unreadable_toml_names_file(tmp_path):
         Settings.load(path)
     with pytest.raises(ConfigError, match="does not exist"):
         Settings.load(tmp_path / "missing.toml")
+
+
+def test_check_layer_auto_resolves_per_selection_and_zero_is_refused_for_deviation():
+    from ragcache.config import BlendSettings, ConfigError, Settings
+
+    assert BlendSettings().check_layer == "auto"
+    assert BlendSettings(selection="question").resolved_check_layer == 0
+    assert BlendSettings(selection="deviation").resolved_check_layer == 1
+    assert BlendSettings(selection="hybrid", check_layer=3).resolved_check_layer == 3
+    assert BlendSettings(selection="hybrid", question_weight=1.0, check_layer=0).resolved_check_layer == 0
+    with pytest.raises(ConfigError, match=r"invalid settings in \[blend\]: check_layer = 0 with selection 'deviation'"):
+        Settings.load(blend={"check_layer": 0, "selection": "deviation"})
+    with pytest.raises(ConfigError, match="layer index >= 0 or 'auto'"):
+        Settings.load(blend={"check_layer": "first"})

@@ -149,10 +149,13 @@ class BlendParams:
             if knobs.recompute_ratio == "auto":
                 raise ValueError("recompute ratio 'auto' must be resolved before a request (see ragcache.calibrate)")
         except ValidationError as exc:
-            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}"
-                                       for e in exc.errors())) from None
+            raise ValueError("; ".join(
+                f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" if e["loc"]
+                else e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+        values = knobs.model_dump(include=_BLEND_KNOBS)
+        values["check_layer"] = knobs.resolved_check_layer
         return cls(mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments),
-                   question_end=question_end, **knobs.model_dump(include=_BLEND_KNOBS))
+                   question_end=question_end, **values)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``kv_transfer_params[TRANSFER_KEY]`` (segments as ``[key, start, length]``)."""
