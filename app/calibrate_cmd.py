@@ -1,4 +1,4 @@
-"""`ragcache calibrate`: the smallest recompute ratio whose blend answers like full prefill, per index.
+"""`ragcache calibrate`: the smallest recompute ratio whose blend answers like full prefill, sooner, per index.
 
 Thin flag parsing over :mod:`ragcache.calibrate`. Every input check runs before the engine starts.
 """
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from app.help import HelpFormatter
-from ragcache.calibrate import DEFAULT_MAX_KL, DEFAULT_RATIOS
+from ragcache.calibrate import DEFAULT_MAX_KL, DEFAULT_MAX_NLL_REL, DEFAULT_MIN_SPEEDUP, DEFAULT_RATIOS
 from ragcache.config import SELECTIONS
 
 
@@ -20,8 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "blend.recompute_ratio = \"auto\"", formatter_class=HelpFormatter,
         description="Runs N prompts drawn from the index (your questions, or probe questions about the index's "
         "own chunks) in full prefill and in blend at several ratios, and records in the index the smallest ratio "
-        "whose mean first-token KL(full || blend) is at most --max-kl. With blend.recompute_ratio = \"auto\" "
-        "queries then use that ratio.")
+        "that answers like full prefill (mean first-token KL(full || blend) at most --max-kl, the NLL of full's "
+        "answer at most --max-nll above full's, no more repetition loops than full) and is at least "
+        "--min-speedup times faster. With blend.recompute_ratio = \"auto\" queries then use that ratio; when no "
+        "ratio qualifies it says so and recommends --mode full.")
     p.add_argument("--index", default="default", help="index name under ingest.index_dir, or a folder")
     p.add_argument("--questions", type=Path, default=None,
                    help="file of your own questions (one per line, or a JSON list of strings or of {question}); "
@@ -29,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=20, help="prompts to measure")
     p.add_argument("--max-kl", type=float, default=DEFAULT_MAX_KL,
                    help="quality target: mean first-token KL(full || blend) in nats")
+    p.add_argument("--max-nll", type=float, default=DEFAULT_MAX_NLL_REL,
+                   help="quality target: NLL of full prefill's answer under blend at most this share above full's")
+    p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP,
+                   help="speed target: blend's median TTFT at least this many times below full prefill's")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios to try")
     p.add_argument("--selection", choices=SELECTIONS, default=None,
                    help="token selection to calibrate (default: blend.selection)")
@@ -43,6 +49,10 @@ def _check(args: argparse.Namespace) -> list[float]:
 
     if not args.max_kl > 0:
         raise ConfigError(f"--max-kl {args.max_kl}: must be > 0 nats (e.g. 0.05)")
+    if not args.max_nll >= 0:
+        raise ConfigError(f"--max-nll {args.max_nll}: must be >= 0 (e.g. 0.05 for 5%)")
+    if not args.min_speedup > 0:
+        raise ConfigError(f"--min-speedup {args.min_speedup}: must be > 0 (e.g. 1.2)")
     if args.n < 1:
         raise ConfigError(f"--n {args.n}: must be >= 1")
     from ragcache.calibrate import CalibrationError, blend_options
@@ -98,23 +108,36 @@ def run(args: argparse.Namespace) -> int:
         questions = probe_questions(list(rag.retriever.index.chunks()), args.n, args.seed)
         source = "probes"
     with progress(total=len(questions), unit="prompt", desc="calibrate") as bar:
-        cal = calibrate(rag, questions, ratios=ratios, max_kl=args.max_kl, selection=args.selection,
-                        source=source, progress=bar.update)
+        cal = calibrate(rag, questions, ratios=ratios, max_kl=args.max_kl, max_nll_rel=args.max_nll,
+                        min_speedup=args.min_speedup, selection=args.selection, source=source, progress=bar.update)
     path = write_calibration(readable_path(rag.index_path), cal)
     if args.json:
         from dataclasses import asdict
 
         print(json.dumps(asdict(cal), indent=2))
         return 0
-    print(f"{'ratio':>6} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'TTFT med (s)':>13} {'meets':>6}")
-    for s in cal.scores:
-        nll = f"{100 * s.answer_nll_rel:+.1f}%" if s.answer_nll_rel is not None else "-"
-        print(f"{s.ratio:>6g} {s.kl_mean:>16.4f} {nll:>19} {s.ttft_median_s:>13.3f} {'yes' if s.meets else 'no':>6}")
-    print(f"full prefill TTFT median {cal.full_ttft_median_s:.3f} s over {cal.n} {source}; target KL <= {cal.max_kl:g}")
+    print_calibration(cal)
     if cal.ratio is None:
-        print(f"no ratio met the target: answer this index with --mode full (or raise --max-kl); "
-              f"recorded in {path}")
+        print(f"recorded in {path}; with blend.recompute_ratio = \"auto\" queries use blend.fallback_ratio")
     else:
         print(f"recorded ratio {cal.ratio:g} ({cal.selection} selection) in {path}; "
               "queries use it with blend.recompute_ratio = \"auto\"")
     return 0
+
+
+def print_calibration(cal) -> None:
+    """The calibration's table (one row per ratio, with its speedup over full prefill) and its verdict."""
+    print(f"{'ratio':>6} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} {'TTFT med (s)':>13} "
+          f"{'speedup':>8} {'meets':>6}")
+    for s in cal.scores:
+        nll = f"{100 * s.answer_nll_rel:+.1f}%" if s.answer_nll_rel is not None else "-"
+        speed = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
+        print(f"{s.ratio:>6g} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% {s.ttft_median_s:>13.3f} "
+              f"{speed:>8} {'yes' if s.meets else 'no':>6}")
+    print(f"full prefill: TTFT median {cal.full_ttft_median_s:.3f} s, loops {100 * cal.full_loop_share:.0f}%, over "
+          f"{cal.n} {cal.source}; targets: KL <= {cal.max_kl:g}, answer NLL <= +{100 * cal.max_nll_rel:g}%, "
+          f"speedup >= {cal.min_speedup:g}x")
+    if cal.recommendation == "full":
+        print(f"recommendation: full prefill (--mode full): {cal.reason}")
+    else:
+        print(f"recommendation: {cal.reason}")

@@ -54,12 +54,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", default="demo", help="index name for the demo corpus")
     p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS), help="how many demo questions to ask")
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON to this file")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip calibrating the demo index (then blend uses blend.recompute_ratio as set)")
     p.set_defaults(func=run)
 
 
 #: why the blend used its ratio, by RequestMetrics.ratio_source
 RATIO_SOURCES = {"settings": "set in blend.recompute_ratio", "calibration": "calibrated for this index",
-                 "fallback": "blend.fallback_ratio: the index has no calibration", "request": "asked per request"}
+                 "fallback": "blend.fallback_ratio: the index has no calibrated ratio", "request": "asked per request"}
+
+
+#: the demo's calibration: a few probe questions, three ratios around the default (~40 s on 2 cores)
+CALIBRATION_PROBES = 3
+CALIBRATION_RATIOS = (0.1, 0.15, 0.2)
+
+
+def _calibrate(rag) -> None:
+    """Calibrate the demo index once (kept in the index folder) and answer with ``recompute_ratio = "auto"``:
+    the calibrated ratio, or ``blend.fallback_ratio`` when no ratio was good enough and faster."""
+    from app.calibrate_cmd import print_calibration
+    from ragcache.calibrate import calibrate, probe_questions, write_calibration
+    from ragcache.index import readable_path
+
+    cal = rag.calibration()
+    if cal is None:
+        print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend at ratios "
+              f"{', '.join(f'{r:g}' for r in CALIBRATION_RATIOS)} against full prefill", flush=True)
+        cal = calibrate(rag, probe_questions(list(rag.retriever.index.chunks()), CALIBRATION_PROBES),
+                        ratios=CALIBRATION_RATIOS, max_tokens=16)
+        write_calibration(readable_path(rag.index_path), cal)
+    print_calibration(cal)
+    rag.settings.blend.recompute_ratio = "auto"
 
 
 def _cut(text: str, n: int) -> str:
@@ -81,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     print(rag.engine.ready_line(), flush=True)
     report = rag.ingest(paths, show_progress=True)
     print(report.summary(), flush=True)
+    if args.calibrate:
+        _calibrate(rag)
 
     rows = []
     for question, _ in DEMO_QUESTIONS[: args.questions]:
@@ -125,4 +152,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(argparse.Namespace(settings=None, index="demo", questions=len(DEMO_QUESTIONS), json_out=None)))
+    sys.exit(run(argparse.Namespace(settings=None, index="demo", questions=len(DEMO_QUESTIONS), json_out=None,
+                                    calibrate=True)))

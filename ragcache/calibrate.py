@@ -1,4 +1,4 @@
-"""Per-index quality gate: the smallest recompute ratio whose blend answers like full prefill.
+"""Per-index quality gate: the smallest recompute ratio whose blend answers like full prefill, sooner.
 
 Owns: measuring blend against full prefill on prompts drawn from one index (:func:`calibrate`) and
 the probe questions made from the index's own chunks (:func:`probe_questions`). The record it
@@ -12,10 +12,15 @@ end up side by side and on how strongly the question draws on them, so the promp
 ones the index's own retrieval assembles. A probe takes a chunk at random (seeded), asks about
 its opening words ("What do the documents say about <first words>?") and retrieves ``top_k``
 chunks for that question exactly as a user question would be served. The measures are gold-free
-(no answers needed, so any corpus works): the first-token KL(full || blend) and the teacher-forced
-NLL of full prefill's own greedy answer under blend, relative to full. A ratio meets the target
-when its mean KL is at most ``max_kl`` nats. Users' real questions (``questions``) are better
-still and are used instead when given.
+(no answers needed, so any corpus works): the first-token KL(full || blend), the teacher-forced
+NLL of full prefill's own greedy answer under blend relative to full, and the share of blend's
+answers that loop (:func:`ragcache.quality.repetition_loop`); and the speedup, the median TTFT of
+full prefill over blend's. A ratio is good enough when its mean KL is at most ``max_kl`` nats, its
+answer NLL at most ``max_nll_rel`` above full's and it loops no more often than full prefill; it
+is worth it when it is also at least ``min_speedup`` times faster. The smallest such ratio is
+recorded; when none is, the calibration recommends full prefill (blend would be slower, or worse,
+than not blending) and says why. Users' real questions (``questions``) are better still and are
+used instead when given.
 
 Imports the pipeline's types only for type checking; uses the engine through its public methods.
 Never app/ or ui/.
@@ -50,6 +55,10 @@ DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 EXACT = QueryOptions(mode="prefix")
 #: default quality target: mean first-token KL(full || blend) in nats
 DEFAULT_MAX_KL = 0.05
+#: default quality target: mean NLL of full's own answer under blend at most this much above full's
+DEFAULT_MAX_NLL_REL = 0.05
+#: default speed target: blend's median TTFT at least this many times below full prefill's
+DEFAULT_MIN_SPEEDUP = 1.2
 
 
 class CalibrationError(ValueError):
@@ -74,8 +83,9 @@ def probe_questions(chunks: Sequence["Chunk"], n: int, seed: int = 0, words: int
     return [f"What do the documents say about {' '.join(c.text.split()[:words]).rstrip('.,;:')}?" for c in picks]
 
 
-def blend_options(ratios: Sequence[float], selection: str | None = None) -> dict[float, QueryOptions]:
-    """The blend request of each ratio (one decoded token; ``selection`` None: ``blend.selection``),
+def blend_options(ratios: Sequence[float], selection: str | None = None,
+                  max_tokens: int = 1) -> dict[float, QueryOptions]:
+    """The blend request of each ratio (``max_tokens`` decoded; ``selection`` None: ``blend.selection``),
     ascending: the ratios checked once, by :class:`~ragcache.options.QueryOptions`'s own range.
 
     Raises:
@@ -84,7 +94,8 @@ def blend_options(ratios: Sequence[float], selection: str | None = None) -> dict
     if not ratios:
         raise CalibrationError("no ratios to try")
     try:
-        return {r: QueryOptions.parse({"mode": "blend", "recompute_ratio": r, "selection": selection, "max_tokens": 1},
+        return {r: QueryOptions.parse({"mode": "blend", "recompute_ratio": r, "selection": selection,
+                                       "max_tokens": max_tokens},
                                       {"recompute_ratio": "ratio"})
                 for r in sorted(set(float(r) for r in ratios))}
     except QueryOptionsError as exc:
@@ -92,39 +103,48 @@ def blend_options(ratios: Sequence[float], selection: str | None = None) -> dict
 
 
 def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[float] = DEFAULT_RATIOS,
-              max_kl: float = DEFAULT_MAX_KL, selection: str | None = None, max_tokens: int = 16,
+              max_kl: float = DEFAULT_MAX_KL, max_nll_rel: float = DEFAULT_MAX_NLL_REL,
+              min_speedup: float = DEFAULT_MIN_SPEEDUP, selection: str | None = None, max_tokens: int = 24,
               source: str = "probes", progress: Callable[[int], None] | None = None) -> Calibration:
     """Blend at each ratio against full prefill on ``questions`` over ``rag``'s index.
 
-    Per question: retrieval as in a real query, one full-prefill request (greedy answer,
-    first-token distribution over the whole vocabulary), then per ratio one blend request
-    (first-token distribution) and one teacher-forced score of full's answer. ``progress`` is
-    called with 1 after every question.
+    Per question: retrieval as in a real query, one full-prefill request (greedy answer of
+    ``max_tokens`` tokens, first-token distribution over the whole vocabulary), then per ratio one
+    blend request (its answer and first-token distribution) and one teacher-forced score of full's
+    answer. ``progress`` is called with 1 after every question.
 
     Returns:
         the :class:`Calibration` (not yet written; see :func:`write_calibration`).
 
     Raises:
-        CalibrationError: no questions, a ratio outside [0, 1] or ``max_kl`` <= 0.
+        CalibrationError: no questions, a ratio outside [0, 1], ``max_kl`` <= 0, ``max_nll_rel`` < 0
+            or ``min_speedup`` <= 0.
     """
-    blends = blend_options(ratios, selection)
+    blends = blend_options(ratios, selection, max_tokens)
     ratios = list(blends)
     if not questions:
         raise CalibrationError("no questions to calibrate with")
     if not max_kl > 0:
         raise CalibrationError(f"--max-kl must be > 0 nats; got {max_kl}")
+    if not max_nll_rel >= 0:
+        raise CalibrationError(f"--max-nll must be >= 0; got {max_nll_rel}")
+    if not min_speedup > 0:
+        raise CalibrationError(f"--min-speedup must be > 0; got {min_speedup}")
     engine = rag.engine
     selection = selection or engine.settings.blend.selection
     full_opts = QueryOptions(mode="full", max_tokens=max_tokens)
     kls: dict[float, list[float]] = {r: [] for r in ratios}
     nlls: dict[float, list[float]] = {r: [] for r in ratios}
     ttfts: dict[float, list[float]] = {r: [] for r in ratios}
+    loops: dict[float, list[float]] = {r: [] for r in ratios}
     full_nlls: list[float] = []
     full_ttfts: list[float] = []
+    full_loops: list[float] = []
     for q in questions:
         prompt = engine.prompts.build(q, [r.chunk for r in rag.retrieve(q)], namespace=rag.namespace)
         full = engine.generate(prompt, full_opts, logprobs=-1)
         full_ttfts.append(full.metrics.ttft_s)
+        full_loops.append(float(full.metrics.repetition_loop))
         answer = full.token_ids
         if answer:
             full_nlls.append(mean_nll(engine.continuation_logprobs(prompt, answer, EXACT)))
@@ -132,20 +152,46 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
             g = engine.generate(prompt, blend, logprobs=-1)
             kls[r].append(kl_divergence(full.first_token_logprobs or {}, g.first_token_logprobs or {}))
             ttfts[r].append(g.metrics.ttft_s)
+            loops[r].append(float(g.metrics.repetition_loop))
             if answer:
                 nlls[r].append(mean_nll(engine.continuation_logprobs(prompt, answer, blend)))
         if progress is not None:
             progress(1)
     base = _mean(full_nlls)
+    full_ttft = _median(full_ttfts)
+    full_loop = float(_mean(full_loops) or 0.0)
     scores = []
     for r in ratios:
         kl = float(_mean(kls[r]) or 0.0)
         nll = _mean(nlls[r])
-        scores.append(RatioScore(ratio=r, kl_mean=round(kl, 5),
-                                 answer_nll_rel=round(nll / base - 1, 4) if (nll is not None and base) else None,
-                                 ttft_median_s=round(sorted(ttfts[r])[len(ttfts[r]) // 2], 4), meets=kl <= max_kl))
-    best = next((s.ratio for s in scores if s.meets), None)
-    return Calibration(ratio=best, max_kl=max_kl, selection=selection, model_fingerprint=engine.llm_info.fingerprint,
-                       n=len(questions), source=source,
-                       full_ttft_median_s=round(sorted(full_ttfts)[len(full_ttfts) // 2], 4), scores=scores,
-                       created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        nll_rel = round(nll / base - 1, 4) if (nll is not None and base) else None
+        loop = float(_mean(loops[r]) or 0.0)
+        ttft = _median(ttfts[r])
+        speedup = round(full_ttft / ttft, 3) if ttft > 0 else None
+        good = kl <= max_kl and (nll_rel is None or nll_rel <= max_nll_rel) and loop <= full_loop
+        scores.append(RatioScore(ratio=r, kl_mean=round(kl, 5), answer_nll_rel=nll_rel, ttft_median_s=round(ttft, 4),
+                                 meets=good and speedup is not None and speedup >= min_speedup,
+                                 loop_share=round(loop, 4), speedup=speedup, good=good))
+    best = next((s for s in scores if s.meets), None)
+    if best is not None:
+        recommendation, reason = "blend", (f"blend at ratio {best.ratio:g} answers like full prefill (KL "
+                                           f"{best.kl_mean:.3g} <= {max_kl:g}) {best.speedup:.1f}x sooner")
+    else:
+        good_ones = [s for s in scores if s.good]
+        if good_ones:
+            reason = (f"the smallest ratio good enough ({good_ones[0].ratio:g}) is only {good_ones[0].speedup:.2f}x "
+                      f"faster than full prefill (target {min_speedup:g}x): blending does not pay on this index")
+        else:
+            reason = (f"no ratio tried answers like full prefill (KL <= {max_kl:g}, answer NLL within "
+                      f"{100 * max_nll_rel:g}%, no more loops than full)")
+        recommendation = "full"
+    return Calibration(ratio=best.ratio if best else None, max_kl=max_kl, selection=selection,
+                       model_fingerprint=engine.llm_info.fingerprint, n=len(questions), source=source,
+                       full_ttft_median_s=round(full_ttft, 4), scores=scores,
+                       created=datetime.now(timezone.utc).isoformat(timespec="seconds"), max_nll_rel=max_nll_rel,
+                       min_speedup=min_speedup, full_loop_share=round(full_loop, 4),
+                       recommendation=recommendation, reason=reason)
+
+
+def _median(values: Sequence[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -120,7 +120,10 @@ class BlendSettings(_Section):
         "(`ragcache calibrate`), else fallback_ratio")
     fallback_ratio: Ratio = Field(
         0.15, description="ratio used when recompute_ratio = 'auto' and the index has no calibration")
-    check_layer: int = Field(1, ge=0, description="layer where the recomputed tokens are selected")
+    check_layer: int | Literal["auto"] = Field(
+        "auto", description="layer where the recomputed tokens are selected: every token is computed in full up to it; "
+        "auto = 0 for question selection (its scores come from the question probe; layer 0's KV moves exactly), 1 "
+        "for deviation and hybrid (KV deviation needs a layer where tokens have seen each other)")
     deviation: Literal["value", "key"] = Field("value", description="KV deviation measured on V or K")
     selection: SelectionName = Field(
         "question", description="how tokens are selected: question attention (default), KV deviation "
@@ -154,6 +157,46 @@ class BlendSettings(_Section):
         if not 0.0 <= ratio <= 1.0:  # Ratio's range
             raise ValueError(f"{range_text(Ratio)} (or 'auto')")
         return ratio
+
+    @field_validator("check_layer", mode="before")
+    @classmethod
+    def _check_layer(cls, v: Any) -> int | str:
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        try:
+            layer = int(v)
+        except (TypeError, ValueError):
+            raise ValueError("must be a layer index >= 0 or 'auto'") from None
+        if layer < 0 or (isinstance(v, float) and v != layer):
+            raise ValueError("must be a layer index >= 0 or 'auto'")
+        return layer
+
+    @model_validator(mode="after")
+    def _deviation_needs_a_mixed_layer(self) -> "BlendSettings":
+        if self.check_layer == 0 and (self.selection == "deviation"
+                                      or (self.selection == "hybrid" and self.question_weight < 1)):
+            raise ValueError(f"check_layer = 0 with selection {self.selection!r}: the KV deviation at layer 0 is zero "
+                             f"(a token's layer-0 KV does not depend on the other tokens); use check_layer >= 1 or "
+                             f"'auto'")
+        return self
+
+    @property
+    def resolved_check_layer(self) -> int:
+        """``check_layer``, with ``"auto"`` resolved for ``selection`` (0 for question, 1 otherwise)."""
+        return self.check_layer_for(self.selection)
+
+    def check_layer_for(self, selection: str) -> int:
+        """The check layer for a request that selects by ``selection`` (its own, or the settings').
+
+        Raises:
+            ValueError: ``check_layer`` is 0 and ``selection`` measures KV deviation (zero at layer 0).
+        """
+        if self.check_layer == "auto":
+            return 0 if selection == "question" else 1
+        if self.check_layer == 0 and (selection == "deviation" or (selection == "hybrid" and self.question_weight < 1)):
+            raise ValueError(f"selection {selection!r} with blend.check_layer = 0: the KV deviation at layer 0 is zero; "
+                             "use check_layer >= 1 or 'auto'")
+        return int(self.check_layer)
 
     @property
     def static_ratio(self) -> float:
@@ -439,6 +482,9 @@ def _describe(exc: ValidationError, toml_path: Path | None) -> str:
         where = f"{toml_path} or {env}" if toml_path else env
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown setting {key!r} (from {where}); see settings.toml for the valid keys")
+        elif isinstance(value, dict):  # a check across keys of a section: the message names them
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"invalid settings in [{key}]: {msg} (set in {where})")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"invalid setting {key} = {value!r}: {msg} (set in {where})")

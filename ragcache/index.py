@@ -362,7 +362,10 @@ class RatioScore:
         kl_mean: mean first-token KL(full || blend), nats.
         answer_nll_rel: mean NLL of full's own greedy answer under blend / under full - 1.
         ttft_median_s: median blend TTFT, seconds.
-        meets: ``kl_mean <= max_kl``.
+        meets: good enough and worth it: every quality target met and ``speedup >= min_speedup``.
+        loop_share: share of blend's answers with a repetition loop.
+        speedup: median full-prefill TTFT / median blend TTFT of the same prompts.
+        good: the quality targets are met (KL, answer NLL, loops no more often than full's).
     """
 
     ratio: float
@@ -370,6 +373,9 @@ class RatioScore:
     answer_nll_rel: float | None
     ttft_median_s: float
     meets: bool
+    loop_share: float = 0.0
+    speedup: float | None = None
+    good: bool | None = None
 
 
 @dataclass
@@ -378,14 +384,17 @@ class Calibration:
     ``calibration.json`` keeps it (measured by :func:`ragcache.calibrate.calibrate`).
 
     Attributes:
-        ratio: the smallest ratio that met the target, or None when none did (use ``--mode full``).
-        max_kl: the target, nats.
+        ratio: the smallest ratio that met every target, or None when none did (use ``--mode full``).
+        max_kl: the KL target, nats.
         selection: the token-selection strategy measured.
         model_fingerprint: the model measured (its chunk KV is what was blended).
         n: prompts measured. source: ``"questions"`` (users' questions) or ``"probes"``.
         full_ttft_median_s: median full-prefill TTFT of the same prompts, seconds.
         scores: one :class:`RatioScore` per ratio tried, ascending.
         created: UTC time, ISO 8601.
+        max_nll_rel: the answer-NLL target (relative to full's). min_speedup: the speed target.
+        full_loop_share: share of full prefill's answers with a repetition loop.
+        recommendation: ``"blend"`` (at ``ratio``) or ``"full"``; ``reason`` says why in one sentence.
     """
 
     ratio: float | None
@@ -397,6 +406,11 @@ class Calibration:
     full_ttft_median_s: float
     scores: list[RatioScore] = field(default_factory=list)
     created: str = ""
+    max_nll_rel: float = 0.05
+    min_speedup: float = 1.2
+    full_loop_share: float = 0.0
+    recommendation: str = "blend"
+    reason: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Calibration":

@@ -319,7 +319,7 @@ class RAGPipeline:
             return cal.ratio, "calibration"
         if not self._warned_fallback:
             self._warned_fallback = True
-            why = ("its calibration found no ratio within max_kl; consider --mode full" if cal is not None
+            why = (f"its calibration recommends full prefill: {cal.reason}; consider --mode full" if cal is not None
                    else f"run `ragcache calibrate --index {self.index_name}`")
             log.warning("blend.recompute_ratio = 'auto' but the index %s has no calibrated ratio (%s); using "
                         "blend.fallback_ratio = %g", self.index_name, why, b.fallback_ratio)

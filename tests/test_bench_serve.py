@@ -27,6 +27,7 @@ def test_targets_compare_blend_and_full_at_8_clients_and_the_server_with_the_sdk
     assert t["server_overhead_ttft_p50_at_1_s"]["value"] == pytest.approx(0.02)
     assert t["server_overhead_ttft_p50_at_1_s"]["met"] is True
     assert serve_targets(rows[:2], 0.5)["blend_ttft_p50_speedup_at_8"]["met"] is None  # C=8 not measured
+    assert t["blend_ttft_p50_speedup_at_4"]["met"] is None and t["blend_vs_full_requests_per_s_at_4"]["min"] == 2.0
 
     result = {"benchmark": "serve", "n": 4, "top_k": 3, "max_tokens": 16, "requests_per_level": 8,
               "sdk": {"ttft_p50_s": 0.5}, "rows": rows, "targets": t,

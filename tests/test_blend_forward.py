@@ -38,8 +38,10 @@ def full_kv(ops, context):
     return [move_keys(ops, layer, k_pre[layer], context.positions) for layer in range(ops.num_layers)], list(v)
 
 
-#: the [blend] settings' defaults, for calls that do not set a knob themselves
-DEFAULTS = BlendSettings().model_dump(include={"recompute_ratio", "check_layer", "deviation"})
+#: the [blend] settings' defaults, for calls that do not set a knob themselves; blend_kv's own default
+#: selection is CacheBlend's deviation, whose check layer "auto" resolves to
+DEFAULTS = {**BlendSettings().model_dump(include={"recompute_ratio", "deviation"}),
+            "check_layer": BlendSettings(selection="deviation").resolved_check_layer}
 
 
 def blend(ops, ids, positions, load_layer, **kwargs):

@@ -44,6 +44,8 @@ def test_probe_questions_are_seeded_and_about_the_chunks():
     (["calibrate", "--ratios", "0.1,1.5"], "--ratios"),
     (["calibrate", "--n", "0"], "--n 0: must be >= 1"),
     (["calibrate", "--questions", "/no/such/file"], "no such file"),
+    (["calibrate", "--max-nll", "-0.1"], "--max-nll -0.1: must be >= 0"),
+    (["calibrate", "--min-speedup", "0"], "--min-speedup 0.0: must be > 0"),
 ])
 def test_bad_calibrate_flags_are_named_errors_before_the_engine_starts(argv, message, capsys):
     from app.cli import main
@@ -85,9 +87,14 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     assert (before.metrics.recompute_ratio, before.metrics.ratio_source) == (0.25, "fallback")
 
     questions = probe_questions(list(rag.retriever.index.chunks()), 2)
-    result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=1e-3, max_tokens=4)
+    # three one-line documents: blend cannot be much faster than full prefill, so no speed target here
+    result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=1e-3, max_tokens=4, min_speedup=0.01)
     assert [s.ratio for s in result.scores] == [0.5, 1.0]
-    assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].meets  # ratio 1.0 is full prefill
+    assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].good and result.scores[-1].meets  # ratio 1 = full
+    assert result.recommendation == "blend" and all(s.speedup > 0 for s in result.scores)
+    slow = calibrate(rag, questions, ratios=(1.0,), max_kl=1e-3, max_tokens=4, min_speedup=2.0)
+    assert slow.scores[0].good and not slow.scores[0].meets  # as good as full, but not 2x faster
+    assert slow.ratio is None and slow.recommendation == "full" and "faster than full prefill" in slow.reason
     assert result.ratio in (0.5, 1.0) and result.model_fingerprint == engine.llm_info.fingerprint
     path = write_calibration(rag.index_path, result)
     assert json.loads(path.read_text())  # in the index folder

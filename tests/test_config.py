@@ -108,3 +108,38 @@ def test_unreadable_toml_names_file(tmp_path):
         Settings.load(path)
     with pytest.raises(ConfigError, match="does not exist"):
         Settings.load(tmp_path / "missing.toml")
+
+
+def test_check_layer_auto_resolves_per_selection_and_zero_is_refused_for_deviation():
+    from ragcache.config import BlendSettings, ConfigError, Settings
+
+    assert BlendSettings().check_layer == "auto"
+    assert BlendSettings(selection="question").resolved_check_layer == 0
+    assert BlendSettings(selection="deviation").resolved_check_layer == 1
+    assert BlendSettings(selection="hybrid", check_layer=3).resolved_check_layer == 3
+    assert BlendSettings(selection="hybrid", question_weight=1.0, check_layer=0).resolved_check_layer == 0
+    with pytest.raises(ConfigError, match=r"invalid settings in \[blend\]: check_layer = 0 with selection 'deviation'"):
+        Settings.load(blend={"check_layer": 0, "selection": "deviation"})
+    with pytest.raises(ConfigError, match="layer index >= 0 or 'auto'"):
+        Settings.load(blend={"check_layer": "first"})
+
+
+def test_a_request_selection_gets_its_own_check_layer():
+    """A request that selects otherwise than the settings gets the check layer of its own strategy
+    ("auto": 0 for question, 1 for deviation); a deviation request under an explicit check_layer 0
+    is refused with the reason."""
+    from ragcache.config import BlendSettings
+    from ragcache.engine.messages import BlendParams
+    from ragcache.options import QueryOptions
+
+    def params(blend: BlendSettings, selection: str | None) -> BlendParams:
+        return BlendParams.from_options(blend, QueryOptions(mode="blend", selection=selection), mode="blend",
+                                        ctx_len=10, lead_in_len=1, segments=())
+
+    assert params(BlendSettings(), None).check_layer == 0
+    assert params(BlendSettings(), "deviation").check_layer == 1
+    assert (params(BlendSettings(selection="deviation"), "question/16").check_layer,
+            params(BlendSettings(selection="deviation"), "question/16").granule) == (0, 16)
+    assert params(BlendSettings(check_layer=2), "deviation").check_layer == 2
+    with pytest.raises(ValueError, match="KV deviation at layer 0 is zero"):
+        params(BlendSettings(check_layer=0), "deviation")

@@ -17,12 +17,12 @@ from tiny_models import ALMANAC, FACTS, start_engine
 
 from ragcache.blend import compute_kv, move_keys
 from ragcache.engine.selfcheck import (
-from ragcache.options import QueryOptions
     TOLERANCES,
     ContextBeyondWindowError,
     first_token_error,
     probe_chunks,
 )
+from ragcache.options import QueryOptions
 
 pytestmark = pytest.mark.integration
 

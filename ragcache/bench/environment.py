@@ -80,6 +80,7 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "dtype_reason": getattr(choice, "reason", None), "cpu_flags": list(getattr(choice, "cpu_flags", ())),
         "in_process": s.engine.in_process,
         "recompute_ratio": s.blend.recompute_ratio, "check_layer": s.blend.check_layer,
+        "check_layer_resolved": s.blend.resolved_check_layer,
         "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
         "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
         "attention_reason": getattr(worker, "attention_reason", None),

@@ -69,7 +69,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     records: list[dict[str, Any]] = []
     t_start = time.perf_counter()
 
-    layers = (blend_settings.check_layer, num_hidden_layers(engine.llm_info.path))
+    layers = (blend_settings.resolved_check_layer, num_hidden_layers(engine.llm_info.path))
 
     def result(partial: bool = False) -> dict[str, Any]:
         out = _ttft_result(variants, records, default_ratio, main_blend, passages, max_tokens, prefix_warmup,

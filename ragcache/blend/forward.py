@@ -67,11 +67,11 @@ class BlendResult:
         stages: seconds per stage, adding up to the wall time. Blend: ``full_layers_s`` (every
             token's projections, RoPE and MLP in the layers up to the check layer's QKV) and
             ``full_attention_s`` (their attention), ``question_probe_s`` (the question tail through
-            the later layers over the reused KV, K moves of those layers included), ``select_s``
-            (scores and selection), ``selective_layers_s`` (the selected tokens' projections, RoPE
-            and MLP from the check layer on, the reused K moved to the new positions, the merge of
-            the recomputed rows) and ``selective_attention_s`` (their attention); reuse:
-            ``move_keys_s``; both: ``load_wait_s`` (= load_s) and ``cache_write_s`` (= on_layer_s).
+            the later layers over the reused KV), ``select_s`` (scores and selection),
+            ``selective_layers_s`` (the selected tokens' projections, RoPE and MLP from the check
+            layer on, and the merge of the recomputed rows) and ``selective_attention_s`` (their
+            attention); both: ``move_keys_s`` (the reused K rotated to the new positions),
+            ``load_wait_s`` (= load_s) and ``cache_write_s`` (= on_layer_s).
             On an accelerator the stage times include only the launch unless kernels finish within
             the stage.
     """
@@ -374,14 +374,15 @@ def _check_layer_kv(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Te
 
 
 def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: torch.Tensor,
-                    loader: "_LayerLoader", question: _QuestionScores,
-                    moved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+                    loader: "_LayerLoader", move: Callable[[int, torch.Tensor], torch.Tensor],
+                    question: _QuestionScores, moved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """The question tail alone through ``layers`` over the reused KV of the context (ProphetKV-style
     scores fused over layers, ICML'26): each layer's cached K is loaded, moved to the context's
-    positions and kept in ``moved`` for the selective layers, so the probe adds no context pass."""
+    positions (``move(layer, k_pre)``) and kept in ``moved`` for the selective layers, so the probe
+    adds no context pass."""
     for layer in layers:
         k_pre, v_cached = loader.get(layer)
-        k_moved = move_keys(ops, layer, k_pre, ctx.positions)  # [N, Hkv, D]
+        k_moved = move(layer, k_pre)  # [N, Hkv, D]
         moved[layer] = (k_moved, v_cached)
         q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         q_t, k_t = ops.rope(layer, ctx.tail_positions, q_t, k_t)
@@ -553,6 +554,7 @@ def blend_kv(
         attend = _Timer(attention or torch_attention(ctx.positions, ops.scaling), clock,
                         {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
         question = _QuestionScores(ops.scaling) if use_tail else None
+        move = _Timer(lambda layer, k_pre: move_keys(ops, layer, k_pre, ctx.positions), clock, "move_keys_s")
 
         # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
         with clock("full_layers_s"):
@@ -568,7 +570,7 @@ def blend_kv(
             with clock("question_probe_s"):
                 probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
                 _question_probe(ops, range(check_layer + 1, min(probe_end, num_layers)), ctx, hidden_tail, loader,
-                                question, moved)
+                                move, question, moved)
         with clock("select_s"):
             selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
                                (k_pre_cached, v_cached), question, scores_matter)  # [n]
@@ -582,7 +584,7 @@ def blend_kv(
                     k_all, v_all = moved.pop(layer)
                 else:
                     k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
-                    k_all = move_keys(ops, layer, k_pre, ctx.positions)
+                    k_all = move(layer, k_pre)
                 if selected.numel() > 0:
                     hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend)
                 else:

@@ -157,17 +157,18 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     # rows ordered (group member, tail token): [Hkv, G * T, D]; batched matmuls over the KV heads
     q = (q_tail * scaling).reshape(t, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, g * t,
                                                                                           head_dim)
-    logits = torch.cat([torch.bmm(q, k_ctx.permute(1, 2, 0).contiguous()).float(),
-                        torch.bmm(q, k_tail.permute(1, 2, 0)).float()], dim=-1)  # [Hkv, G*T, N+T]
+    # in the model's dtype: softmax accumulates in float32 inside; float32 copies of these [Hkv, G*T, N]
+    # tensors would cost more than the matmuls around them
+    logits = torch.cat([torch.bmm(q, k_ctx.permute(1, 2, 0).contiguous()),
+                        torch.bmm(q, k_tail.permute(1, 2, 0))], dim=-1)  # [Hkv, G*T, N+T]
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)  # [G*T, T]: tail i sees <= i
     logits[..., n:].masked_fill_(future, float("-inf"))
-    weights = torch.softmax(logits, dim=-1)  # float32 in, float32 out (a bf16 input takes a slow path)
-    scores = weights[..., :n].mean(dim=(0, 1))  # [N]
+    weights = torch.softmax(logits, dim=-1)  # [Hkv, G*T, N+T]
+    scores = torch.mean(weights[..., :n], dim=(0, 1), dtype=torch.float32)  # [N]
     if v_ctx is None or v_tail is None:
         return None, scores
-    w = weights.to(v_ctx.dtype)
-    out = (torch.bmm(w[..., :n], v_ctx.permute(1, 0, 2).contiguous())
-           + torch.bmm(w[..., n:], v_tail.permute(1, 0, 2)))  # [Hkv, G*T, D]
+    out = (torch.bmm(weights[..., :n], v_ctx.permute(1, 0, 2).contiguous())
+           + torch.bmm(weights[..., n:], v_tail.permute(1, 0, 2)))  # [Hkv, G*T, D]
     return out.reshape(num_kv_heads, g, t, head_dim).permute(2, 0, 1, 3).reshape(t, num_heads, head_dim), scores
 
 

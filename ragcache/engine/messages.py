@@ -124,17 +124,20 @@ class BlendParams:
         options where the request entered (:mod:`ragcache.options`).
 
         Raises:
-            ValueError: ``mode`` is not reuse or blend (the caller's mistake, not the user's).
+            ValueError: ``mode`` is not reuse or blend (the caller's mistake, not the user's), or the
+                request's selection measures KV deviation while ``blend.check_layer`` is 0.
         """
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
         sel = options.selection
+        strategy = sel.strategy if sel is not None else blend.selection
         return cls(
             mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments), question_end=question_end,
             recompute_ratio=blend.static_ratio if options.recompute_ratio is None else options.recompute_ratio,
-            selection=sel.strategy if sel is not None else blend.selection,
+            selection=strategy,
             granule=sel.granule if sel is not None and sel.granule is not None else blend.granule,
-            **blend.model_dump(include=_BLEND_KNOBS - {"recompute_ratio", "selection", "granule"}),
+            check_layer=blend.check_layer_for(strategy),
+            **blend.model_dump(include=_BLEND_KNOBS - {"recompute_ratio", "selection", "granule", "check_layer"}),
         )
 
     def to_dict(self) -> dict[str, Any]:
