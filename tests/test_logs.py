@@ -45,4 +45,4 @@ def test_an_sdk_program_is_quiet_by_default_and_verbose_when_asked(tmp_path):
     assert noisy == [], quiet[-4000:]
 
     verbose = run_program(tmp_path, RAGCACHE_ENGINE__VERBOSE="1")
-    assert re.search(r"^(INFO|WARNING) \d\d-\d\d ", verbose, re.M), verbose[-4000:]  # vLLM's own log lines
+    assert re.search(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING) \d\d-\d\d ", verbose, re.M), verbose[-4000:]  # vLLM's own log lines
