@@ -12,13 +12,14 @@ ingest, then the server's in a child process).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from app.help import HelpFormatter
 from ragcache.bench.common import BENCH_MODES
@@ -266,29 +267,41 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _scratch(given: Path | None, prefix: str, parent: Path | None = None) -> Iterator[Path]:
+    """``given`` as it is (the user's folder, kept), else a new temporary folder (under ``parent``,
+    default the system's) that is removed on the way out, whatever happened."""
+    if given is not None:
+        yield given
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _with_engine(args: argparse.Namespace, work: Callable[[Any], dict[str, Any]], *,
                  store: dict[str, Any] | None = None) -> int:
     """Settings with the KV in --kv-dir (or a temporary folder), one engine, ``work(engine)``, write, print."""
     from ragcache.bench.environment import bench_settings, utc_now
     from ragcache.engine import BlendEngine
 
-    kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
     started = utc_now()
     engine = None
-    try:
-        settings = bench_settings(args.settings, kv_dir=kv_dir, store=store)
-        t0 = time.perf_counter()
-        engine = BlendEngine(settings)
-        start_s = time.perf_counter() - t0
-        _say(f"{engine.ready_line()}; chunk KV in {kv_dir}")
-        result = work(engine)
-        _stamp(args, result, engine=engine, started=started)
-        result["engine"]["start_wall_s"] = round(start_s, 1)
-    finally:
-        if engine is not None:
-            engine.close()
-        if args.kv_dir is None:
-            shutil.rmtree(kv_dir, ignore_errors=True)
+    with _scratch(args.kv_dir, "ragcache-bench-kv-") as kv_dir:
+        try:
+            settings = bench_settings(args.settings, kv_dir=kv_dir, store=store)
+            t0 = time.perf_counter()
+            engine = BlendEngine(settings)
+            start_s = time.perf_counter() - t0
+            _say(f"{engine.ready_line()}; chunk KV in {kv_dir}")
+            result = work(engine)
+            _stamp(args, result, engine=engine, started=started)
+            result["engine"]["start_wall_s"] = round(start_s, 1)
+        finally:
+            if engine is not None:
+                engine.close()
     return _finish(result, args.out)
 
 
@@ -412,14 +425,10 @@ def run_tiers(args: argparse.Namespace) -> int:
     if bad or not layouts:
         raise BenchConfigError(f"--layouts must be some of {','.join(TIER_LAYOUTS)}; got {args.layouts!r}")
     examples = _load(args, args.n)
-    kv_root = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-tiers-"))
     started = utc_now()
-    try:
+    with _scratch(args.kv_dir, "ragcache-bench-tiers-") as kv_root:
         result = run(args.settings, examples, kv_root=kv_root, passages=args.passages,
                      repeats=args.repeats, layouts=layouts, progress=_say)
-    finally:
-        if args.kv_dir is None:
-            shutil.rmtree(kv_root, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 
@@ -431,17 +440,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     examples = _load(args, args.n)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
-    work = Path(tempfile.mkdtemp(prefix="ragcache-bench-serve-"))
     started = utc_now()
-    try:
+    with _scratch(args.kv_dir, "ragcache-bench-kv-") as kv_dir, _scratch(None, "ragcache-bench-serve-") as work:
         result = run(bench_settings(args.settings, kv_dir=kv_dir), examples, work_dir=work,
                      concurrency=args.concurrency, modes=args.modes, requests=args.requests, top_k=args.passages,
                      max_tokens=args.max_tokens, progress=_say)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if args.kv_dir is None:
-            shutil.rmtree(kv_dir, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 
@@ -458,16 +461,14 @@ def run_scale(args: argparse.Namespace) -> int:
 
     examples = _load(args, args.n)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    work = Path(tempfile.mkdtemp(prefix="ragcache-bench-scale-"))
     started = utc_now()
     try:
-        result = run(examples, work_dir=work, clients=args.clients, top_k=args.passages,
-                     max_tokens=args.max_tokens, progress=_say)
+        with _scratch(None, "ragcache-bench-scale-") as work:
+            result = run(examples, work_dir=work, clients=args.clients, top_k=args.passages,
+                         max_tokens=args.max_tokens, progress=_say)
     except (PostgresNotInstalledError, RedisNotInstalledError, HAProxyNotInstalledError) as exc:
         print(f"ragcache: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 
@@ -478,14 +479,11 @@ def run_bandwidth(args: argparse.Namespace) -> int:
     from ragcache.bench.environment import command_line, stamp, utc_now
 
     args.dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="ragcache-bench-bandwidth-", dir=args.dir))
     started = utc_now()
-    try:
+    with _scratch(None, "ragcache-bench-bandwidth-", parent=args.dir) as work:
         result = run(work, tokens=args.tokens, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                      reads=args.reads, redis_url=args.redis_url, remote=not args.no_remote, threads=args.threads,
                      progress=_say)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     stamp(result, command=command_line(), started=started)
     return _finish(result, args.out)
 
@@ -496,14 +494,10 @@ def run_retrieval(args: argparse.Namespace) -> int:
     from ragcache.bench.retrieval import run_retrieval as run
 
     questions = [ex.question for ex in _load(args, args.e2e_queries)]
-    kv_dir = args.kv_dir or Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))
     started = utc_now()
-    try:
+    with _scratch(args.kv_dir, "ragcache-bench-kv-") as kv_dir:
         result = run(bench_settings(args.settings, kv_dir=kv_dir), questions, sizes=args.sizes,
                      queries=args.queries, top_k=args.top_k, seed=args.seed, progress=_say)
-    finally:
-        if args.kv_dir is None:
-            shutil.rmtree(kv_dir, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 
@@ -523,14 +517,11 @@ def run_plain(args: argparse.Namespace) -> int:
     from ragcache.bench.plain import run_plain as run
 
     example = _load(args, 1)[0]
-    kv_dir = Path(tempfile.mkdtemp(prefix="ragcache-bench-kv-"))  # no KV is stored; settings need a folder
     started = utc_now()
-    try:
+    with _scratch(None, "ragcache-bench-kv-") as kv_dir:  # no KV is stored; settings need a folder
         result = run(bench_settings(args.settings, kv_dir=kv_dir), example, dtype=args.dtype,
                      passages=args.passages, runs=args.runs, max_num_batched_tokens=args.max_num_batched_tokens,
                      progress=_say)
-    finally:
-        shutil.rmtree(kv_dir, ignore_errors=True)
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 
