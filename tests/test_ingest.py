@@ -22,6 +22,7 @@ from ragcache.index import (
 )
 from ragcache.ingest import Ingestor, KVPrecomputeError
 from ragcache.readers import passage_doc_id
+from tests.conftest import clear_ragcache_env
 
 HOTPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa" / "hotpotqa_distractor_100.json"
 N_PASSAGES = 30
@@ -32,9 +33,7 @@ N_PASSAGES = 30
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("RAGCACHE_"):
-            monkeypatch.delenv(name)
+    clear_ragcache_env(monkeypatch)
     monkeypatch.chdir(tmp_path)  # no ./settings.toml; relative index_dir lands in tmp_path
 
 

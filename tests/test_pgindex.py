@@ -19,7 +19,7 @@ import pytest
 
 from ragcache.config import Settings
 from ragcache.ingest import IngestError, Ingestor, KVPrecomputeError
-from tests.conftest import REPO, ZORBIA_DOCS
+from tests.conftest import REPO, ZORBIA_DOCS, clear_ragcache_env
 from tests.services import start_postgres
 
 pytestmark = pytest.mark.slow
@@ -27,9 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("RAGCACHE_"):
-            monkeypatch.delenv(name)
+    clear_ragcache_env(monkeypatch)
     monkeypatch.chdir(tmp_path)
 
 

@@ -6,14 +6,13 @@ an embedding worker killed mid-batch is retried, nothing lost or duplicated.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from ragcache.config import Settings
 from ragcache.ingest import Ingestor
-from tests.conftest import ZORBIA_DOCS
+from tests.conftest import ZORBIA_DOCS, clear_ragcache_env
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +21,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray[
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("RAGCACHE_"):
-            monkeypatch.delenv(name)
+    clear_ragcache_env(monkeypatch)
     monkeypatch.chdir(tmp_path)
 
 

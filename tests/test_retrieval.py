@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ragcache.retrieval import (
     StableOrderPostprocessor,
     stable_order,
 )
+from tests.conftest import clear_ragcache_env
 
 HOTPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa" / "hotpotqa_distractor_100.json"
 N_QUESTIONS = 5
@@ -30,9 +30,7 @@ N_QUESTIONS = 5
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("RAGCACHE_"):
-            monkeypatch.delenv(name)
+    clear_ragcache_env(monkeypatch)
     monkeypatch.chdir(tmp_path)
 
 

@@ -105,6 +105,18 @@ class RedisServer:
         self.stop()
 
 
+def health_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``GET {url}/health`` answers 200 within ``timeout`` seconds (a server's readiness)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def drop_page_cache(path: str | os.PathLike[str]) -> int:
     """Drop a file, or every file below a folder, from the OS page cache; returns the files dropped.
 
@@ -554,14 +566,7 @@ class ReplicaProcess:
 
     def healthy(self) -> bool:
         """Whether GET /health answers 200 now."""
-        import urllib.error
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return health_ok(self.url)
 
     def wait_ready(self, timeout: float = 600.0) -> "ReplicaProcess":
         """Wait until /health answers.

@@ -19,14 +19,12 @@ import logging
 import multiprocessing
 import os
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
 from ragcache.bench.common import BenchConfigError, Progress, rotated, target
 from ragcache.bench.datasets import QAExample
-from ragcache.bench.fixtures import free_port
+from ragcache.bench.fixtures import free_port, health_ok
 from ragcache.bench.metrics import mean, median, percentile, rounded
 from ragcache.config import Settings
 
@@ -98,11 +96,7 @@ class ServerProcess:
 
     def healthy(self) -> bool:
         """Whether GET /health answers 200 now."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return health_ok(self.url)
 
     def stop(self) -> None:
         """Stop the server and its engine (idempotent)."""
