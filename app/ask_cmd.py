@@ -10,12 +10,23 @@ from app.help import HelpFormatter
 from ragcache.config import MODES
 
 
+def _ratio(text: str) -> float | str:
+    """``--recompute-ratio``: a number (range-checked with the other flags) or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number in [0, 1] or 'auto'") from None
+
+
 def _add_query_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default="default", help="index name under ingest.index_dir, or a folder")
     p.add_argument("--mode", choices=MODES, default=None, help="query mode (default: engine.mode, blend)")
     p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default: retrieval.top_k)")
-    p.add_argument("--recompute-ratio", type=float, default=None,
-                   help="share of context tokens recomputed in blend mode (default: blend.recompute_ratio)")
+    p.add_argument("--recompute-ratio", type=_ratio, default=None,
+                   help="share of context tokens recomputed in blend mode, or auto (the index's calibrated ratio, "
+                   "`ragcache calibrate`; default: blend.recompute_ratio)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to decode (default: engine.max_tokens)")
 
 
@@ -50,7 +61,25 @@ def query_options(args: argparse.Namespace):
     """
     from ragcache.options import QueryOptions
 
-    return QueryOptions.parse({field: getattr(args, field) for field in QUERY_FLAGS}, QUERY_FLAGS)
+    values = {field: getattr(args, field) for field in QUERY_FLAGS}
+    if values["recompute_ratio"] == "auto":  # the setting's value, not a per-request ratio: see open_pipeline
+        values["recompute_ratio"] = None
+    return QueryOptions.parse(values, QUERY_FLAGS)
+
+
+def run_settings(args: argparse.Namespace):
+    """Settings from --settings; ``--recompute-ratio auto`` sets ``blend.recompute_ratio = "auto"``
+    for this run (the index's calibrated ratio, else ``blend.fallback_ratio``).
+
+    Raises:
+        ConfigError: the settings are invalid.
+    """
+    from ragcache.config import Settings
+
+    settings = Settings.load(args.settings)
+    if getattr(args, "recompute_ratio", None) == "auto":
+        settings = settings.model_copy(update={"blend": settings.blend.model_copy(update={"recompute_ratio": "auto"})})
+    return settings
 
 
 def open_pipeline(args: argparse.Namespace):
@@ -58,14 +87,13 @@ def open_pipeline(args: argparse.Namespace):
     (flags, the question, settings, the index) runs before the engine starts. Sets
     ``args.options`` (the query flags as QueryOptions) and, for ``ask``, ``args.question`` (checked)."""
     from ragcache.catalog import catalog
-    from ragcache.config import Settings
     from ragcache.conversation import check_question
     from ragcache.pipeline import RAGPipeline
 
     args.options = query_options(args)
     if getattr(args, "question", None) is not None:
         args.question = check_question(args.question)  # checked once: the pipeline takes it as checked
-    settings = Settings.load(args.settings)
+    settings = run_settings(args)
     catalog(settings).manifest(args.index)  # exists, readable, same embedding model
     return RAGPipeline.open(settings, index=args.index)
 

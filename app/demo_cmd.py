@@ -103,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"demo corpus: pydoc pages of {', '.join(DEMO_MODULES)} in {corpus}", flush=True)
 
     rag = RAGPipeline.open(settings, index=args.index)
-    print(rag.engine.ready_line(), flush=True)
     report = rag.ingest(paths, show_progress=True)
     print(report.summary(), flush=True)
     if args.calibrate:
@@ -138,13 +137,19 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         med = statistics.median(r["speedup"] for r in rows)
         loops = sum(r["loop_blend"] for r in rows)
+        source = RATIO_SOURCES.get(rows[0]["ratio_source"], rows[0]["ratio_source"])
+        cal = rag.calibration()
+        if rows[0]["ratio_source"] == "fallback" and cal is not None and cal.recommendation == "full":
+            source = ("blend.fallback_ratio: the calibration above recommends full prefill for this index; "
+                      "blend is shown beside full for comparison")
         print(f"\nmedian TTFT speedup of blend over full prefill: {med:.1f}x; blend recompute ratio "
-              f"{rows[0]['recompute_ratio']:g} ({RATIO_SOURCES.get(rows[0]['ratio_source'], rows[0]['ratio_source'])}); "
+              f"{rows[0]['recompute_ratio']:g} ({source}); "
               f"answers with a repetition loop: blend {loops}/{len(rows)}, full "
               f"{sum(r['loop_full'] for r in rows)}/{len(rows)}")
     stats = rag.cache_stats()
     served = ", ".join(f"{name} {t.hits}" for name, t in stats.tiers.items() if t.hits) or "none"
-    print(f"KV store: {stats.lookups} chunk lookups, hit rate {stats.hit_rate:.0%} (served by {served}; "
+    print(f"KV store: {stats.lookups} chunk lookups this run (the calibration's included), hit rate "
+          f"{stats.hit_rate:.0%} (served by {served}; "
           f"{stats.misses} computed); " + ", ".join(f"{name} {t.entries} entries" for name, t in stats.tiers.items()))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))

@@ -47,6 +47,8 @@ CASES = [
     ("--recompute-ratio 2", ["ask", "q?", "--recompute-ratio", "2"], {},
      "--recompute-ratio 2.0: must be in [0, 1]"),
     ("--recompute-ratio negative", ["ask", "q?", "--recompute-ratio", "-0.1"], {}, "must be in [0, 1]"),
+    ("--recompute-ratio neither a number nor auto", ["ask", "q?", "--recompute-ratio", "most"], {},
+     "argument --recompute-ratio: 'most': expected a number in [0, 1] or 'auto'"),
     ("unknown --mode", ["ask", "q?", "--mode", "fast"], {}, "argument --mode: invalid choice: 'fast'"),
     ("unknown command", ["frob"], {}, "invalid choice: 'frob'"),
     ("missing index", ["ask", "q?", "--index", "nope"], {}, "run `ragcache ingest PATH --index nope` first"),
@@ -104,3 +106,18 @@ def test_verbose_shows_the_traceback_of_a_user_error(capsys):
     assert "Traceback (most recent call last)" in err and "EmptyQuestionError" in err
     assert err.rstrip().splitlines()[-1] == "ragcache: error: the question is empty; ask something"
 
+
+
+def test_recompute_ratio_auto_on_the_command_line_is_the_setting_for_this_run():
+    """``--recompute-ratio auto`` is not a per-request ratio: the request keeps none, and the run's
+    settings say ``blend.recompute_ratio = "auto"`` (the index's calibration, else the fallback),
+    every other blend setting as the settings file has it."""
+    from app.ask_cmd import query_options, run_settings
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["ask", "q?", "--recompute-ratio", "AUTO"])
+    assert query_options(args).recompute_ratio is None
+    settings = run_settings(args)
+    assert settings.blend.recompute_ratio == "auto" and settings.blend.granule == 8
+    fixed = build_parser().parse_args(["ask", "q?", "--recompute-ratio", "0.3"])
+    assert query_options(fixed).recompute_ratio == 0.3 and run_settings(fixed).blend.recompute_ratio == 0.15
