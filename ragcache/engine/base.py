@@ -359,4 +359,5 @@ class EngineBase:
     def _precompute_batch_done(report: PrecomputeReport, reply: Any, n: int, bar: Any) -> None:
         report.add(PrecomputeReport.from_dict(reply))
         bar.update(n)
-        bar.set_postfix_str(f"{report.tokens_per_s:,.0f} tok/s", refresh=False)
+        if report.tokens:  # nothing computed yet (every chunk was stored): no rate to show
+            bar.set_postfix_str(f"{report.tokens_per_s:,.0f} tok/s", refresh=False)
