@@ -15,6 +15,10 @@ from ragcache import lifeline as _lifeline  # noqa: E402
 
 _lifeline.hold()  # in a vLLM process started by a ragcache engine: die with that engine's process
 
+from ragcache import logs as _logs  # noqa: E402
+
+_logs.inherit()  # in a process a quiet ragcache process started: quiet from the first import on
+
 from ragcache.config import ConfigError, Settings  # noqa: E402
 from ragcache.options import QueryOptions, QueryOptionsError, SamplingOptions  # noqa: E402
 

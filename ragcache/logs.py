@@ -51,6 +51,8 @@ def configure(verbose: bool) -> None:
     global _chosen
     _chosen = verbose
     if verbose:
+        for name in QUIET_LOGGERS:  # undo inherit(): a quiet parent's child asked for everything
+            logging.getLogger(name).setLevel(logging.NOTSET)
         return
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
@@ -58,6 +60,18 @@ def configure(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning, UserWarning, RuntimeWarning):
         warnings.filterwarnings("ignore", category=category, module=THIRD_PARTY)
+
+
+def inherit() -> None:
+    """In a process a quiet one started (its environment says so, :data:`QUIET_ENV`): hold the
+    third-party loggers at ERROR from the first import on. Run at ``import ragcache``, which vLLM's
+    spawned engine core and workers import (as the parent's ``__main__``) before vLLM itself: vLLM
+    0.32 configures its own logger only once the engine runs (``vllm.logger.configure_logging``),
+    so a warning at import time (Triton's "doesn't include CPU backend") would otherwise reach
+    Python's last-resort handler and print bare."""
+    if os.environ.get("RAGCACHE_QUIET_LOADING") == "1":
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def is_verbose() -> bool:
