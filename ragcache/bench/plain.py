@@ -68,7 +68,8 @@ class PlainVLLM:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         kwargs = {"model": model, "dtype": dtype, "max_model_len": max_model_len,
-                  "kv_cache_memory_bytes": kv_cache_memory_bytes, "enforce_eager": enforce_eager}
+                  "kv_cache_memory_bytes": kv_cache_memory_bytes, "enforce_eager": enforce_eager,
+                  "use_tqdm_on_load": False}  # no shard-loading bar in the benchmark's output
         if max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
