@@ -101,8 +101,8 @@ def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, ingest, serve, scale, "
-                       "bandwidth, retrieval, coldstart, plain",
+    b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, ingest, "
+                       "serve, scale, bandwidth, retrieval, coldstart, plain",
                        description="Each benchmark prints its tables and writes RESULT.json, RESULT.md and (ttft, hotset, "
                        "throughput, serve) RESULT.png; "
                        "see docs/benchmarks.md for what is measured and how.", formatter_class=_FMT)

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--settings", default=None, help="settings TOML file (default: ./settings.toml)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks of errors, and the third-party output (vLLM, torch, "
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, tracebacks of errors, and the third-party output (vLLM, torch, "
                         "transformers) hidden by default")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS:

@@ -69,14 +69,16 @@ CALIBRATION_PROBES = 3
 CALIBRATION_RATIOS = (0.1, 0.15, 0.2)
 
 
-def _calibrate(rag) -> None:
+def _calibrate(rag) -> bool:
     """Calibrate the demo index once (kept in the index folder) and answer with ``recompute_ratio = "auto"``:
-    the calibrated ratio, or ``blend.fallback_ratio`` when no ratio was good enough and faster."""
+    the calibrated ratio, or ``blend.fallback_ratio`` when no ratio was good enough and faster.
+    Returns whether it calibrated now (False: the index's calibration was read)."""
     from app.calibrate_cmd import print_calibration
     from ragcache.calibrate import calibrate, probe_questions, write_calibration
     from ragcache.index import readable_path
 
     cal = rag.calibration()
+    calibrated_now = cal is None
     if cal is None:
         print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend at ratios "
               f"{', '.join(f'{r:g}' for r in CALIBRATION_RATIOS)} against full prefill", flush=True)
@@ -85,6 +87,7 @@ def _calibrate(rag) -> None:
         write_calibration(readable_path(rag.index_path), cal)
     print_calibration(cal)
     rag.settings.blend.recompute_ratio = "auto"
+    return calibrated_now
 
 
 def _cut(text: str, n: int) -> str:
@@ -105,8 +108,7 @@ def run(args: argparse.Namespace) -> int:
     rag = RAGPipeline.open(settings, index=args.index)
     report = rag.ingest(paths, show_progress=True)
     print(report.summary(), flush=True)
-    if args.calibrate:
-        _calibrate(rag)
+    calibrated_now = _calibrate(rag) if args.calibrate else False
 
     rows = []
     for question, _ in DEMO_QUESTIONS[: args.questions]:
@@ -148,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
               f"{sum(r['loop_full'] for r in rows)}/{len(rows)}")
     stats = rag.cache_stats()
     served = ", ".join(f"{name} {t.hits}" for name, t in stats.tiers.items() if t.hits) or "none"
-    print(f"KV store: {stats.lookups} chunk lookups this run (the calibration's included), hit rate "
+    what = " (the calibration's included)" if calibrated_now else ""
+    print(f"KV store: {stats.lookups} chunk lookups this run{what}, hit rate "
           f"{stats.hit_rate:.0%} (served by {served}; "
           f"{stats.misses} computed); " + ", ".join(f"{name} {t.entries} entries" for name, t in stats.tiers.items()))
     if args.json_out:

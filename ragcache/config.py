@@ -194,8 +194,8 @@ class BlendSettings(_Section):
         if self.check_layer == "auto":
             return 0 if selection == "question" else 1
         if self.check_layer == 0 and (selection == "deviation" or (selection == "hybrid" and self.question_weight < 1)):
-            raise ValueError(f"selection {selection!r} with blend.check_layer = 0: the KV deviation at layer 0 is zero; "
-                             "use check_layer >= 1 or 'auto'")
+            raise ValueError(f"selection {selection!r} with blend.check_layer = 0: the KV deviation at layer 0 is "
+                             "zero; use check_layer >= 1 or 'auto'")
         return int(self.check_layer)
 
     @property
