@@ -173,8 +173,7 @@ class BlendSettings(_Section):
 
     @model_validator(mode="after")
     def _deviation_needs_a_mixed_layer(self) -> "BlendSettings":
-        if self.check_layer == 0 and (self.selection == "deviation"
-                                      or (self.selection == "hybrid" and self.question_weight < 1)):
+        if self.check_layer == 0 and self.measures_deviation(self.selection):
             raise ValueError(f"check_layer = 0 with selection {self.selection!r}: the KV deviation at layer 0 is zero "
                              f"(a token's layer-0 KV does not depend on the other tokens); use check_layer >= 1 or "
                              f"'auto'")
@@ -185,6 +184,10 @@ class BlendSettings(_Section):
         """``check_layer``, with ``"auto"`` resolved for ``selection`` (0 for question, 1 otherwise)."""
         return self.check_layer_for(self.selection)
 
+    def measures_deviation(self, selection: str) -> bool:
+        """Whether ``selection`` scores tokens by KV deviation (deviation, or hybrid with some weight on it)."""
+        return selection == "deviation" or (selection == "hybrid" and self.question_weight < 1)
+
     def check_layer_for(self, selection: str) -> int:
         """The check layer for a request that selects by ``selection`` (its own, or the settings').
 
@@ -193,7 +196,7 @@ class BlendSettings(_Section):
         """
         if self.check_layer == "auto":
             return 0 if selection == "question" else 1
-        if self.check_layer == 0 and (selection == "deviation" or (selection == "hybrid" and self.question_weight < 1)):
+        if self.check_layer == 0 and self.measures_deviation(selection):
             raise ValueError(f"selection {selection!r} with blend.check_layer = 0: the KV deviation at layer 0 is "
                              "zero; use check_layer >= 1 or 'auto'")
         return int(self.check_layer)
