@@ -176,6 +176,46 @@ def test_selections_spend_the_exact_budget_outside_the_exact_tokens(tiny, tiny_c
         assert result.stages["question_probe_s"] > 0
 
 
+class _CountingOps:
+    """The tiny model's ops, counting the rows each layer's QKV projection is given."""
+
+    def __init__(self, ops):
+        self._ops = ops
+        self.qkv_rows: dict[int, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def qkv(self, layer, hidden):
+        self.qkv_rows[layer] = self.qkv_rows.get(layer, 0) + hidden.shape[0]
+        return self._ops.qkv(layer, hidden)
+
+
+def test_question_selection_at_check_layer_zero_computes_only_the_tail_and_the_selected_tokens(tiny, tiny_context):
+    # A token's layer-0 K/V depend on that token alone: the cached KV moved to the new positions is
+    # layer 0's fresh KV, so no context token is projected in full; layer 0 still equals full prefill.
+    _, ops = tiny
+    counting = _CountingOps(ops)
+    starts, exact = context_layout(tiny_context)
+    n = tiny_context.token_ids.shape[0]
+    collected = LayerCollector(ops.num_layers)
+    result = blend_kv(counting, tiny_context.token_ids, tiny_context.positions, tiny_context.load_layer,
+                      recompute_ratio=0.2, check_layer=0, deviation="value", selection=Selection("question"),
+                      tail_ids=TAIL, segment_starts=starts, exact=exact, on_layer=collected)
+    assert result.num_recomputed == hkvd_budget(0.2, n) < n
+    assert counting.qkv_rows[0] == TAIL.shape[0] + result.num_recomputed
+    assert all(rows == TAIL.shape[0] + result.num_recomputed for rows in counting.qkv_rows.values())
+    expected_k, expected_v = full_kv(ops, tiny_context)
+    torch.testing.assert_close(collected.k[0], expected_k[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(collected.v[0], expected_v[0], atol=1e-5, rtol=1e-5)
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[result.selected] = False
+    for layer in range(1, ops.num_layers):  # unselected rows keep the cached KV, selected ones are fresh
+        assert torch.equal(collected.v[layer][kept], tiny_context.v[layer][kept])
+        assert not torch.allclose(collected.v[layer][~kept], tiny_context.v[layer][~kept])
+    assert result.stages["question_probe_s"] > 0 and "full_layers_s" not in result.stages
+
+
 def test_question_selection_needs_the_tail(tiny, tiny_context):
     _, ops = tiny
     with pytest.raises(ValueError, match="tail_ids"):

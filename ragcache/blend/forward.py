@@ -392,13 +392,13 @@ def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: 
 
 
 def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: Selection, deviation: str,
-            segment_starts: Sequence[int], fresh: tuple[torch.Tensor, torch.Tensor],
-            cached: tuple[torch.Tensor, torch.Tensor], question: _QuestionScores | None,
+            segment_starts: Sequence[int], fresh: tuple[torch.Tensor, torch.Tensor] | None,
+            cached: tuple[torch.Tensor, torch.Tensor] | None, question: _QuestionScores | None,
             scores_matter: bool) -> torch.Tensor:
     """``[n]`` ascending indices of the tokens to recompute (§4.3 and :func:`select_tokens`).
 
     ``fresh`` and ``cached`` are the check layer's ``(k, v)``: fresh (post-RoPE) and cached (K
-    before RoPE), compared for the KV deviation.
+    before RoPE), compared for the KV deviation (None when the selection does not measure it).
     """
     scores: dict[str, torch.Tensor] = {}
     if not scores_matter:  # the choice cannot depend on the scores: zeros stand for them
@@ -475,10 +475,16 @@ def blend_kv(
        K, V likewise; the selected queries attend over all N keys with the exact causal mask by
        position.
 
+    With ``check_layer`` 0 and no KV deviation to measure, steps 1-2 compute no context token in
+    full: a token's layer-0 K/V depend on that token alone, so the cached KV moved to ``positions``
+    is layer 0's fresh KV. The question probe starts at layer 0 and the selected tokens are
+    computed from layer 0 (step 3 from layer 0), which saves a projection pass over all N tokens.
+
     Every attention over the context runs through ``attention`` (default :func:`torch_attention`),
     right after ``on_layer`` received that layer's final K/V: an engine passes its own kernel over
     the cache ``on_layer`` writes. ``on_layer`` receives, for every layer, the final K (post-RoPE)
-    and V of all N context tokens: fresh for layers ``<= check_layer``, fused afterwards (the
+    and V of all N context tokens: fresh for layers ``<= check_layer`` (layer 0 on the fast path above:
+    cached and moved, which is the fresh KV up to rounding), fused afterwards (the
     tail's KV is never emitted: the engine prefills the tail itself). With ``recompute_ratio=1.0``
     these equal ``compute_kv``'s output rotated to ``positions`` (up to float rounding); with ratio
     0 and no forced tokens, the layers after the check layer equal ``reuse_kv``'s.
@@ -556,30 +562,48 @@ def blend_kv(
         question = _QuestionScores(ops.scaling) if use_tail else None
         move = _Timer(lambda layer, k_pre: move_keys(ops, layer, k_pre, ctx.positions), clock, "move_keys_s")
 
-        # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
-        with clock("full_layers_s"):
-            hidden = ops.embed(ctx.ids if question is None else torch.cat([ctx.ids, ctx.tail_ids]))  # [N(+T), hidden]
-            for layer in range(check_layer):
-                hidden = _full_layer(ops, layer, ctx, hidden, emit, attend, question)
-        # 2. Check layer: fresh K/V of all tokens, the question probe, the selection.
-        with clock("full_layers_s"):
-            q, k, v, hidden_tail = _check_layer_kv(ops, check_layer, ctx, hidden, emit, question)
-        k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
         moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (moved K, V), loaded by the probe
-        if question is not None:
-            with clock("question_probe_s"):
-                probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
-                _question_probe(ops, range(check_layer + 1, min(probe_end, num_layers)), ctx, hidden_tail, loader,
-                                move, question, moved)
-        with clock("select_s"):
-            selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
-                               (k_pre_cached, v_cached), question, scores_matter)  # [n]
-        # 3. The selected tokens through the check layer's attention and every later layer.
+        probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
+        probe_end = min(probe_end, num_layers)
+        if check_layer == 0 and not (selection.needs_deviation and scores_matter):
+            # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
+            # positions is layer 0's fresh KV: no context token is computed in full; the question tail
+            # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
+            if question is not None:
+                with clock("question_probe_s"):
+                    _question_probe(ops, range(0, probe_end), ctx, ops.embed(ctx.tail_ids), loader, move, question,
+                                    moved)
+            with clock("select_s"):
+                selected = _select(ops, 0, ctx, budget, selection, deviation, segment_starts, None, None, question,
+                                   scores_matter)  # [n]
+            with clock("selective_layers_s"):
+                hidden = ops.embed(ctx.ids[selected])  # [n, hidden]
+            first_selective = 0
+        else:
+            # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
+            with clock("full_layers_s"):
+                hidden = ops.embed(ctx.ids if question is None else torch.cat([ctx.ids, ctx.tail_ids]))  # [N(+T), hidden]
+                for layer in range(check_layer):
+                    hidden = _full_layer(ops, layer, ctx, hidden, emit, attend, question)
+            # 2. Check layer: fresh K/V of all tokens, the question probe, the selection.
+            with clock("full_layers_s"):
+                q, k, v, hidden_tail = _check_layer_kv(ops, check_layer, ctx, hidden, emit, question)
+            k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
+            if question is not None:
+                with clock("question_probe_s"):
+                    _question_probe(ops, range(check_layer + 1, probe_end), ctx, hidden_tail, loader, move, question,
+                                    moved)
+            with clock("select_s"):
+                selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
+                                   (k_pre_cached, v_cached), question, scores_matter)  # [n]
+            # 3. The selected tokens through the check layer's attention, then every later layer.
+            with clock("selective_layers_s"):
+                if selected.numel() > 0 and check_layer < num_layers - 1:
+                    hidden = ops.finish_layer(check_layer, hidden[:ctx.n][selected],
+                                              attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
+            first_selective = check_layer + 1
         with clock("selective_layers_s"):
-            if selected.numel() > 0 and check_layer < num_layers - 1:
-                hidden = ops.finish_layer(check_layer, hidden[:ctx.n][selected],
-                                          attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
-            for layer in range(check_layer + 1, num_layers):
+            for layer in range(first_selective, num_layers):
                 if layer in moved:
                     k_all, v_all = moved.pop(layer)
                 else:
