@@ -33,6 +33,49 @@ log = logging.getLogger(__name__)
 COMPUTED = "computed"
 
 
+#: rows of the log-probability matrix counted at once by :func:`eager_logprob_ranks`
+RANK_ROWS = 256
+
+
+def eager_logprob_ranks(logprobs: torch.Tensor, values: torch.Tensor, rows: int = RANK_ROWS) -> torch.Tensor:
+    """Each row's rank count ``(logprobs >= values).sum(-1)``, evaluated eagerly ``rows`` rows at a time.
+
+    The same expression as vLLM 0.32's ``vllm.v1.sample.ops.logprobs.batched_count_greater_than``
+    (the rank vLLM reports with every logprob), which vLLM wraps in ``torch.compile``: on CPU the
+    first request with logprobs then compiles it with inductor, 2.5-3 s on a 2-core EPYC, and the
+    engine's start-up self-check is such a request. Row blocks keep the temporary bool matrix at
+    ``rows x vocab`` (the copies the compiled kernel was introduced to avoid).
+
+    Args:
+        logprobs: ``[B, V]`` float log-probabilities.
+        values: ``[B, 1]`` the logprob whose rank is counted, per row.
+
+    Returns:
+        ``[B]`` int64 counts.
+    """
+    out = torch.empty(logprobs.shape[0], dtype=torch.long, device=logprobs.device)
+    for start in range(0, logprobs.shape[0], rows):
+        out[start:start + rows] = (logprobs[start:start + rows] >= values[start:start + rows]).sum(-1)
+    return out
+
+
+def use_eager_logprob_ranks(device: torch.device) -> bool:
+    """On CPU, make vLLM's sampler count logprob ranks with :func:`eager_logprob_ranks` instead of
+    its ``torch.compile``d function (no compile on the first logprobs request). Accelerators keep
+    vLLM's kernel. Returns whether the sampler was changed (False on another device, or when this
+    vLLM has no such function)."""
+    if torch.device(device).type != "cpu":
+        return False
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return False
+    if not hasattr(sampler, "batched_count_greater_than"):
+        return False
+    sampler.batched_count_greater_than = eager_logprob_ranks
+    return True
+
+
 class _MemoryHandle:
     """A just-computed entry served like a store handle (layer(i) -> (k, v))."""
 
@@ -84,6 +127,7 @@ class WorkerRuntime:
         spec = KVSpec(model_fingerprint=model_fingerprint, layout_version=layout_version, num_layers=num_layers,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         self.device = next(model.parameters()).device
+        use_eager_logprob_ranks(self.device)
         self.store = TieredStore.from_settings(StoreSettings(**store_settings), spec=spec, device=self.device)
         self.lock = threading.Lock()
         self.attention = AttentionChoice("torch", "no DecoderOps adapter")
