@@ -140,7 +140,10 @@ class BlendSettings(_Section):
     probe_layers: int = Field(
         -1, ge=-1, description="question scores: layers after the check layer the question is probed through over "
         "the reused KV (0 = only the layers up to the check layer; -1 = all)")
-    pipeline_overlap: bool = Field(True, description="load layer i+1 while computing layer i")
+    pipeline_overlap: bool | Literal["auto"] = Field(
+        "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
+        "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "
+        "local disk (there the thread's copies compete with the compute for the same cores: 12-24% slower TTFT)")
     attention: Literal["auto", "kernel", "torch"] = Field(
         "auto", description="the blend's attention: vLLM's own kernel over the paged KV cache (kernel), torch SDPA "
         "(torch), or auto (the kernel where vLLM's backend offers one, unless torch measures faster on this host)")

@@ -45,7 +45,7 @@ def test_seed_names_exist():
     for name in ("gpu_kv_pool_gb", "cpu_kv_pool_gb", "ssd_cache_dir", "ssd_cache_max_gb", "remote_url",
                  "eviction_policy", "enable_hit_rate_log", "log_interval_sec"):
         assert hasattr(s.store, name)
-    assert s.blend.recompute_ratio == 0.15 and s.blend.pipeline_overlap is True
+    assert s.blend.recompute_ratio == 0.15 and s.blend.pipeline_overlap == "auto"
     assert s.ingest.chunk_size == 512 and s.retrieval.top_k == 5
     assert s.engine.max_model_len > 0 and s.engine.kv_cache_memory_bytes > 0
 
@@ -99,6 +99,18 @@ def test_invalid_values_name_key_value_and_range(tmp_path, toml, words):
 def test_invalid_env_value_names_variable(monkeypatch):
     monkeypatch.setenv("RAGCACHE_BLEND__RECOMPUTE_RATIO", "2")
     with pytest.raises(ConfigError, match="RAGCACHE_BLEND__RECOMPUTE_RATIO"):
+        Settings.load()
+
+
+@pytest.mark.parametrize(("raw", "value"), [("auto", "auto"), ("false", False), ("true", True), ("0", False)])
+def test_pipeline_overlap_is_auto_or_a_boolean(monkeypatch, raw, value):
+    monkeypatch.setenv("RAGCACHE_BLEND__PIPELINE_OVERLAP", raw)
+    assert Settings.load().blend.pipeline_overlap == value and type(Settings.load().blend.pipeline_overlap) is type(value)
+
+
+def test_pipeline_overlap_rejects_other_words(monkeypatch):
+    monkeypatch.setenv("RAGCACHE_BLEND__PIPELINE_OVERLAP", "sometimes")
+    with pytest.raises(ConfigError, match="RAGCACHE_BLEND__PIPELINE_OVERLAP"):
         Settings.load()
 
 

@@ -64,6 +64,13 @@ _BLEND_KNOBS = {"recompute_ratio", "check_layer", "deviation", "selection", "chu
                 "max_chunk_share", "granule", "probe_layers", "pipeline_overlap"}
 
 
+def _overlap(value: Any) -> bool | str:
+    """``pipeline_overlap`` from the wire: True, False or "auto"."""
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise ValueError(f"pipeline_overlap must be true, false or 'auto', got {value!r}")
+
+
 def _pick(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of ``data`` that are fields of dataclass ``cls`` (unknown keys are ignored)."""
     names = {f.name for f in fields(cls)}
@@ -111,7 +118,7 @@ class BlendParams:
     max_chunk_share: float
     granule: int
     probe_layers: int
-    pipeline_overlap: bool
+    pipeline_overlap: bool | str
 
     @classmethod
     def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
@@ -163,7 +170,7 @@ class BlendParams:
                 chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),
                 max_chunk_share=float(data["max_chunk_share"]), granule=int(data["granule"]),
                 probe_layers=int(data["probe_layers"]),
-                pipeline_overlap=bool(data["pipeline_overlap"]),
+                pipeline_overlap=_overlap(data["pipeline_overlap"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None

@@ -76,6 +76,26 @@ def use_eager_logprob_ranks(device: torch.device) -> bool:
     return True
 
 
+#: tiers whose layer reads wait on a network: worth a background loader even when the blend computes on CPU
+SLOW_TIERS = frozenset({"remote"})
+
+
+def prefetch_layers(setting: bool | str, device: torch.device, tiers: list[str]) -> bool:
+    """Whether the blend loads layer i+1 in a background thread while it computes layer i.
+
+    ``setting`` is ``blend.pipeline_overlap``: True or False as given; ``"auto"`` is on when the
+    blend computes on an accelerator (the thread's copies do not compete with its kernels) or when
+    a chunk's KV comes from a slow tier (:data:`SLOW_TIERS`), and off for CPU compute over KV in RAM
+    or on local disk. There the thread's tensor copies run their own OpenMP team on the cores the
+    compute uses, and every stage of the blend slows down: on a 2-core Zen 4 (bf16) TTFT was
+    12% (MuSiQue, ~6k tokens, cpu tier) and 22-24% (HotpotQA, ~1.5k tokens, cpu and disk tiers)
+    lower without the thread (docs/benchmarks.md).
+    """
+    if setting != "auto":
+        return bool(setting)
+    return torch.device(device).type != "cpu" or any(tier in SLOW_TIERS for tier in tiers)
+
+
 class _MemoryHandle:
     """A just-computed entry served like a store handle (layer(i) -> (k, v))."""
 
@@ -273,8 +293,9 @@ class WorkerRuntime:
             ops = self.ops
             attention = PagedKernelAttention(self.attn_layers, load.block_ids, block_size, num_heads=ops.num_heads,
                                              num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim, dtype=ops.dtype)
+        prefetch = prefetch_layers(p.pipeline_overlap, device, tiers)
         if p.mode == "reuse":
-            result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=p.pipeline_overlap)
+            result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=prefetch)
         else:
             selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share, p.granule,
                                   None if p.probe_layers < 0 else p.probe_layers)
@@ -288,7 +309,7 @@ class WorkerRuntime:
                 recompute_ratio=p.recompute_ratio, check_layer=p.check_layer, deviation=p.deviation,
                 selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
                 tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
-                on_layer=write_layer, attention=attention, prefetch=p.pipeline_overlap,
+                on_layer=write_layer, attention=attention, prefetch=prefetch,
             )
         recomputed = int(result.num_recomputed)
         # blend does not load layers below the check layer; a handle promotes its entry to the top
