@@ -167,6 +167,37 @@ def test_question_attention_is_the_tail_queries_causal_attention_with_its_weight
     assert none is None and torch.equal(same, got)
 
 
+def test_question_attention_pooled_by_max_scores_each_token_by_its_most_attentive_head():
+    torch.manual_seed(1)
+    n, t, hq, hkv, d = 6, 3, 6, 2, 8
+    q = torch.randn(t, hq, d)
+    k = torch.randn(n + t, hkv, d)
+    keys = k.repeat_interleave(hq // hkv, dim=1)  # [n+t, hq, d]: query head h reads KV head h // 3
+    per_head = torch.zeros(hq, n)
+    for h in range(hq):
+        for ti in range(t):
+            per_head[h] += torch.softmax(keys[:n + ti + 1, h] @ q[ti, h] * d ** -0.5, dim=0)[:n]
+    per_head /= t
+    _, got = question_attention(q, k[:n], k[n:], d ** -0.5, heads="max")
+    torch.testing.assert_close(got, per_head.amax(dim=0))
+    _, mean = question_attention(q, k[:n], k[n:], d ** -0.5)
+    torch.testing.assert_close(mean, per_head.mean(dim=0))
+    assert bool((got >= mean - 1e-6).all()) and not torch.allclose(got, mean)
+    with pytest.raises(ValueError, match="heads"):
+        question_attention(q, k[:n], k[n:], d ** -0.5, heads="median")
+
+
+def test_the_settings_offer_exactly_the_question_head_poolings():
+    import typing
+
+    from ragcache.blend.select import QUESTION_HEADS
+    from ragcache.config import BlendSettings
+
+    assert typing.get_args(BlendSettings.model_fields["question_heads"].annotation) == QUESTION_HEADS
+    with pytest.raises(ValueError, match="question_heads"):
+        Selection("question", question_heads="median")
+
+
 def test_the_settings_offer_exactly_the_blend_selection_strategies():
     from ragcache.blend import SELECTIONS
     from ragcache.config import SELECTIONS as SETTING_CHOICES

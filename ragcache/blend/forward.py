@@ -316,15 +316,16 @@ class _Context:
 class _QuestionScores:
     """The attention each context token receives from the question tail, summed over the layers seen."""
 
-    def __init__(self, scaling: float) -> None:
+    def __init__(self, scaling: float, heads: str = "mean") -> None:
         self.scaling = scaling
+        self.heads = heads  # pooling over query heads (question_attention)
         self.total: torch.Tensor | None = None  # [N] float32
         self.layers = 0
 
     def attend(self, q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.Tensor, v_ctx: torch.Tensor,
                v_tail: torch.Tensor) -> torch.Tensor:
         """The tail's attention output ``[T, Hq, D]`` over the context and itself; adds the layer's scores."""
-        out, s = question_attention(q_tail, k_ctx, k_tail, self.scaling, v_ctx=v_ctx, v_tail=v_tail)
+        out, s = question_attention(q_tail, k_ctx, k_tail, self.scaling, v_ctx=v_ctx, v_tail=v_tail, heads=self.heads)
         self.total = s if self.total is None else self.total + s
         self.layers += 1
         return out
@@ -559,7 +560,7 @@ def blend_kv(
         )
         attend = _Timer(attention or torch_attention(ctx.positions, ops.scaling), clock,
                         {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
-        question = _QuestionScores(ops.scaling) if use_tail else None
+        question = _QuestionScores(ops.scaling, selection.question_heads) if use_tail else None
         move = _Timer(lambda layer, k_pre: move_keys(ops, layer, k_pre, ctx.positions), clock, "move_keys_s")
 
         moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (moved K, V), loaded by the probe

@@ -13,8 +13,8 @@ indices under one of three strategies (:class:`Selection`):
     Question-aware selection in the spirit of ProphetKV (ICML'26, "crowding-out" of
     question-relevant tokens by globally salient ones) and A3: the question tail goes through the
     layers up to the check layer together with the context, and each context token is scored by
-    the attention it receives from the tail's queries (softmax weights averaged over heads and
-    tail tokens, and over those layers).
+    the attention it receives from the tail's queries (softmax weights averaged over the tail
+    tokens, pooled over heads by mean or max (``question_heads``), and averaged over the layers).
 ``hybrid``
     Both signals mixed by rank (``question_weight``), plus the first ``chunk_head_tokens`` tokens
     of every chunk whose KV moved (EPIC, Hu et al. 2024: a chunk's first tokens carry the attention
@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 
 SELECTIONS = ("deviation", "question", "hybrid")
+#: how question attention is pooled over the query heads (:func:`question_attention`)
+QUESTION_HEADS = ("mean", "max")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class Selection:
         probe_layers: question scores: how many layers after the check layer the question tail is
             probed through over the reused KV (0 = the layers up to the check layer only, which
             cost nothing extra; None = every later layer).
+        question_heads: question scores: how each layer's per-head attention is pooled over the
+            query heads, ``"mean"`` or ``"max"`` (:func:`question_attention`).
     """
 
     strategy: str
@@ -68,6 +72,7 @@ class Selection:
     max_chunk_share: float = 1.0
     granule: int = 1
     probe_layers: int | None = None
+    question_heads: str = "mean"
 
     def __post_init__(self) -> None:
         if self.strategy not in SELECTIONS:
@@ -82,6 +87,8 @@ class Selection:
             raise ValueError(f"granule must be >= 1, got {self.granule}")
         if self.probe_layers is not None and self.probe_layers < 0:
             raise ValueError(f"probe_layers must be >= 0 or None, got {self.probe_layers}")
+        if self.question_heads not in QUESTION_HEADS:
+            raise ValueError(f"question_heads must be one of {QUESTION_HEADS}, got {self.question_heads!r}")
 
     @property
     def needs_question(self) -> bool:
@@ -133,7 +140,7 @@ def deviation_scores(reused: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
 
 def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.Tensor, scaling: float, *,
                        v_ctx: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                       heads: str = "mean") -> tuple[torch.Tensor | None, torch.Tensor]:
     """The question tail's attention over the context and itself, and what each context token receives.
 
     The tail follows the context: tail token i sees every context token and tail tokens ``<= i``.
@@ -145,12 +152,21 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
         k_tail: ``[T, Hkv, D]`` post-RoPE keys of the tail.
         scaling: softmax scale.
         v_ctx, v_tail: ``[N, Hkv, D]`` and ``[T, Hkv, D]`` values; give both to get the output.
+        heads: how the per-head scores (softmax weight averaged over the tail tokens) are pooled
+            over the query heads: ``"mean"``, or ``"max"`` (a token scores what its most attentive
+            head gives it: a head that reads the passage the question asks about is not averaged
+            away by the heads that attend to the prompt's sink and format tokens).
 
     Returns:
         ``(out, scores)``: ``out`` ``[T, Hq, D]`` the tail's attention output (None without values);
         ``scores`` ``[N]`` float32, the softmax weight each context token receives, averaged over
-        query heads and tail tokens (in [0, 1]; the rest of the weight stays on the tail).
+        tail tokens and pooled over query heads (in [0, 1]).
+
+    Raises:
+        ValueError: ``heads`` is not one of :data:`QUESTION_HEADS`.
     """
+    if heads not in QUESTION_HEADS:
+        raise ValueError(f"heads must be one of {QUESTION_HEADS}, got {heads!r}")
     t, num_heads, head_dim = q_tail.shape
     n, num_kv_heads, _ = k_ctx.shape
     g = num_heads // num_kv_heads
@@ -164,7 +180,11 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)  # [G*T, T]: tail i sees <= i
     logits[..., n:].masked_fill_(future, float("-inf"))
     weights = torch.softmax(logits, dim=-1)  # [Hkv, G*T, N+T]
-    scores = torch.mean(weights[..., :n], dim=(0, 1), dtype=torch.float32)  # [N]
+    if heads == "mean":
+        scores = torch.mean(weights[..., :n], dim=(0, 1), dtype=torch.float32)  # [N]
+    else:  # per query head: the mean over the tail tokens, then the most attentive head
+        per_head = torch.mean(weights[..., :n].reshape(num_kv_heads * g, t, n), dim=1, dtype=torch.float32)
+        scores = per_head.amax(dim=0)  # [N]
     if v_ctx is None or v_tail is None:
         return None, scores
     out = (torch.bmm(weights[..., :n], v_ctx.permute(1, 0, 2).contiguous())

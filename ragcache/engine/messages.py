@@ -61,7 +61,7 @@ class Rpc:
 
 #: the [blend] settings every reuse/blend request carries
 _BLEND_KNOBS = {"recompute_ratio", "check_layer", "deviation", "selection", "chunk_head_tokens", "question_weight",
-                "max_chunk_share", "granule", "probe_layers", "pipeline_overlap"}
+                "max_chunk_share", "granule", "probe_layers", "question_heads", "pipeline_overlap"}
 
 
 def _overlap(value: Any) -> bool | str:
@@ -100,7 +100,7 @@ class BlendParams:
             ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
             the continuation they score (a gold answer) is not seen by the selection.
         recompute_ratio, check_layer, deviation, selection, chunk_head_tokens, question_weight,
-            max_chunk_share, granule, probe_layers, pipeline_overlap: the ``[blend]`` settings in force for this request
+            max_chunk_share, granule, probe_layers, question_heads, pipeline_overlap: the ``[blend]`` settings in force for this request
             (see :class:`ragcache.config.BlendSettings`).
     """
 
@@ -118,6 +118,7 @@ class BlendParams:
     max_chunk_share: float
     granule: int
     probe_layers: int
+    question_heads: str
     pipeline_overlap: bool | str
 
     @classmethod
@@ -169,7 +170,7 @@ class BlendParams:
                 deviation=str(data["deviation"]), selection=str(data["selection"]),
                 chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),
                 max_chunk_share=float(data["max_chunk_share"]), granule=int(data["granule"]),
-                probe_layers=int(data["probe_layers"]),
+                probe_layers=int(data["probe_layers"]), question_heads=str(data["question_heads"]),
                 pipeline_overlap=_overlap(data["pipeline_overlap"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
