@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Mapping
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from ragcache.config import Granule, MaxTokens, Mode, Ratio, SelectionName, TopK, range_text
 from ragcache.conversation import Turn
@@ -148,6 +149,25 @@ def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
         raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
 
 
+#: the options that only a blend reads
+BLEND_ONLY = ("recompute_ratio", "selection")
+
+
+def check_blend_only(value: Any, info: ValidationInfo) -> Any:
+    """Refuse a blend-only option (``recompute_ratio``, ``selection``) on a request whose mode is
+    set to another mode, where it would be ignored without a word. For pydantic field validators of
+    models that declare ``mode`` before these fields (its validated value is in ``info.data``).
+
+    Raises:
+        ValueError: the option is set and the request's mode is full, prefix or reuse.
+    """
+    mode = info.data.get("mode")
+    if value is not None and mode is not None and mode != "blend":
+        raise ValueError(f"applies in blend mode only, and the request's mode is {mode!r}: drop it, or ask in blend "
+                         f"mode")
+    return value
+
+
 class QueryOptionsError(ValueError):
     """A request option out of its range: one line naming the option (as the caller called it),
     the value and the rule.
@@ -176,14 +196,16 @@ class QueryOptions(BaseModel):
         top_k: chunks retrieved (default ``retrieval.top_k``), in [1, 100].
         max_tokens: tokens decoded (default ``engine.max_tokens``), >= 1.
         recompute_ratio: blend's share of context tokens recomputed, in [0, 1] (default: the
-            pipeline's, see ``RAGPipeline.recompute_ratio``).
+            pipeline's, see ``RAGPipeline.recompute_ratio``); refused with another ``mode`` set.
         selection: blend's token selection (default ``blend.selection`` / ``blend.granule``); a
-            string such as ``"question/16"`` is read by :meth:`SelectionSpec.parse`.
+            string such as ``"question/16"`` is read by :meth:`SelectionSpec.parse`; refused with
+            another ``mode`` set.
         sampling: temperature, top_p, stop strings, seed (default greedy).
         history: earlier turns of the conversation, oldest first.
 
     Raises (on construction):
-        pydantic.ValidationError: a value out of range (use :meth:`parse` for one-line errors).
+        pydantic.ValidationError: a value out of range, or a blend-only option with another mode
+            (use :meth:`parse` for one-line errors).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -195,6 +217,8 @@ class QueryOptions(BaseModel):
     selection: Selection | None = None
     sampling: SamplingOptions = GREEDY
     history: tuple[Turn, ...] = ()
+
+    _blend_only = field_validator(*BLEND_ONLY)(check_blend_only)
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> "QueryOptions":

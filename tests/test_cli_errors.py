@@ -50,6 +50,8 @@ CASES = [
     ("--recompute-ratio neither a number nor auto", ["ask", "q?", "--recompute-ratio", "most"], {},
      "argument --recompute-ratio: 'most': expected a number in [0, 1] or 'auto'"),
     ("unknown --mode", ["ask", "q?", "--mode", "fast"], {}, "argument --mode: invalid choice: 'fast'"),
+    ("--recompute-ratio with --mode full", ["ask", "q?", "--mode", "full", "--recompute-ratio", "0.3"], {},
+     "--recompute-ratio 0.3: applies in blend mode only, and the request's mode is 'full'"),
     ("unknown command", ["frob"], {}, "invalid choice: 'frob'"),
     ("missing index", ["ask", "q?", "--index", "nope"], {}, "run `ragcache ingest PATH --index nope` first"),
     ("empty index name", ["ask", "q?", "--index", ""], {}, "is not an index name"),

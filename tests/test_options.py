@@ -45,6 +45,25 @@ def test_options_share_the_settings_ranges_and_name_the_option_and_the_rule():
         QueryOptions.parse({"topk": 3})
 
 
+def test_blend_only_options_are_refused_with_another_mode_not_ignored():
+    with pytest.raises(QueryOptionsError, match=r"^--recompute-ratio 0.3: applies in blend mode only, and the "
+                       r"request's mode is 'full': drop it, or ask in blend mode$") as e:
+        QueryOptions.parse({"mode": "full", "recompute_ratio": 0.3}, {"recompute_ratio": "--recompute-ratio"})
+    assert e.value.field == "recompute_ratio"
+    with pytest.raises(QueryOptionsError, match="selection question/16: applies in blend mode only.*'reuse'"):
+        QueryOptions.parse({"mode": "reuse", "selection": "question/16"})
+    # blend, or no mode (the settings' engine.mode decides later), takes them
+    assert QueryOptions.parse({"mode": "blend", "recompute_ratio": 0.3}).recompute_ratio == 0.3
+    assert QueryOptions.parse({"recompute_ratio": 0.3, "selection": "deviation"}).selection.strategy == "deviation"
+    assert QueryOptions.parse({"mode": "full"}).recompute_ratio is None
+    # the same rule at the HTTP edge, naming the field of the body
+    with pytest.raises(ValidationError) as http:
+        ChatCompletionRequest.model_validate({"model": "docs", "messages": USER,
+                                              "ragcache": {"mode": "prefix", "recompute_ratio": 0.2}})
+    err = http.value.errors()[0]
+    assert err["loc"] == ("ragcache", "recompute_ratio") and "blend mode only" in err["msg"]
+
+
 def test_a_selection_is_typed_once_from_its_string_form():
     o = QueryOptions.parse({"selection": "question/16", "top_k": None})  # None: not given
     assert o.selection == SelectionSpec(strategy="question", granule=16) and str(o.selection) == "question/16"

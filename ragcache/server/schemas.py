@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ragcache.config import MaxTokens, Mode, Ratio, TopK
 from ragcache.conversation import Question, Turn, split_messages
 from ragcache.options import (
-    MinTokens, QueryOptions, SamplingOptions, Seed, Selection, Temperature, TopP, check_min_tokens,
-    check_stop,
+    BLEND_ONLY, MinTokens, QueryOptions, SamplingOptions, Seed, Selection, Temperature, TopP, check_min_tokens,
+    check_blend_only, check_stop,
 )
 from ragcache.pipeline import Answer, Source
 
@@ -146,6 +146,8 @@ class RagcacheOptions(BaseModel):
     @classmethod
     def _check_index(cls, v: str | None) -> str | None:
         return v if v is None else check_text(v)
+
+    _blend_only = field_validator(*BLEND_ONLY)(check_blend_only)
 
 
 class StreamOptions(BaseModel):
