@@ -51,14 +51,17 @@ def engine_settings(tmp_path_factory):
     holds up to float32 rounding only; tests/test_engine_bf16.py checks the same invariants in
     bfloat16 with the tolerance bf16 needs, on every CPU. The blend's attention runs on vLLM's
     kernel (what ``blend.attention = "auto"`` picks where the kernel is the faster); the torch path is
-    checked by tests/test_blend_*.py and, through the engine, by tests/test_engine_bf16.py.
+    checked by tests/test_blend_*.py and, through the engine, by tests/test_engine_bf16.py. The
+    prompts here are short (~100-300 tokens), so ``blend.min_recompute_tokens`` is 0: with the
+    default floor a blend of them would recompute every token and test nothing of the blend;
+    the floor itself is tested in tests/test_engine_blend.py.
     """
     from ragcache.config import Settings
 
     kv_dir = tmp_path_factory.mktemp("kv")
     return Settings.load(
         store={"ssd_cache_dir": str(kv_dir), "remote_url": "", "cpu_kv_pool_gb": 2.0},
-        blend={"attention": "kernel"},
+        blend={"attention": "kernel", "min_recompute_tokens": 0},
         # multi-process mode here (vLLM's default); the CLI tests run the in-process default
         engine={"max_model_len": 8192, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 24, "in_process": False,
                 "dtype": "float32"},

@@ -176,6 +176,19 @@ def test_selections_spend_the_exact_budget_outside_the_exact_tokens(tiny, tiny_c
         assert result.stages["question_probe_s"] > 0
 
 
+def test_the_recompute_floor_raises_a_short_contexts_budget(tiny, tiny_context):
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    n = tiny_context.token_ids.shape[0]
+    floor = hkvd_budget(0.2, n) + 5
+    result, _ = run_blend(ops, tiny_context, recompute_ratio=0.2, min_recompute_tokens=floor,
+                          selection=Selection("question"), tail_ids=TAIL, segment_starts=starts, exact=exact)
+    assert result.num_recomputed == floor
+    zero, _ = run_blend(ops, tiny_context, recompute_ratio=0.0, min_recompute_tokens=floor,
+                        selection=Selection("question"), tail_ids=TAIL, segment_starts=starts, exact=exact)
+    assert zero.num_recomputed == 0
+
+
 class _CountingOps:
     """The tiny model's ops, counting the rows each layer's QKV projection is given."""
 

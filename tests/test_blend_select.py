@@ -40,6 +40,16 @@ def test_budget_is_ceil_of_ratio_times_tokens_without_float_noise():
     assert select_hkvd(reused, fresh, 0.15).tolist() == list(range(85, 100))
 
 
+def test_budget_floor_applies_to_short_contexts_only_and_never_to_ratio_zero():
+    assert hkvd_budget(0.15, 1000, min_tokens=384) == 384  # 150 by the ratio alone
+    assert hkvd_budget(0.15, 6000, min_tokens=384) == 900  # the ratio gives more: the floor does nothing
+    assert hkvd_budget(0.15, 200, min_tokens=384) == 200  # a context shorter than the floor: all of it
+    assert hkvd_budget(0.0, 1000, min_tokens=384) == 0  # ratio 0 stays plain reuse
+    assert hkvd_budget(0.15, 1000, min_tokens=0) == 150
+    with pytest.raises(ValueError, match="min_tokens"):
+        hkvd_budget(0.15, 1000, min_tokens=-1)
+
+
 def test_ratio_zero_selects_only_forced_tokens():
     reused, fresh = kv_with_deviations([1.0, 2.0, 3.0, 4.0])
     assert select_hkvd(reused, fresh, 0.0).tolist() == []

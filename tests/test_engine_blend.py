@@ -77,6 +77,23 @@ def test_blend_reuses_and_reports_metrics(engine, fact_chunks):
     assert g.text.strip()
 
 
+def test_the_recompute_floor_sets_the_budget_of_a_short_context(engine, fact_chunks):
+    prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
+    base = engine.settings.blend
+    try:
+        engine.settings.blend = base.model_copy(update={"min_recompute_tokens": 48})
+        floored = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=0.05)).metrics
+        assert math.ceil(0.05 * prompt.ctx_len) < 48 == floored.recomputed_tokens  # the ratio alone gives fewer
+        assert floored.reused_tokens == prompt.ctx_len - 48
+        engine.settings.blend = base.model_copy(update={"min_recompute_tokens": 10 * prompt.ctx_len})
+        whole = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=0.05)).metrics
+        assert whole.recomputed_tokens == prompt.ctx_len and whole.reused_tokens == 0
+        reuse = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=0.0)).metrics
+        assert reuse.recomputed_tokens == 0  # ratio 0 stays plain reuse whatever the floor
+    finally:
+        engine.settings.blend = base
+
+
 def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks):
     new = make_chunks(engine, ["Zorbian children learn the seven-string harp from the age of five."])
     engine.forget(new)

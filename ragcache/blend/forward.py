@@ -444,6 +444,7 @@ def blend_kv(
     load_layer: LoadLayer,
     *,
     recompute_ratio: float,
+    min_recompute_tokens: int = 0,
     check_layer: int,
     deviation: str,
     selection: Selection | None = None,
@@ -499,6 +500,8 @@ def blend_kv(
             layer from ``check_layer`` on, in order; with ``prefetch`` from a background thread.
             The blend may write into the returned tensors: return tensors the caller owns.
         recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
+        min_recompute_tokens: with a ratio above 0, recompute at least this many tokens (all N
+            when fewer; :func:`~ragcache.blend.select.hkvd_budget`).
         check_layer: the layer where the tokens are selected, in ``[0, num_layers)``.
         deviation: ``"value"`` (as in the paper) or ``"key"``: which of the check layer's cached and
             fresh KV are compared.
@@ -524,13 +527,13 @@ def blend_kv(
 
     Raises:
         ValueError: on empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``,
-            a ratio outside ``[0, 1]``, a ``check_layer`` outside ``[0, num_layers)``, an unknown
+            a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a ``check_layer`` outside ``[0, num_layers)``, an unknown
             ``deviation``, a question-aware selection without ``tail_ids``, or ``load_layer``
             returning tensors of the wrong shape.
     """
     num_tokens = _check_positions(token_ids, positions)
     num_layers = ops.num_layers
-    budget = hkvd_budget(recompute_ratio, num_tokens)  # validates the ratio
+    budget = hkvd_budget(recompute_ratio, num_tokens, min_recompute_tokens)  # validates the ratio and the floor
     if not 0 <= check_layer < num_layers:
         raise ValueError(f"check_layer must be in [0, {num_layers}), got {check_layer}")
     if deviation not in DEVIATIONS:

@@ -101,15 +101,23 @@ class Selection:
         return self.strategy == "deviation" or (self.strategy == "hybrid" and self.question_weight < 1)
 
 
-def hkvd_budget(ratio: float, num_tokens: int) -> int:
-    """``ceil(ratio * num_tokens)``, robust to float noise (0.15 * 100 gives 15, not 16).
+def hkvd_budget(ratio: float, num_tokens: int, min_tokens: int = 0) -> int:
+    """``ceil(ratio * num_tokens)``, robust to float noise (0.15 * 100 gives 15, not 16), and at
+    least ``min(min_tokens, num_tokens)`` when ``ratio > 0``.
+
+    The floor is for short contexts: the tokens an answer needs from its passage (a name, the
+    sentence that holds the fact) do not shrink with the prompt, while ``ratio * N`` does; at 15%
+    of ~1.3k tokens the answer's later tokens can loop on stale KV (docs/benchmarks.md).
 
     Raises:
-        ValueError: if ``ratio`` is outside ``[0, 1]``.
+        ValueError: if ``ratio`` is outside ``[0, 1]`` or ``min_tokens`` is negative.
     """
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"recompute ratio must be in [0, 1], got {ratio}")
-    return min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
+    budget = min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
+    return max(budget, min(min_tokens, num_tokens)) if ratio > 0 else budget
 
 
 def check_mask(mask: torch.Tensor | None, num_tokens: int, name: str = "forced") -> None:

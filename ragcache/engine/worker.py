@@ -306,7 +306,8 @@ class WorkerRuntime:
             tail = token_ids[n:p.question_end or None] if selection.needs_question else None
             result = blend_kv(
                 self.ops, ids, positions, load_layer,
-                recompute_ratio=p.recompute_ratio, check_layer=p.check_layer, deviation=p.deviation,
+                recompute_ratio=p.recompute_ratio, min_recompute_tokens=p.min_recompute_tokens,
+                check_layer=p.check_layer, deviation=p.deviation,
                 selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
                 tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
                 on_layer=write_layer, attention=attention, prefetch=prefetch,
