@@ -43,3 +43,15 @@ def test_speedup_is_full_ttft_over_the_request_ttft():
 
     assert speedup(gen(2.0), gen(0.5)) == pytest.approx(4.0)
     assert speedup(gen(2.0), gen(0.0)) is None
+
+
+def test_the_compute_floor_counts_the_tokens_the_blend_recomputed_not_the_nominal_ratio():
+    from ragcache.bench.ttft import with_floor
+
+    stages = {"ttft_s_plain": 3.0, "ratio": 0.15, "recomputed_frac": 0.3, "ttft_s_ratio_one": None,
+              "worker_s_reuse": 0.1, "worker_s": 1.0}
+    got = with_floor(stages, check_layer=0, num_layers=30)
+    assert got["floor_s"] == pytest.approx(1 / 30 * 3.0 + 0.3 * 29 / 30 * 3.0 + 0.1, abs=1e-3)
+    nominal = with_floor({**stages, "recomputed_frac": None}, check_layer=0, num_layers=30)
+    assert nominal["floor_s"] == pytest.approx(1 / 30 * 3.0 + 0.15 * 29 / 30 * 3.0 + 0.1, abs=1e-3)
+    assert got["worker_vs_floor"] < nominal["worker_vs_floor"]

@@ -245,7 +245,7 @@ def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_blend: str | No
                 and s["selection"] == blend["selection"]), None)
     plain = summaries.get(PLAIN)
     return {"variant": blend["variant"], "ratio": blend["recompute_ratio"],
-            "worker_s": blend["worker_s_median"], "worker_s_ratio_one": one["worker_s_median"] if one else None,
+            "recomputed_frac": blend.get("recomputed_frac_mean"), "worker_s": blend["worker_s_median"], "worker_s_ratio_one": one["worker_s_median"] if one else None,
             "worker_s_reuse": summaries["reuse"]["worker_s_median"],
             "ttft_s_ratio_one": one["ttft_median_s"] if one else None,
             "ttft_s_plain": plain["ttft_median_s"] if plain else None,
@@ -257,15 +257,17 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int)
     """``stages`` plus the blend's compute floor against plain vLLM's prefill.
 
     floor = (c + 1) / L x t(plain) + r x (L - c - 1) / L x t(plain) + t(reuse), with t(plain) the
-    median TTFT of plain vLLM's full prefill of the same prompts (what a user would run instead), c
-    the check layer, L the layers (the layers up to the check layer run for every token, the rest for
-    the recomputed share) and t(reuse) reuse's median worker seconds (moving and writing the reused
+    median TTFT of plain vLLM's full prefill of the same prompts (what a user would run instead), r
+    the share of context tokens the blend recomputed (mean over the examples: the ratio, or more where
+    ``blend.min_recompute_tokens`` raised a short context's budget), c the check layer, L the layers
+    (the layers up to the check layer run for every token, the rest for the recomputed share) and t(reuse) reuse's median worker seconds (moving and writing the reused
     KV). Adds ``floor_s``, ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own
     ratio-1 path over plain's); each None when its inputs were not run.
     """
     if not stages:
         return stages
-    t_plain, r, one = stages["ttft_s_plain"], stages["ratio"], stages["ttft_s_ratio_one"]
+    t_plain, one = stages["ttft_s_plain"], stages["ttft_s_ratio_one"]
+    r = stages.get("recomputed_frac") or stages["ratio"]
     floor = None
     if t_plain:
         floor = ((check_layer + 1) / num_layers * t_plain + r * (num_layers - check_layer - 1) / num_layers * t_plain
