@@ -87,6 +87,9 @@ remote_url = ""
 
 [ingest]
 index_dir = "{tmp_path / 'idx'}"
+
+[blend]
+min_recompute_tokens = 0  # two short documents: the default floor would recompute every token
 """)
     planted = plant_wrong_kv(tmp_path)
     planted_mtimes = [p.stat().st_mtime_ns for p in planted]

@@ -108,7 +108,8 @@ def test_llama_index_query_engine_and_llm(rag):
 def test_cli_ingest_then_ask_json(corpus, tmp_path):
     env = dict(os.environ, RAGCACHE_INGEST__INDEX_DIR=str(tmp_path / "idx"),
                RAGCACHE_STORE__SSD_CACHE_DIR=str(tmp_path / "kv"), RAGCACHE_ENGINE__MAX_TOKENS="16",
-               RAGCACHE_ENGINE__KV_CACHE_MEMORY_BYTES=str(1 << 30))
+               RAGCACHE_ENGINE__KV_CACHE_MEMORY_BYTES=str(1 << 30),
+               RAGCACHE_BLEND__MIN_RECOMPUTE_TOKENS="0")  # short documents: no recompute floor
     cli = [sys.executable, "-m", "app.cli"]
     r = subprocess.run(cli + ["ingest", str(corpus), "--index", "cli", "--quiet"], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=900)

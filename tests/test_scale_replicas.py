@@ -37,6 +37,7 @@ def replica_env(pg_url: str, redis_url: str, kv_dir) -> dict[str, str]:
         "RAGCACHE_STORE__SSD_CACHE_DIR": str(kv_dir), "RAGCACHE_STORE__CPU_KV_POOL_GB": "0.5",
         "RAGCACHE_ENGINE__MAX_MODEL_LEN": "2048", "RAGCACHE_ENGINE__KV_CACHE_MEMORY_BYTES": str(256 << 20),
         "RAGCACHE_ENGINE__MAX_TOKENS": "16",
+        "RAGCACHE_BLEND__MIN_RECOMPUTE_TOKENS": "0",  # short documents: the floor would recompute every token
     }
 
 

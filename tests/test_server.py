@@ -62,6 +62,7 @@ def served(tmp_path_factory):
         store={"ssd_cache_dir": str(root / "kv"), "remote_url": "", "cpu_kv_pool_gb": 1.0},
         engine={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 16},
         ingest={"index_dir": str(root / "idx")}, serve={"index": INDEX, "max_in_flight": 16},
+        blend={"min_recompute_tokens": 0},  # short documents: the default floor would recompute every token
     )
     assert Ingestor(settings, INDEX).ingest([docs]).chunks_added == len(DOCS)
     app = create_app(settings)

@@ -71,6 +71,7 @@ def ui_env(tmp_path_factory, engine_settings, engine):
         "RAGCACHE_STORE__CPU_KV_POOL_GB": str(engine_settings.store.cpu_kv_pool_gb),
         "RAGCACHE_ENGINE__KV_CACHE_MEMORY_BYTES": str(engine_settings.engine.kv_cache_memory_bytes),
         "RAGCACHE_ENGINE__MAX_TOKENS": str(engine_settings.engine.max_tokens),
+        "RAGCACHE_BLEND__MIN_RECOMPUTE_TOKENS": str(engine_settings.blend.min_recompute_tokens),
     }
     mp = pytest.MonkeyPatch()
     for key, value in env.items():
