@@ -146,8 +146,9 @@ class BlendSettings(_Section):
         "the reused KV (0 = only the layers up to the check layer; -1 = all)")
     question_heads: Literal["mean", "max"] = Field(
         "mean", description="question scores: each layer's attention from the question is pooled over the query heads "
-        "by mean, or by max (a token scores what its most attentive head gives it: better first-token KL on 6 of 7 QA "
-        "sets, but it concentrates the budget on a repeated name and the demo's heapq answer loops; docs/benchmarks.md)")
+        "by mean, or by max (a token scores what its most attentive head gives it: better first-token KL on 6 of 7 "
+        "QA sets, but it concentrates the budget on a repeated name and the demo's heapq answer loops; "
+        "docs/benchmarks.md)")
     pipeline_overlap: bool | Literal["auto"] = Field(
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "

@@ -245,7 +245,8 @@ def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_blend: str | No
                 and s["selection"] == blend["selection"]), None)
     plain = summaries.get(PLAIN)
     return {"variant": blend["variant"], "ratio": blend["recompute_ratio"],
-            "recomputed_frac": blend.get("recomputed_frac_mean"), "worker_s": blend["worker_s_median"], "worker_s_ratio_one": one["worker_s_median"] if one else None,
+            "recomputed_frac": blend.get("recomputed_frac_mean"), "worker_s": blend["worker_s_median"],
+            "worker_s_ratio_one": one["worker_s_median"] if one else None,
             "worker_s_reuse": summaries["reuse"]["worker_s_median"],
             "ttft_s_ratio_one": one["ttft_median_s"] if one else None,
             "ttft_s_plain": plain["ttft_median_s"] if plain else None,
@@ -260,9 +261,10 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int)
     median TTFT of plain vLLM's full prefill of the same prompts (what a user would run instead), r
     the share of context tokens the blend recomputed (mean over the examples: the ratio, or more where
     ``blend.min_recompute_tokens`` raised a short context's budget), c the check layer, L the layers
-    (the layers up to the check layer run for every token, the rest for the recomputed share) and t(reuse) reuse's median worker seconds (moving and writing the reused
-    KV). Adds ``floor_s``, ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own
-    ratio-1 path over plain's); each None when its inputs were not run.
+    (the layers up to the check layer run for every token, the rest for the recomputed share) and
+    t(reuse) reuse's median worker seconds (moving and writing the reused KV). Adds ``floor_s``,
+    ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own ratio-1 path over
+    plain's); each None when its inputs were not run.
     """
     if not stages:
         return stages

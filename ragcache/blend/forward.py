@@ -527,9 +527,9 @@ def blend_kv(
 
     Raises:
         ValueError: on empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``,
-            a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a ``check_layer`` outside ``[0, num_layers)``, an unknown
-            ``deviation``, a question-aware selection without ``tail_ids``, or ``load_layer``
-            returning tensors of the wrong shape.
+            a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a ``check_layer``
+            outside ``[0, num_layers)``, an unknown ``deviation``, a question-aware selection without
+            ``tail_ids``, or ``load_layer`` returning tensors of the wrong shape.
     """
     num_tokens = _check_positions(token_ids, positions)
     num_layers = ops.num_layers

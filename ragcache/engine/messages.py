@@ -60,8 +60,8 @@ class Rpc:
 
 
 #: the [blend] settings every reuse/blend request carries
-_BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "check_layer", "deviation", "selection", "chunk_head_tokens", "question_weight",
-                "max_chunk_share", "granule", "probe_layers", "question_heads", "pipeline_overlap"}
+_BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "check_layer", "deviation", "selection", "chunk_head_tokens",
+                "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads", "pipeline_overlap"}
 
 
 def _overlap(value: Any) -> bool | str:
