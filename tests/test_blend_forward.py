@@ -352,6 +352,39 @@ def test_prefetch_loads_layers_in_order_on_a_background_thread(tiny, tiny_contex
     assert calls == [(1, True), (2, True), (3, True)]
 
 
+def test_question_selection_loads_the_probed_layers_again_instead_of_keeping_them(tiny, tiny_context):
+    # The probe loads each layer once for the question's scores; the selective pass loads it again
+    # (holding every layer's moved KV made each request fault in that much fresh memory).
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    layers = list(range(ops.num_layers))
+    for check_layer, expected in ((0, layers + layers), (1, [1] + layers[2:] + layers[2:])):
+        for prefetch in (True, False):
+            calls = []
+
+            def load_layer(layer):
+                calls.append(layer)
+                return tiny_context.load_layer(layer)
+
+            kept = LayerCollector(ops.num_layers)
+            result = blend(ops, tiny_context.token_ids, tiny_context.positions, load_layer, recompute_ratio=0.2,
+                           check_layer=check_layer, selection=Selection("question"), tail_ids=TAIL,
+                           segment_starts=starts, exact=exact, on_layer=kept, prefetch=prefetch)
+            assert calls == expected, (check_layer, prefetch)
+            assert 0 < result.num_recomputed < tiny_context.token_ids.shape[0]
+    # with a probe limited to one layer after the check layer, only that one is loaded twice
+    calls = []
+
+    def load_counted(layer):
+        calls.append(layer)
+        return tiny_context.load_layer(layer)
+
+    blend(ops, tiny_context.token_ids, tiny_context.positions, load_counted, recompute_ratio=0.2, check_layer=1,
+          selection=Selection("question", probe_layers=1), tail_ids=TAIL, segment_starts=starts, exact=exact,
+          on_layer=LayerCollector(ops.num_layers), prefetch=False)
+    assert calls == [1, 2] + layers[2:]
+
+
 def test_blend_rejects_bad_arguments(tiny, tiny_context):
     _, ops = tiny
     ids, positions, load = tiny_context.token_ids, tiny_context.positions, tiny_context.load_layer

@@ -376,15 +376,14 @@ def _check_layer_kv(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Te
 
 def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: torch.Tensor,
                     loader: "_LayerLoader", move: Callable[[int, torch.Tensor], torch.Tensor],
-                    question: _QuestionScores, moved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+                    question: _QuestionScores) -> None:
     """The question tail alone through ``layers`` over the reused KV of the context (ProphetKV-style
-    scores fused over layers, ICML'26): each layer's cached K is loaded, moved to the context's
-    positions (``move(layer, k_pre)``) and kept in ``moved`` for the selective layers, so the probe
-    adds no context pass."""
+    scores fused over layers, ICML'26): each layer's cached K is loaded and moved to the context's
+    positions (``move(layer, k_pre)``); no context token is computed. The layers are not kept: the
+    selective pass loads them again (cheaper than holding every layer's KV, see :func:`blend_kv`)."""
     for layer in layers:
         k_pre, v_cached = loader.get(layer)
         k_moved = move(layer, k_pre)  # [N, Hkv, D]
-        moved[layer] = (k_moved, v_cached)
         q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         q_t, k_t = ops.rope(layer, ctx.tail_positions, q_t, k_t)
         attn = question.attend(q_t, k_moved, k_t, v_cached, v_t)  # [T, Hq, D]
@@ -467,8 +466,8 @@ def blend_kv(
        question's attention the tail then goes on alone through every later layer over the reused
        KV (moved to its positions) (:func:`_question_probe`), a probe as cheap as decoding T
        tokens; the scores are averaged over all layers (exact up to the check layer, over reused KV
-       after it), in the spirit of ProphetKV (ICML'26). The layers the probe loaded and moved are
-       kept for step 3. The tokens to recompute are chosen by :func:`_select` under ``selection``:
+       after it), in the spirit of ProphetKV (ICML'26). Step 3 loads and moves those layers again
+       rather than keeping them (the memory they held cost more in page faults). The tokens to recompute are chosen by :func:`_select` under ``selection``:
        by KV deviation (the fresh V, or K with ``deviation="key"``, against the cached one), by the
        attention the question tail gives each context token, or a hybrid, token by token or in
        runs (``selection.granule``). Only the selected tokens' attention and MLP are computed.
@@ -496,8 +495,10 @@ def blend_kv(
         token_ids: ``[N]`` int64 context token ids, in prompt order.
         positions: ``[N]`` int64 absolute positions of those tokens in the prompt (ascending).
         load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])`` cached KV of the context
-            (rows of forced tokens are ignored and may hold anything finite). Called once per
-            layer from ``check_layer`` on, in order; with ``prefetch`` from a background thread.
+            (rows of forced tokens are ignored and may hold anything finite). Called in this order:
+            the check layer (unless the fast path below skips it), the question probe's layers, then
+            every layer after the check layer (from layer 0 on the fast path), so a probed layer is
+            loaded twice; with ``prefetch`` from a background thread.
             The blend may write into the returned tensors: return tensors the caller owns.
         recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
         min_recompute_tokens: with a ratio above 0, recompute at least this many tokens (all N
@@ -549,11 +550,21 @@ def blend_kv(
     scores_matter = 0 < budget < num_tokens - num_forced
     use_tail = selection.needs_question and scores_matter
 
+    # Which layers the cached KV is loaded for, in order (see load_layer): the question probe's, then
+    # the selective layers' again. The probe's moved layers are not kept for the selective pass:
+    # holding every layer's K/V (~140 MB for 6k tokens of SmolLM2) made each request touch that much
+    # fresh memory, and the page faults cost more than loading and moving a layer twice.
+    fast_path = check_layer == 0 and not (selection.needs_deviation and scores_matter)
+    probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
+    probe_end = min(probe_end, num_layers)
+    probe_layers = range(0 if fast_path else check_layer + 1, probe_end) if use_tail else range(0)
+    selective_layers = range(0 if fast_path else check_layer + 1, num_layers)
+    plan = ([] if fast_path else [check_layer]) + list(probe_layers) + list(selective_layers)
+
     start = time.perf_counter()
     clock = _Stages()
     emit = _Timer(on_layer, clock, "cache_write_s")
-    with torch.inference_mode(), _LayerLoader(ops, load_layer, range(check_layer, num_layers), num_tokens,
-                                              prefetch, clock) as loader:
+    with torch.inference_mode(), _LayerLoader(ops, load_layer, plan, num_tokens, prefetch, clock) as loader:
         ctx = _Context(
             ids=token_ids.to(ops.device), positions=positions.to(ops.device),
             tail_ids=tail_ids.to(ops.device) if use_tail else None,
@@ -566,23 +577,18 @@ def blend_kv(
         question = _QuestionScores(ops.scaling, selection.question_heads) if use_tail else None
         move = _Timer(lambda layer, k_pre: move_keys(ops, layer, k_pre, ctx.positions), clock, "move_keys_s")
 
-        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (moved K, V), loaded by the probe
-        probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
-        probe_end = min(probe_end, num_layers)
-        if check_layer == 0 and not (selection.needs_deviation and scores_matter):
+        if fast_path:
             # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
             # positions is layer 0's fresh KV: no context token is computed in full; the question tail
             # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
             if question is not None:
                 with clock("question_probe_s"):
-                    _question_probe(ops, range(0, probe_end), ctx, ops.embed(ctx.tail_ids), loader, move, question,
-                                    moved)
+                    _question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move, question)
             with clock("select_s"):
                 selected = _select(ops, 0, ctx, budget, selection, deviation, segment_starts, None, None, question,
                                    scores_matter)  # [n]
             with clock("selective_layers_s"):
                 hidden = ops.embed(ctx.ids[selected])  # [n, hidden]
-            first_selective = 0
         else:
             # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
             with clock("full_layers_s"):
@@ -595,8 +601,7 @@ def blend_kv(
             k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
             if question is not None:
                 with clock("question_probe_s"):
-                    _question_probe(ops, range(check_layer + 1, probe_end), ctx, hidden_tail, loader, move, question,
-                                    moved)
+                    _question_probe(ops, probe_layers, ctx, hidden_tail, loader, move, question)
             with clock("select_s"):
                 selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
                                    (k_pre_cached, v_cached), question, scores_matter)  # [n]
@@ -605,14 +610,10 @@ def blend_kv(
                 if selected.numel() > 0 and check_layer < num_layers - 1:
                     hidden = ops.finish_layer(check_layer, hidden[:ctx.n][selected],
                                               attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
-            first_selective = check_layer + 1
         with clock("selective_layers_s"):
-            for layer in range(first_selective, num_layers):
-                if layer in moved:
-                    k_all, v_all = moved.pop(layer)
-                else:
-                    k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
-                    k_all = move(layer, k_pre)
+            for layer in selective_layers:
+                k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
+                k_all = move(layer, k_pre)
                 if selected.numel() > 0:
                     hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend)
                 else:
