@@ -467,10 +467,11 @@ def blend_kv(
        KV (moved to its positions) (:func:`_question_probe`), a probe as cheap as decoding T
        tokens; the scores are averaged over all layers (exact up to the check layer, over reused KV
        after it), in the spirit of ProphetKV (ICML'26). Step 3 loads and moves those layers again
-       rather than keeping them (the memory they held cost more in page faults). The tokens to recompute are chosen by :func:`_select` under ``selection``:
-       by KV deviation (the fresh V, or K with ``deviation="key"``, against the cached one), by the
-       attention the question tail gives each context token, or a hybrid, token by token or in
-       runs (``selection.granule``). Only the selected tokens' attention and MLP are computed.
+       rather than keeping them (the memory they held cost more in page faults). The tokens to
+       recompute are chosen by :func:`_select` under ``selection``: by KV deviation (the fresh V,
+       or K with ``deviation="key"``, against the cached one), by the attention the question tail
+       gives each context token, or a hybrid, token by token or in runs (``selection.granule``).
+       Only the selected tokens' attention and MLP are computed.
     3. Layers ``check_layer + 1 ..`` (:func:`_selective_layer`): only the selected tokens go
        forward. K = cached K moved to ``positions`` with the selected rows replaced by their fresh
        K, V likewise; the selected queries attend over all N keys with the exact causal mask by
