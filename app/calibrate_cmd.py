@@ -127,13 +127,17 @@ def run(args: argparse.Namespace) -> int:
 
 def print_calibration(cal) -> None:
     """The calibration's table (one row per ratio, with its speedup over full prefill) and its verdict."""
-    print(f"{'ratio':>6} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} {'TTFT med (s)':>13} "
-          f"{'speedup':>8} {'meets':>6}")
+    print(f"{'ratio':>6} {'recomputed':>11} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} "
+          f"{'TTFT med (s)':>13} {'speedup':>8} {'meets':>6}")
     for s in cal.scores:
         nll = f"{100 * s.answer_nll_rel:+.1f}%" if s.answer_nll_rel is not None else "-"
         speed = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
-        print(f"{s.ratio:>6g} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% {s.ttft_median_s:>13.3f} "
-              f"{speed:>8} {'yes' if s.meets else 'no':>6}")
+        share = f"{100 * s.recomputed_share:.1f}%" if s.recomputed_share is not None else "-"
+        print(f"{s.ratio:>6g} {share:>11} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% "
+              f"{s.ttft_median_s:>13.3f} {speed:>8} {'yes' if s.meets else 'no':>6}")
+    if any(s.raised_by_floor for s in cal.scores):
+        print("recomputed: the share of each context actually recomputed; above the ratio where "
+              "blend.min_recompute_tokens raised a short context's budget (ratios below it recompute the same tokens)")
     print(f"full prefill: TTFT median {cal.full_ttft_median_s:.3f} s, loops {100 * cal.full_loop_share:.0f}%, over "
           f"{cal.n} {cal.source}; targets: KL <= {cal.max_kl:g}, answer NLL <= +{100 * cal.max_nll_rel:g}%, "
           f"speedup >= {cal.min_speedup:g}x")

@@ -137,6 +137,7 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     nlls: dict[float, list[float]] = {r: [] for r in ratios}
     ttfts: dict[float, list[float]] = {r: [] for r in ratios}
     loops: dict[float, list[float]] = {r: [] for r in ratios}
+    shares: dict[float, list[float]] = {r: [] for r in ratios}
     full_nlls: list[float] = []
     full_ttfts: list[float] = []
     full_loops: list[float] = []
@@ -153,6 +154,8 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
             kls[r].append(kl_divergence(full.first_token_logprobs or {}, g.first_token_logprobs or {}))
             ttfts[r].append(g.metrics.ttft_s)
             loops[r].append(float(g.metrics.repetition_loop))
+            if g.metrics.ctx_tokens:
+                shares[r].append(g.metrics.recomputed_tokens / g.metrics.ctx_tokens)
             if answer:
                 nlls[r].append(mean_nll(engine.continuation_logprobs(prompt, answer, blend)))
         if progress is not None:
@@ -168,14 +171,19 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         loop = float(_mean(loops[r]) or 0.0)
         ttft = _median(ttfts[r])
         speedup = round(full_ttft / ttft, 3) if ttft > 0 else None
+        share = _mean(shares[r])
         good = kl <= max_kl and (nll_rel is None or nll_rel <= max_nll_rel) and loop <= full_loop
         scores.append(RatioScore(ratio=r, kl_mean=round(kl, 5), answer_nll_rel=nll_rel, ttft_median_s=round(ttft, 4),
                                  meets=good and speedup is not None and speedup >= min_speedup,
-                                 loop_share=round(loop, 4), speedup=speedup, good=good))
+                                 loop_share=round(loop, 4), speedup=speedup, good=good,
+                                 recomputed_share=None if share is None else round(share, 4)))
     best = next((s for s in scores if s.meets), None)
     if best is not None:
         recommendation, reason = "blend", (f"blend at ratio {best.ratio:g} answers like full prefill (KL "
                                            f"{best.kl_mean:.3g} <= {max_kl:g}) {best.speedup:.1f}x sooner")
+        if best.raised_by_floor:
+            reason += (f", recomputing {100 * best.recomputed_share:.0f}% of these contexts (blend.min_recompute_tokens "
+                       f"raises a short context's budget above the ratio)")
     else:
         good_ones = [s for s in scores if s.good]
         if good_ones:

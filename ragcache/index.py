@@ -366,6 +366,10 @@ class RatioScore:
         loop_share: share of blend's answers with a repetition loop.
         speedup: median full-prefill TTFT / median blend TTFT of the same prompts.
         good: the quality targets are met (KL, answer NLL, loops no more often than full's).
+        recomputed_share: mean share of the context's tokens the blend actually recomputed: above
+            ``ratio`` where ``blend.min_recompute_tokens`` raised a short context's budget (then
+            ratios below it recompute the same tokens), and by the rounding to runs of
+            ``blend.granule`` tokens; None in records written before it was measured.
     """
 
     ratio: float
@@ -376,6 +380,14 @@ class RatioScore:
     loop_share: float = 0.0
     speedup: float | None = None
     good: bool | None = None
+    recomputed_share: float | None = None
+
+    @property
+    def raised_by_floor(self) -> bool:
+        """The share recomputed exceeds the ratio by more than 2 points: ``blend.min_recompute_tokens``
+        raised the budget (runs of ``blend.granule`` tokens and forced tokens add less on 1k+ token
+        contexts). Ratios raised to the same floor recompute the same tokens."""
+        return self.recomputed_share is not None and self.recomputed_share > self.ratio + 0.02
 
 
 @dataclass

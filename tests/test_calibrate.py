@@ -31,6 +31,29 @@ def test_calibration_round_trips_per_model_and_selection(tmp_path):
     assert read_calibration(tmp_path, "fp", "question") is None  # unreadable: ignored with a warning
 
 
+def test_the_recomputed_share_is_kept_and_shows_when_the_floor_raised_a_ratio(tmp_path, capsys):
+    from app.calibrate_cmd import print_calibration
+
+    scores = [RatioScore(0.05, 0.09, 0.2, 0.8, False, speedup=2.9, good=False, recomputed_share=0.182),
+              RatioScore(0.15, 0.09, 0.2, 0.8, False, speedup=2.9, good=False, recomputed_share=0.182),
+              RatioScore(0.3, 0.03, 0.04, 1.1, True, speedup=2.1, good=True, recomputed_share=0.301)]
+    record = Calibration(ratio=0.3, max_kl=0.05, selection="question", model_fingerprint="fp", n=3, source="probes",
+                         full_ttft_median_s=2.3, scores=scores, created="now")
+    write_calibration(tmp_path, record)
+    assert read_calibration(tmp_path, "fp", "question") == record
+    assert [s.raised_by_floor for s in scores] == [True, True, False]
+    assert not RatioScore(0.1, 0.1, None, 1.0, False).raised_by_floor  # a record from before the field: unknown
+    print_calibration(record)
+    out = capsys.readouterr().out
+    assert "recomputed" in out.splitlines()[0]
+    assert [line.split()[1] for line in out.splitlines()[1:4]] == ["18.2%", "18.2%", "30.1%"]
+    assert "blend.min_recompute_tokens raised" in out
+    capsys.readouterr()
+    print_calibration(cal("fp", 0.1))  # no share recorded: a dash, no floor line
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[1] == "-" and "min_recompute_tokens" not in out
+
+
 def test_probe_questions_are_seeded_and_about_the_chunks():
     chunks = [chunk(f"Passage {i} tells of the river number {i} and its bridges.") for i in range(10)]
     a, b = probe_questions(chunks, 4, seed=1), probe_questions(chunks, 4, seed=1)
@@ -92,6 +115,7 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     assert [s.ratio for s in result.scores] == [0.5, 1.0]
     assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].good and result.scores[-1].meets  # ratio 1 = full
     assert result.recommendation == "blend" and all(s.speedup > 0 for s in result.scores)
+    assert result.scores[-1].recomputed_share == 1.0 and 0.4 <= result.scores[0].recomputed_share < 1.0
     slow = calibrate(rag, questions, ratios=(1.0,), max_kl=1e-3, max_tokens=4, min_speedup=2.0)
     assert slow.scores[0].good and not slow.scores[0].meets  # as good as full, but not 2x faster
     assert slow.ratio is None and slow.recommendation == "full" and "faster than full prefill" in slow.reason
