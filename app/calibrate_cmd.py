@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(asdict(cal), indent=2))
         return 0
-    print_calibration(cal)
+    print_calibration(cal, rag.settings.blend.min_recompute_tokens)
     if cal.ratio is None:
         print(f"recorded in {path}; with blend.recompute_ratio = \"auto\" queries use blend.fallback_ratio")
     else:
@@ -125,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_calibration(cal) -> None:
-    """The calibration's table (one row per ratio, with its speedup over full prefill) and its verdict."""
+def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
+    """The calibration's table (one row per ratio, with its speedup over full prefill) and its verdict;
+    ``min_recompute_tokens`` (``blend.min_recompute_tokens``), when given, is named where it raised a ratio."""
     print(f"{'ratio':>6} {'recomputed':>11} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} "
           f"{'TTFT med (s)':>13} {'speedup':>8} {'meets':>6}")
     for s in cal.scores:
@@ -136,8 +137,9 @@ def print_calibration(cal) -> None:
         print(f"{s.ratio:>6g} {share:>11} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% "
               f"{s.ttft_median_s:>13.3f} {speed:>8} {'yes' if s.meets else 'no':>6}")
     if any(s.raised_by_floor for s in cal.scores):
-        print("recomputed: the share of each context actually recomputed; above the ratio where "
-              "blend.min_recompute_tokens raised a short context's budget (ratios below it recompute the same tokens)")
+        floor = f" ({min_recompute_tokens} tokens)" if min_recompute_tokens is not None else ""
+        print(f"recomputed: the share of each context actually recomputed. Where it exceeds the ratio, "
+              f"blend.min_recompute_tokens{floor} set a floor: every ratio below that floor recomputes the same tokens")
     print(f"full prefill: TTFT median {cal.full_ttft_median_s:.3f} s, loops {100 * cal.full_loop_share:.0f}%, over "
           f"{cal.n} {cal.source}; targets: KL <= {cal.max_kl:g}, answer NLL <= +{100 * cal.max_nll_rel:g}%, "
           f"speedup >= {cal.min_speedup:g}x")

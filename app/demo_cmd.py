@@ -74,7 +74,7 @@ def _calibrate(rag) -> bool:
     the calibrated ratio, or ``blend.fallback_ratio`` when no ratio was good enough and faster.
     Returns whether it calibrated now (False: the index's calibration was read)."""
     from app.calibrate_cmd import print_calibration
-    from ragcache.calibrate import calibrate, probe_questions, write_calibration
+    from ragcache.calibrate import DEFAULT_RATIOS, calibrate, probe_questions, write_calibration
     from ragcache.index import readable_path
 
     cal = rag.calibration()
@@ -85,7 +85,10 @@ def _calibrate(rag) -> bool:
         cal = calibrate(rag, probe_questions(list(rag.retriever.index.chunks()), CALIBRATION_PROBES),
                         ratios=CALIBRATION_RATIOS, max_tokens=16)
         write_calibration(readable_path(rag.index_path), cal)
-    print_calibration(cal)
+    print_calibration(cal, rag.settings.blend.min_recompute_tokens)
+    if calibrated_now and cal.recommendation == "full":
+        print(f"(the demo tries ratios {', '.join(f'{r:g}' for r in CALIBRATION_RATIOS)} only; `ragcache calibrate "
+              f"--index {rag.index_name}` tries {min(DEFAULT_RATIOS):g} to {max(DEFAULT_RATIOS):g})")
     rag.settings.blend.recompute_ratio = "auto"
     return calibrated_now
 

@@ -43,11 +43,11 @@ def test_the_recomputed_share_is_kept_and_shows_when_the_floor_raised_a_ratio(tm
     assert read_calibration(tmp_path, "fp", "question") == record
     assert [s.raised_by_floor for s in scores] == [True, True, False]
     assert not RatioScore(0.1, 0.1, None, 1.0, False).raised_by_floor  # a record from before the field: unknown
-    print_calibration(record)
+    print_calibration(record, 384)
     out = capsys.readouterr().out
     assert "recomputed" in out.splitlines()[0]
     assert [line.split()[1] for line in out.splitlines()[1:4]] == ["18.2%", "18.2%", "30.1%"]
-    assert "blend.min_recompute_tokens raised" in out
+    assert "blend.min_recompute_tokens (384 tokens) set a floor" in out
     capsys.readouterr()
     print_calibration(cal("fp", 0.1))  # no share recorded: a dash, no floor line
     out = capsys.readouterr().out
