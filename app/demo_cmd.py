@@ -79,16 +79,17 @@ def _calibrate(rag) -> bool:
 
     cal = rag.calibration()
     calibrated_now = cal is None
+    ratios = ", ".join(f"{r:g}" for r in CALIBRATION_RATIOS)
     if cal is None:
-        print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend at ratios "
-              f"{', '.join(f'{r:g}' for r in CALIBRATION_RATIOS)} against full prefill", flush=True)
+        print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend at ratios {ratios} against "
+              f"full prefill", flush=True)
         cal = calibrate(rag, probe_questions(list(rag.retriever.index.chunks()), CALIBRATION_PROBES),
                         ratios=CALIBRATION_RATIOS, max_tokens=16)
         write_calibration(readable_path(rag.index_path), cal)
     print_calibration(cal, rag.settings.blend.min_recompute_tokens)
     if calibrated_now and cal.recommendation == "full":
-        print(f"(the demo tries ratios {', '.join(f'{r:g}' for r in CALIBRATION_RATIOS)} only; `ragcache calibrate "
-              f"--index {rag.index_name}` tries {min(DEFAULT_RATIOS):g} to {max(DEFAULT_RATIOS):g})")
+        print(f"(the demo tries ratios {ratios} only; `ragcache calibrate --index {rag.index_name}` tries "
+              f"{min(DEFAULT_RATIOS):g} to {max(DEFAULT_RATIOS):g})")
     rag.settings.blend.recompute_ratio = "auto"
     return calibrated_now
 

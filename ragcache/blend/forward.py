@@ -553,8 +553,9 @@ def blend_kv(
 
     # Which layers the cached KV is loaded for, in order (see load_layer): the question probe's, then
     # the selective layers' again. The probe's moved layers are not kept for the selective pass:
-    # holding every layer's K/V (~140 MB for 6k tokens of SmolLM2) made each request touch that much
-    # fresh memory, and the page faults cost more than loading and moving a layer twice.
+    # holding every layer's K/V (~140 MB for 6k tokens of SmolLM2) made a request touch that much
+    # fresh memory whenever the heap had no room for it (e.g. the first blend after an ingest), and
+    # those page faults cost more than loading and moving a layer twice (docs/benchmarks.md).
     fast_path = check_layer == 0 and not (selection.needs_deviation and scores_matter)
     probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
     probe_end = min(probe_end, num_layers)
