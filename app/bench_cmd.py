@@ -76,13 +76,12 @@ _modes = _choices(MODES, "modes")
 _bench_modes = _choices(BENCH_MODES, "modes")
 def _selections(text: str) -> list[str]:
     """An argparse type: comma-separated selection specs, ``strategy`` or ``strategy/granule``."""
-    from ragcache.engine.messages import parse_selection
+    from ragcache.options import SelectionSpec
 
     vals = [x.strip() for x in text.split(",") if x.strip()]
     try:
-        ok = bool(vals) and all(parse_selection(v)[0] in SELECTIONS and (parse_selection(v)[1] or 1) >= 1
-                                for v in vals)
-    except ValueError:
+        ok = bool(vals) and all(SelectionSpec.parse(v) is not None for v in vals)
+    except ValueError:  # pydantic's ValidationError included: an unknown strategy, a granule out of range
         ok = False
     if not ok:
         raise argparse.ArgumentTypeError(f"selections must be some of {','.join(SELECTIONS)}, each optionally with "

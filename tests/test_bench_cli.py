@@ -45,6 +45,12 @@ def test_bench_help_shows_list_defaults_as_typed_and_no_empty_defaults(capsys):
     args = parser.parse_args(["bench", "ttft"])
     assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend", "plain"]
     assert args.selections is None  # blend.selection
+    args = parser.parse_args(["bench", "ttft", "--selections", "question/1, question/16,deviation"])
+    assert args.selections == ["question/1", "question/16", "deviation"]
+    for bad in ("question/0", "question/x", "attention", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "ttft", "--selections", bad])
+        assert "selections must be some of" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "tiers", "--help"])
     assert ".png" not in capsys.readouterr().out
