@@ -1,7 +1,8 @@
 """The layout's rules, read from the code's own imports (every import, inside functions and under
 TYPE_CHECKING too): no import cycle between ragcache's modules, data flowing one way (app/ui ->
 pipeline -> retrieval, engine -> blend, kvstore), the SDK never importing app/ or ui/, blend/ never
-importing vLLM and no module of the core importing bench/. No model, no engine."""
+importing vLLM and no module of the core importing bench/; and every project import naming something
+that exists. No model, no engine."""
 
 from __future__ import annotations
 
@@ -111,3 +112,24 @@ def test_blend_never_imports_vllm():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 assert not any(n.split(".")[0] == "vllm" for n in names), path
+
+
+def test_every_project_import_names_something_that_exists():
+    """A ``from ragcache.x import name`` inside a function runs only when that path runs (a CLI flag's
+    parser, an error branch): each one must still resolve, so a rename cannot leave a flag that dies
+    with ImportError (``bench ttft --selections`` did)."""
+    import importlib
+    import importlib.util
+
+    missing = []
+    for path in _files().values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                    and node.module.split(".")[0] in ("ragcache", "app", "ui")):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if alias.name != "*" and not hasattr(module, alias.name) and \
+                        importlib.util.find_spec(f"{node.module}.{alias.name}") is None:
+                    missing.append(f"{path.relative_to(REPO)}:{node.lineno} from {node.module} import {alias.name}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
