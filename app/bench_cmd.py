@@ -79,10 +79,12 @@ def _selections(text: str) -> list[str]:
     from ragcache.options import SelectionSpec
 
     vals = [x.strip() for x in text.split(",") if x.strip()]
-    try:
-        ok = bool(vals) and all(SelectionSpec.parse(v) is not None for v in vals)
-    except ValueError:  # pydantic's ValidationError included: an unknown strategy, a granule out of range
-        ok = False
+    ok = bool(vals)
+    for v in vals:
+        try:
+            SelectionSpec.parse(v)
+        except ValueError:  # pydantic's ValidationError included: an unknown strategy, a granule out of range
+            ok = False
     if not ok:
         raise argparse.ArgumentTypeError(f"selections must be some of {','.join(SELECTIONS)}, each optionally with "
                                          f"/GRANULE (e.g. question/16); got {text!r}")
