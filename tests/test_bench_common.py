@@ -55,3 +55,18 @@ def test_the_compute_floor_counts_the_tokens_the_blend_recomputed_not_the_nomina
     nominal = with_floor({**stages, "recomputed_frac": None}, check_layer=0, num_layers=30)
     assert nominal["floor_s"] == pytest.approx(1 / 30 * 3.0 + 0.15 * 29 / 30 * 3.0 + 0.1, abs=1e-3)
     assert got["worker_vs_floor"] < nominal["worker_vs_floor"]
+
+
+def test_the_main_blend_is_the_settings_selection_else_the_first_at_the_default_ratio():
+    from ragcache.bench.common import main_blend
+
+    def name(selections, ratios=(0.3,)):
+        v = main_blend(make_variants(["blend"], list(ratios), 0.15, selections, "question"), 0.15, "question", 8)
+        return v.name if v is not None else None
+
+    assert name([]) == "blend@0.15"
+    assert name(["question/1", "question/8", "question/16"]) == "blend:question/8@0.15"  # the settings' granule
+    assert name(["deviation", "question"]) == "blend:question@0.15"
+    assert name(["question/1", "question/16"]) == "blend:question/1@0.15"  # none is the settings': the first
+    assert name(["deviation/8"]) == "blend:deviation/8@0.15"
+    assert main_blend(make_variants(["reuse"], [], 0.15), 0.15, "question", 8) is None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from ragcache.bench.metrics import rounded
 from ragcache.chunks import Chunk
 from ragcache.config import MODES, SELECTIONS
-from ragcache.options import QueryOptions, QueryOptionsError
+from ragcache.options import QueryOptions, QueryOptionsError, SelectionSpec
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
@@ -127,6 +127,20 @@ def make_variants(modes: Sequence[str], ratios: Sequence[float], default_ratio: 
         else:
             out.append(Variant(m, m))
     return out
+
+
+def main_blend(variants: Sequence[Variant], default_ratio: float, selection: str, granule: int) -> Variant | None:
+    """The blend variant a run reports as "blend" (the main table, the stage table, the targets): at
+    ``default_ratio``, the one that selects as the settings do (``selection`` with runs of
+    ``granule``: ``question``, ``question/8``), else the first at that ratio (a run of other
+    selections only, e.g. ``--selections deviation`` or ``question/1,question/16``); None without
+    blend variants at that ratio."""
+    at_ratio = [v for v in variants if v.mode == "blend" and v.ratio == default_ratio]
+    for v in at_ratio:
+        spec = SelectionSpec.parse(v.selection) if v.selection else None
+        if spec is None or (spec.strategy == selection and (spec.granule or granule) == granule):
+            return v
+    return at_ratio[0] if at_ratio else None
 
 
 def rotated(items: Sequence[Any], k: int) -> list[Any]:

@@ -69,7 +69,7 @@ def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
     if "reuse" in result["modes"]:
         sweep.insert(0, row("reuse", result["modes"]["reuse"]))
     out = [(f"TTFT and quality by mode (n={result['n']}, {result['passages']} passages; 'vs best' = "
-            f"min(TTFT full, TTFT plain vLLM) / TTFT)", h, main)]
+            f"min(TTFT full, TTFT plain vLLM) / TTFT; speedups are medians of per-example ratios)", h, main)]
     if len(result["sweep"]) > 1:
         out.append(("recompute-ratio sweep (blend, per selection strategy)", h, sweep))
     st = result.get("stages")

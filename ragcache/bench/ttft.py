@@ -12,8 +12,8 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ragcache.bench.common import (
-    PLAIN, TARGETS, Checkpoint, Progress, Variant, answer_ids, make_variants, ratio_name, request_record, rotated,
-    speedup, target, warm_prefix_cache, warm_up,
+    PLAIN, TARGETS, Checkpoint, Progress, Variant, answer_ids, main_blend, make_variants, ratio_name, request_record,
+    rotated, speedup, target, warm_prefix_cache, warm_up,
 )
 from ragcache.bench.plain import PlainVLLM
 from ragcache.bench.datasets import QAExample, make_chunks
@@ -22,7 +22,7 @@ from ragcache.bench.metrics import (
 )
 from ragcache.config import MODES
 from ragcache.models import num_hidden_layers
-from ragcache.options import QueryOptions
+from ragcache.options import QueryOptions, SelectionSpec
 
 #: how the exact modes' NLL is scored (vLLM's prefix cache over full prefill's KV)
 EXACT = QueryOptions(mode="prefix")
@@ -63,16 +63,18 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     blend_settings = engine.settings.blend
     default_ratio = blend_settings.recompute_ratio if default_ratio is None else default_ratio
     variants = make_variants(modes, ratios, default_ratio, selections, blend_settings.selection)
-    main_blend = next((v.name for v in variants if v.mode == "blend" and v.ratio == default_ratio
-                       and v.selection in (None, blend_settings.selection)), None)
+    main = main_blend(variants, default_ratio, blend_settings.selection, blend_settings.granule)
+    main_name = main.name if main is not None else None
     plain = PlainVLLM.like(engine) if any(v.mode == PLAIN for v in variants) else None
     records: list[dict[str, Any]] = []
     t_start = time.perf_counter()
 
-    layers = (blend_settings.resolved_check_layer, num_hidden_layers(engine.llm_info.path))
+    main_strategy = SelectionSpec.parse(main.selection).strategy if main is not None and main.selection else None
+    layers = (blend_settings.check_layer_for(main_strategy or blend_settings.selection),
+              num_hidden_layers(engine.llm_info.path))
 
     def result(partial: bool = False) -> dict[str, Any]:
-        out = _ttft_result(variants, records, default_ratio, main_blend, passages, max_tokens, prefix_warmup,
+        out = _ttft_result(variants, records, default_ratio, main_name, passages, max_tokens, prefix_warmup,
                            time.perf_counter() - t_start, layers)
         return {**out, "partial": True} if partial else out
 
