@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 from app.help import HelpFormatter
 from ragcache.bench.common import BENCH_MODES
-from ragcache.config import MODES, SELECTIONS
+from ragcache.config import GRANULE_MAX, MODES, SELECTIONS
 
 _FMT = HelpFormatter
 
@@ -87,7 +87,8 @@ def _selections(text: str) -> list[str]:
             ok = False
     if not ok:
         raise argparse.ArgumentTypeError(f"selections must be some of {','.join(SELECTIONS)}, each optionally with "
-                                         f"/GRANULE (e.g. question/16); got {text!r}")
+                                         f"/GRANULE, a whole number of tokens in [1, {GRANULE_MAX}] "
+                                         f"(e.g. question/16); got {text!r}")
     return vals
 
 

@@ -46,7 +46,9 @@ SELECTIONS: tuple[str, ...] = get_args(SelectionName)
 Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=1, le=100)]
 MaxTokens = Annotated[int, Field(ge=1)]
-Granule = Annotated[int, Field(ge=1, le=256)]
+#: the longest run of recomputed tokens ``blend.granule`` (and a request's ``strategy/granule``) may ask for
+GRANULE_MAX = 256
+Granule = Annotated[int, Field(ge=1, le=GRANULE_MAX)]
 
 
 class ConfigError(ValueError):
