@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ragcache.index import CALIBRATION, Calibration, RatioScore, read_calibration, write_calibration
 from ragcache.options import QueryOptions, QueryOptionsError
-from ragcache.quality import kl_divergence, mean_nll
+from ragcache.quality import kl_divergence, mean_nll, rotated
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk
@@ -111,7 +111,9 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     Per question: retrieval as in a real query, one full-prefill request (greedy answer of
     ``max_tokens`` tokens, first-token distribution over the whole vocabulary), then per ratio one
     blend request (its answer and first-token distribution) and one teacher-forced score of full's
-    answer. ``progress`` is called with 1 after every question.
+    answer, the ratios in an order rotated per question (:func:`~ragcache.quality.rotated`: the
+    first blend of a prompt reads its chunks from the slowest tier they are in, so a fixed order
+    made the smallest ratio look slowest). ``progress`` is called with 1 after every question.
 
     Returns:
         the :class:`Calibration` (not yet written; see :func:`write_calibration`).
@@ -141,7 +143,7 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     full_nlls: list[float] = []
     full_ttfts: list[float] = []
     full_loops: list[float] = []
-    for q in questions:
+    for i, q in enumerate(questions):
         prompt = engine.prompts.build(q, [r.chunk for r in rag.retrieve(q)], namespace=rag.namespace)
         full = engine.generate(prompt, full_opts, logprobs=-1)
         full_ttfts.append(full.metrics.ttft_s)
@@ -149,7 +151,8 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         answer = full.token_ids
         if answer:
             full_nlls.append(mean_nll(engine.continuation_logprobs(prompt, answer, EXACT)))
-        for r, blend in blends.items():
+        for r in rotated(ratios, i):  # each ratio is the prompt's first KV read equally often (quality.rotated)
+            blend = blends[r]
             g = engine.generate(prompt, blend, logprobs=-1)
             kls[r].append(kl_divergence(full.first_token_logprobs or {}, g.first_token_logprobs or {}))
             ttfts[r].append(g.metrics.ttft_s)

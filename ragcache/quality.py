@@ -1,14 +1,16 @@
 """Answer-quality measures the engine, the pipeline, calibration and the benchmarks share.
 
 Owns: :func:`kl_divergence` (first-token distributions), :func:`mean_nll` (teacher-forced
-likelihood) and :func:`repetition_loop` (a degenerate answer: a phrase repeated over and over).
-Imports nothing from ragcache, so every layer may use it (bench/ re-exports the first two).
+likelihood) and :func:`repetition_loop` (a degenerate answer: a phrase repeated over and over);
+and :func:`rotated`, the order a measurement asks its variants in. Imports nothing from ragcache,
+so every layer may use it (bench/ re-exports them).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 #: a loop is an n-gram of at least LOOP_MIN_NGRAM tokens repeated LOOP_MIN_REPEATS times in a row
 LOOP_MIN_NGRAM = 2
@@ -73,3 +75,18 @@ def repetition_loop(token_ids: Sequence[int], min_ngram: int = LOOP_MIN_NGRAM,
             if all(ids[start + r * n:start + (r + 1) * n] == unit for r in range(1, min_repeats)):
                 return True
     return False
+
+
+def rotated(items: Sequence[Any], k: int) -> list[Any]:
+    """``items`` rotated left by ``k`` (mod length): prompt k asks the variants in this order.
+
+    Timing every variant in the same order biases the comparison: the first request of a prompt
+    that reads its chunks' KV pays the slower tier they sit in (the disk tier, in a process that has
+    not read them yet) and promotes them, the next ones read RAM (demo index, 8 probes, a fresh
+    process: the first blend of each prompt 0.506 s median, the same blend again 0.442 s; with the
+    chunks already in RAM, 0.443 vs 0.431 s). Rotating gives each variant each place equally often.
+    """
+    if not items:
+        return []
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])

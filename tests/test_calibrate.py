@@ -90,7 +90,7 @@ def test_an_unknown_selection_is_a_named_error_before_the_engine_starts(capsys, 
 
 
 @pytest.mark.integration
-def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, tmp_path):
+def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, tmp_path, monkeypatch):
     from ragcache.calibrate import calibrate
     from ragcache.pipeline import RAGPipeline
 
@@ -110,8 +110,19 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     assert (before.metrics.recompute_ratio, before.metrics.ratio_source) == (0.25, "fallback")
 
     questions = probe_questions(list(rag.retriever.index.chunks()), 2)
+    asked = []  # the blend requests' ratios, in the order the engine got them
+    generate = engine.generate
+
+    def recording(prompt, options, **kw):
+        if options.mode == "blend":
+            asked.append(options.recompute_ratio)
+        return generate(prompt, options, **kw)
+
+    monkeypatch.setattr(engine, "generate", recording)
     # three one-line documents: blend cannot be much faster than full prefill, so no speed target here
     result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=1e-3, max_tokens=4, min_speedup=0.01)
+    assert asked == [0.5, 1.0, 1.0, 0.5]  # rotated per question: no ratio is always a prompt's first KV read
+    monkeypatch.undo()
     assert [s.ratio for s in result.scores] == [0.5, 1.0]
     assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].good and result.scores[-1].meets  # ratio 1 = full
     assert result.recommendation == "blend" and all(s.speedup > 0 for s in result.scores)

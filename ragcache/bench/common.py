@@ -18,6 +18,7 @@ from ragcache.bench.metrics import rounded
 from ragcache.chunks import Chunk
 from ragcache.config import MODES, SELECTIONS
 from ragcache.options import QueryOptions, QueryOptionsError, SelectionSpec
+from ragcache.quality import rotated  # noqa: F401 (the benchmarks import it from here)
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
@@ -141,14 +142,6 @@ def main_blend(variants: Sequence[Variant], default_ratio: float, selection: str
         if spec is None or (spec.strategy == selection and (spec.granule or granule) == granule):
             return v
     return at_ratio[0] if at_ratio else None
-
-
-def rotated(items: Sequence[Any], k: int) -> list[Any]:
-    """``items`` rotated left by ``k`` (mod length): example k asks the modes in this order."""
-    if not items:
-        return []
-    k %= len(items)
-    return list(items[k:]) + list(items[:k])
 
 
 def warm_up(engine: "BlendEngine", chunks: Sequence[Chunk], modes: Sequence[str] = ("full", "blend")) -> None:
