@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from ragcache.bench.common import BenchConfigError, make_variants, request_record, rotated, speedup
+from ragcache.bench.common import BenchConfigError, make_variants, request_record, speedup
 from ragcache.engine import Generation, RequestMetrics
+from ragcache.quality import rotated
 
 
 def test_variants_put_full_first_and_expand_blend_per_ratio():

@@ -1,8 +1,8 @@
 """What several benchmark runners share: variants, their order, warm-ups, records and targets.
 
 Owns: :class:`Variant` (a way of answering, as data: a mode and, for ``blend``, its recompute
-ratio) and :func:`make_variants`; the rotated per-example order; the untimed warm-ups (engine
-start-up costs, vLLM's prefix cache for ``prefix``); gold-answer token ids; the per-request record
+ratio), :func:`make_variants` and :func:`main_blend`; the untimed warm-ups (engine start-up
+costs, vLLM's prefix cache for ``prefix``); gold-answer token ids; the per-request record
 (:class:`~ragcache.engine.messages.RequestMetrics` as plain data, plus the answer); the targets
 the results are judged by; the error for invalid benchmark parameters. Runners call the engine's
 public methods only. Imports ragcache.chunks/config; the engine only for type checking; never
@@ -18,7 +18,6 @@ from ragcache.bench.metrics import rounded
 from ragcache.chunks import Chunk
 from ragcache.config import MODES, SELECTIONS
 from ragcache.options import QueryOptions, QueryOptionsError, SelectionSpec
-from ragcache.quality import rotated  # noqa: F401 (the benchmarks import it from here)
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation

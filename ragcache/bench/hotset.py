@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ragcache.bench.common import (
-    TARGETS, BenchConfigError, Checkpoint, Progress, Variant, make_variants, ratio_name, request_record, rotated,
-    speedup, target, warm_up,
+    TARGETS, BenchConfigError, Checkpoint, Progress, Variant, make_variants, ratio_name, request_record, speedup,
+    target, warm_up,
 )
 from ragcache.bench.datasets import QAExample, distinct_chunks, make_chunks
 from ragcache.bench.metrics import mean, median, percentile, rouge_l, rounded
 from ragcache.chunks import Chunk
+from ragcache.quality import rotated
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine

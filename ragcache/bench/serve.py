@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ragcache.bench.common import BenchConfigError, Progress, rotated, target
+from ragcache.bench.common import BenchConfigError, Progress, target
 from ragcache.bench.datasets import QAExample
 from ragcache.bench.fixtures import free_port, health_ok
 from ragcache.bench.metrics import mean, median, percentile, rounded
 from ragcache.config import Settings
+from ragcache.quality import rotated
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ragcache.bench.common import BenchConfigError, Progress, rotated
+from ragcache.bench.common import BenchConfigError, Progress
 from ragcache.bench.datasets import QAExample, distinct_chunks, make_chunks
 from ragcache.bench.metrics import mean, median, rounded
 from ragcache.options import QueryOptions
+from ragcache.quality import rotated
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine

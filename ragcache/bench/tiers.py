@@ -12,10 +12,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ragcache.bench.common import TARGETS, Progress, rotated, target
+from ragcache.bench.common import TARGETS, Progress, target
 from ragcache.bench.datasets import QAExample, make_chunks
 from ragcache.bench.fixtures import RedisServer, drop_page_cache
 from ragcache.bench.metrics import median, percentile, rounded
+from ragcache.quality import rotated
 from ragcache.config import Settings
 from ragcache.options import QueryOptions
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ragcache.bench.common import (
     PLAIN, TARGETS, Checkpoint, Progress, Variant, answer_ids, main_blend, make_variants, ratio_name, request_record,
-    rotated, speedup, target, warm_prefix_cache, warm_up,
+    speedup, target, warm_prefix_cache, warm_up,
 )
 from ragcache.bench.plain import PlainVLLM
 from ragcache.bench.datasets import QAExample, make_chunks
@@ -23,6 +23,7 @@ from ragcache.bench.metrics import (
 from ragcache.config import MODES
 from ragcache.models import num_hidden_layers
 from ragcache.options import QueryOptions, SelectionSpec
+from ragcache.quality import rotated
 
 #: how the exact modes' NLL is scored (vLLM's prefix cache over full prefill's KV)
 EXACT = QueryOptions(mode="prefix")
