@@ -3,7 +3,7 @@
 Owns: :func:`kl_divergence` (first-token distributions), :func:`mean_nll` (teacher-forced
 likelihood) and :func:`repetition_loop` (a degenerate answer: a phrase repeated over and over);
 and :func:`rotated`, the order a measurement asks its variants in. Imports nothing from ragcache,
-so every layer may use it (bench/ re-exports them).
+so every layer may use it (bench/metrics re-exports the three measures).
 """
 
 from __future__ import annotations
