@@ -76,6 +76,11 @@ class Variant:
     ratio: float | None = None
     selection: str | None = None
 
+    @property
+    def spec(self) -> SelectionSpec | None:
+        """The selection as strategy and granule (:meth:`SelectionSpec.parse`); None for the settings' own."""
+        return SelectionSpec.parse(self.selection) if self.selection else None
+
     def options(self, max_tokens: int | None = None) -> QueryOptions:
         """This variant's requests (``max_tokens`` decoded; the engine's default when None).
 
@@ -137,7 +142,7 @@ def main_blend(variants: Sequence[Variant], default_ratio: float, selection: str
     blend variants at that ratio."""
     at_ratio = [v for v in variants if v.mode == "blend" and v.ratio == default_ratio]
     for v in at_ratio:
-        spec = SelectionSpec.parse(v.selection) if v.selection else None
+        spec = v.spec
         if spec is None or (spec.strategy == selection and (spec.granule or granule) == granule):
             return v
     return at_ratio[0] if at_ratio else None

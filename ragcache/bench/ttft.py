@@ -22,7 +22,7 @@ from ragcache.bench.metrics import (
 )
 from ragcache.config import MODES
 from ragcache.models import num_hidden_layers
-from ragcache.options import QueryOptions, SelectionSpec
+from ragcache.options import QueryOptions
 from ragcache.quality import rotated
 
 #: how the exact modes' NLL is scored (vLLM's prefix cache over full prefill's KV)
@@ -70,9 +70,8 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     records: list[dict[str, Any]] = []
     t_start = time.perf_counter()
 
-    main_strategy = SelectionSpec.parse(main.selection).strategy if main is not None and main.selection else None
-    layers = (blend_settings.check_layer_for(main_strategy or blend_settings.selection),
-              num_hidden_layers(engine.llm_info.path))
+    strategy = main.spec.strategy if main is not None and main.spec is not None else blend_settings.selection
+    layers = (blend_settings.check_layer_for(strategy), num_hidden_layers(engine.llm_info.path))
 
     def result(partial: bool = False) -> dict[str, Any]:
         out = _ttft_result(variants, records, default_ratio, main_name, passages, max_tokens, prefix_warmup,
@@ -175,17 +174,17 @@ def _quality_record(g: "Generation", gens: Mapping[str, "Generation"], v: Varian
 
 
 def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], default_ratio: float,
-                 main_blend: str | None, passages: int, max_tokens: int, prefix_warmup: str, run_s: float,
+                 main_name: str | None, passages: int, max_tokens: int, prefix_warmup: str, run_s: float,
                  layers: tuple[int, int]) -> dict[str, Any]:
     summaries = {v.name: summarize_variant(v, records) for v in variants}
     main = {"full": summaries["full"]}
     for m in (PLAIN, "prefix", "reuse"):
         if m in summaries:
             main[m] = summaries[m]
-    if main_blend in summaries:
-        main["blend"] = summaries[main_blend]
+    if main_name in summaries:
+        main["blend"] = summaries[main_name]
     sweep = [summaries[v.name] for v in variants if v.mode == "blend"]
-    stages = with_floor(stage_table(summaries, main_blend), *layers)
+    stages = with_floor(stage_table(summaries, main_name), *layers)
     return {
         "benchmark": "ttft", "n": len(records), "passages": passages, "max_tokens": max_tokens,
         "prefix_warmup": prefix_warmup, "default_ratio": default_ratio,
@@ -234,14 +233,14 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
     }
 
 
-def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_blend: str | None) -> dict[str, Any] | None:
+def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_name: str | None) -> dict[str, Any] | None:
     """The blend's worker time by stage, beside blend at ratio 1 (same selection) and reuse, and the
     plain vLLM prefill the floor is measured against (:func:`with_floor`).
 
     None when the run lacks blend or reuse; the ratio-1 and plain columns are None when those
     variants were not run.
     """
-    blend = summaries.get(main_blend) if main_blend else None
+    blend = summaries.get(main_name) if main_name else None
     if not blend or "reuse" not in summaries:
         return None
     one = next((s for s in summaries.values() if s["mode"] == "blend" and s["recompute_ratio"] == 1.0
