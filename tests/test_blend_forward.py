@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_ops import HFLlamaOps, LayerCollector, cached_context, hf_layer_kv, smollm2, tiny_llama
 
-from ragcache.blend import DecoderOps, Selection, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv
+from ragcache.blend import DecoderOps, Selection, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv, torch_attention
 from ragcache.config import BlendSettings
 
 
@@ -383,6 +383,61 @@ def test_question_selection_loads_the_probed_layers_again_instead_of_keeping_the
           selection=Selection("question", probe_layers=1), tail_ids=TAIL, segment_starts=starts, exact=exact,
           on_layer=LayerCollector(ops.num_layers), prefetch=False)
     assert calls == [1, 2] + layers[2:]
+
+
+class CacheRowsAttention:
+    """An engine double for ``write_rows``: ``on_layer`` keeps whole layers (its "cache"),
+    ``write_rows`` overwrites rows of them, and the attention reads the cache, never its k/v."""
+
+    def __init__(self, ops, positions):
+        self.cache = LayerCollector(ops.num_layers)
+        self.reference = torch_attention(positions, ops.scaling)
+        self.rows_written = []
+
+    def write_rows(self, layer, index, k, v):
+        assert self.cache.k[layer] is not None, "rows written before the layer"
+        self.rows_written.append(layer)
+        self.cache.k[layer][index] = k
+        self.cache.v[layer][index] = v
+
+    def attention(self, layer, q, index, k, v):
+        return self.reference(layer, q, index, self.cache.k[layer], self.cache.v[layer])
+
+
+@pytest.mark.parametrize("check_layer", [0, 1])
+def test_question_probe_writes_its_layers_once_with_write_rows(tiny, tiny_context, check_layer):
+    # With write_rows (an engine whose attention reads its own cache), each probed layer is loaded
+    # and moved once, written whole by the probe, then only its recomputed rows are written again:
+    # the same KV and the same selection as the path that loads every layer twice.
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    ids, positions = tiny_context.token_ids, tiny_context.positions
+    kwargs = dict(recompute_ratio=0.2, check_layer=check_layer, selection=Selection("question", granule=4),
+                  tail_ids=TAIL, segment_starts=starts, exact=exact)
+    twice = LayerCollector(ops.num_layers)
+    reference = blend(ops, ids, positions, tiny_context.load_layer, on_layer=twice, **kwargs)
+    for prefetch in (True, False):
+        calls = []
+
+        def load_layer(layer):
+            calls.append(layer)
+            return tiny_context.load_layer(layer)
+
+        engine = CacheRowsAttention(ops, positions)
+        result = blend(ops, ids, positions, load_layer, on_layer=engine.cache, attention=engine.attention,
+                       write_rows=engine.write_rows, prefetch=prefetch, **kwargs)
+        first = 0 if check_layer == 0 else check_layer + 1
+        assert calls == ([] if check_layer == 0 else [check_layer]) + list(range(first, ops.num_layers))
+        assert engine.rows_written == list(range(first, ops.num_layers))
+        assert torch.equal(result.selected, reference.selected)
+        for layer in range(ops.num_layers):
+            torch.testing.assert_close(engine.cache.k[layer], twice.k[layer], rtol=0, atol=1e-6)
+            torch.testing.assert_close(engine.cache.v[layer], twice.v[layer], rtol=0, atol=1e-6)
+        assert result.on_layer_s > 0 and result.stages["cache_write_s"] == pytest.approx(result.on_layer_s)
+    # without an attention of its own, write_rows is not used (torch's attention reads the tensors)
+    engine = CacheRowsAttention(ops, positions)
+    blend(ops, ids, positions, tiny_context.load_layer, on_layer=engine.cache, write_rows=engine.write_rows, **kwargs)
+    assert engine.rows_written == []
 
 
 def test_blend_rejects_bad_arguments(tiny, tiny_context):

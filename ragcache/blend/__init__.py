@@ -8,7 +8,7 @@ implements ``DecoderOps`` and hands tensors and callables in.
 """
 
 from ragcache.blend.attention import Attention, causal_attention, expand_kv_heads, torch_attention
-from ragcache.blend.forward import BlendResult, LoadLayer, OnLayer, blend_kv, compute_kv, reuse_kv
+from ragcache.blend.forward import BlendResult, LoadLayer, OnLayer, WriteRows, blend_kv, compute_kv, reuse_kv
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
 from ragcache.blend.select import (
@@ -33,6 +33,7 @@ __all__ = [
     "DecoderOps",
     "LoadLayer",
     "OnLayer",
+    "WriteRows",
     "blend_kv",
     "causal_attention",
     "compute_kv",

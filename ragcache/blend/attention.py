@@ -36,7 +36,9 @@ indices into the context, whose positions ascend) over the context's final K (po
 forwards call it right after ``on_layer(layer, k, v)`` with the same ``k`` and ``v``, so an engine
 may read them back from where ``on_layer`` wrote them (its paged KV cache) and run its own
 attention kernel instead of using the tensors (CacheBlend's selective layers attend over the whole
-fused KV cache, §4.2). :func:`torch_attention` is the reference."""
+fused KV cache, §4.2). A blend given ``write_rows`` (:func:`~ragcache.blend.forward.blend_kv`)
+calls it right after ``write_rows`` instead, with ``k = v = None``: such an attention must read the
+engine's cache. :func:`torch_attention` is the reference (it needs the tensors)."""
 
 
 def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -48,6 +48,10 @@ OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 """``on_layer(layer, k [N, Hkv, D], v [N, Hkv, D])``: the final K (post-RoPE) and V of every context
 token in one layer, called once per layer in layer order."""
 
+WriteRows = Callable[[int, torch.LongTensor, torch.Tensor, torch.Tensor], None]
+"""``write_rows(layer, index [n], k [n, Hkv, D], v [n, Hkv, D])``: overwrite the rows ``index``
+(int64, ascending) of ``layer``'s K (post-RoPE) and V where ``on_layer`` already wrote the whole layer."""
+
 DEVIATIONS = ("value", "key")
 
 
@@ -63,7 +67,8 @@ class BlendResult:
         load_s: seconds spent waiting for ``load_layer`` (with prefetch, only the part not hidden
             behind compute).
         compute_s: seconds of the blend's own compute (wall time minus ``load_s`` and ``on_layer_s``).
-        on_layer_s: seconds spent inside the ``on_layer`` callbacks (e.g. writing a paged cache).
+        on_layer_s: seconds spent inside the ``on_layer`` (and ``write_rows``) callbacks (e.g. writing a
+            paged cache).
         stages: seconds per stage, adding up to the wall time. Blend: ``full_layers_s`` (every
             token's projections, RoPE and MLP in the layers up to the check layer's QKV) and
             ``full_attention_s`` (their attention), ``question_probe_s`` (the question tail through
@@ -376,14 +381,18 @@ def _check_layer_kv(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Te
 
 def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: torch.Tensor,
                     loader: "_LayerLoader", move: Callable[[int, torch.Tensor], torch.Tensor],
-                    question: _QuestionScores) -> None:
+                    question: _QuestionScores, on_layer: OnLayer | None = None) -> None:
     """The question tail alone through ``layers`` over the reused KV of the context (ProphetKV-style
     scores fused over layers, ICML'26): each layer's cached K is loaded and moved to the context's
-    positions (``move(layer, k_pre)``); no context token is computed. The layers are not kept: the
-    selective pass loads them again (cheaper than holding every layer's KV, see :func:`blend_kv`)."""
+    positions (``move(layer, k_pre)``); no context token is computed. The layers are not kept: with
+    ``on_layer`` each goes to the engine's cache now (the selective pass then overwrites only the
+    recomputed rows), without it the selective pass loads them again (cheaper than holding every
+    layer's KV, see :func:`blend_kv`)."""
     for layer in layers:
         k_pre, v_cached = loader.get(layer)
         k_moved = move(layer, k_pre)  # [N, Hkv, D]
+        if on_layer is not None:
+            on_layer(layer, k_moved, v_cached)
         q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         q_t, k_t = ops.rope(layer, ctx.tail_positions, q_t, k_t)
         attn = question.attend(q_t, k_moved, k_t, v_cached, v_t)  # [T, Hq, D]
@@ -436,6 +445,20 @@ def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.T
     return ops.finish_layer(layer, hidden, attn)
 
 
+def _selective_rows_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
+                          write_rows: WriteRows, attention: Attention) -> torch.Tensor:
+    """:func:`_selective_layer` for a layer whose reused KV the engine already holds (the question
+    probe wrote it): only the selected rows' fresh K/V are written (``write_rows``), and
+    ``attention`` reads the layer back from the engine's cache (it gets no ``k``/``v``)."""
+    q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
+    q, k = ops.rope(layer, ctx.positions[selected], q, k)
+    write_rows(layer, selected, k, v)
+    if layer == ops.num_layers - 1:
+        return hidden
+    attn = attention(layer, q, selected, None, None)  # [n, Hq, D]
+    return ops.finish_layer(layer, hidden, attn)
+
+
 def blend_kv(
     ops: DecoderOps,
     token_ids: torch.LongTensor,
@@ -453,6 +476,7 @@ def blend_kv(
     forced: torch.Tensor | None = None,
     on_layer: OnLayer,
     attention: Attention | None = None,
+    write_rows: WriteRows | None = None,
     prefetch: bool = True,
 ) -> BlendResult:
     """CacheBlend: fuse the cached KV of the context tokens, recomputing only a selected share.
@@ -466,8 +490,10 @@ def blend_kv(
        question's attention the tail then goes on alone through every later layer over the reused
        KV (moved to its positions) (:func:`_question_probe`), a probe as cheap as decoding T
        tokens; the scores are averaged over all layers (exact up to the check layer, over reused KV
-       after it), in the spirit of ProphetKV (ICML'26). Step 3 loads and moves those layers again
-       rather than keeping them (the memory they held cost more in page faults). The tokens to
+       after it), in the spirit of ProphetKV (ICML'26). The probed layers are not kept (the memory
+       they held cost more in page faults): with ``write_rows`` each goes to ``on_layer`` as the
+       probe leaves it and step 3 writes only the recomputed rows; without it step 3 loads and
+       moves those layers again. The tokens to
        recompute are chosen by :func:`_select` under ``selection``: by KV deviation (the fresh V,
        or K with ``deviation="key"``, against the cached one), by the attention the question tail
        gives each context token, or a hybrid, token by token or in runs (``selection.granule``).
@@ -483,8 +509,8 @@ def blend_kv(
     computed from layer 0 (step 3 from layer 0), which saves a projection pass over all N tokens.
 
     Every attention over the context runs through ``attention`` (default :func:`torch_attention`),
-    right after ``on_layer`` received that layer's final K/V: an engine passes its own kernel over
-    the cache ``on_layer`` writes. ``on_layer`` receives, for every layer, the final K (post-RoPE)
+    right after ``on_layer`` (or ``write_rows``) received that layer's final K/V: an engine passes its
+    own kernel over the cache ``on_layer`` writes. ``on_layer`` receives, for every layer, the final K (post-RoPE)
     and V of all N context tokens: fresh for layers ``<= check_layer`` (layer 0 on the fast path above:
     cached and moved, which is the fresh KV up to rounding), fused afterwards (the
     tail's KV is never emitted: the engine prefills the tail itself). With ``recompute_ratio=1.0``
@@ -498,8 +524,9 @@ def blend_kv(
         load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])`` cached KV of the context
             (rows of forced tokens are ignored and may hold anything finite). Called in this order:
             the check layer (unless the fast path below skips it), the question probe's layers, then
-            every layer after the check layer (from layer 0 on the fast path), so a probed layer is
-            loaded twice; with ``prefetch`` from a background thread.
+            every layer after the check layer (from layer 0 on the fast path) that ``write_rows``
+            does not cover, so without ``write_rows`` a probed layer is loaded twice; with
+            ``prefetch`` from a background thread.
             The blend may write into the returned tensors: return tensors the caller owns.
         recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
         min_recompute_tokens: with a ratio above 0, recompute at least this many tokens (all N
@@ -520,6 +547,12 @@ def blend_kv(
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None``, see above.
         attention: the context's causal attention (:data:`~ragcache.blend.attention.Attention`);
             default :func:`~ragcache.blend.attention.torch_attention` over ``positions``.
+        write_rows: ``(layer, index [n], k [n, Hkv, D], v [n, Hkv, D]) -> None`` (:data:`WriteRows`),
+            overwriting rows of a layer ``on_layer`` wrote; give it only with an ``attention`` that
+            reads K/V back from the engine's cache. Then a layer the question probe loaded goes to
+            ``on_layer`` from the probe (reused KV moved), the selective pass writes only its
+            recomputed rows and calls ``attention`` with ``k = v = None``: no layer is loaded or
+            moved twice, and the result is the same.
         prefetch: load layer i+1 in a background thread while layer i computes (the
             ``pipeline_overlap`` setting).
 
@@ -561,7 +594,9 @@ def blend_kv(
     probe_end = min(probe_end, num_layers)
     probe_layers = range(0 if fast_path else check_layer + 1, probe_end) if use_tail else range(0)
     selective_layers = range(0 if fast_path else check_layer + 1, num_layers)
-    plan = ([] if fast_path else [check_layer]) + list(probe_layers) + list(selective_layers)
+    written = set(probe_layers) if write_rows is not None and attention is not None else set()  # by the probe
+    plan = (([] if fast_path else [check_layer]) + list(probe_layers)
+            + [layer for layer in selective_layers if layer not in written])
 
     start = time.perf_counter()
     clock = _Stages()
@@ -578,6 +613,8 @@ def blend_kv(
                         {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
         question = _QuestionScores(ops.scaling, selection.question_heads) if use_tail else None
         move = _Timer(lambda layer, k_pre: move_keys(ops, layer, k_pre, ctx.positions), clock, "move_keys_s")
+        probe_emit = emit if written else None
+        rows = _Timer(write_rows, clock, "cache_write_s") if written else None
 
         if fast_path:
             # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
@@ -585,7 +622,8 @@ def blend_kv(
             # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
             if question is not None:
                 with clock("question_probe_s"):
-                    _question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move, question)
+                    _question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move, question,
+                                    probe_emit)
             with clock("select_s"):
                 selected = _select(ops, 0, ctx, budget, selection, deviation, segment_starts, None, None, question,
                                    scores_matter)  # [n]
@@ -603,7 +641,7 @@ def blend_kv(
             k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
             if question is not None:
                 with clock("question_probe_s"):
-                    _question_probe(ops, probe_layers, ctx, hidden_tail, loader, move, question)
+                    _question_probe(ops, probe_layers, ctx, hidden_tail, loader, move, question, probe_emit)
             with clock("select_s"):
                 selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
                                    (k_pre_cached, v_cached), question, scores_matter)  # [n]
@@ -614,6 +652,10 @@ def blend_kv(
                                               attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
         with clock("selective_layers_s"):
             for layer in selective_layers:
+                if layer in written:  # the probe wrote the reused KV: only the recomputed rows change
+                    if selected.numel() > 0:
+                        hidden = _selective_rows_layer(ops, layer, ctx, hidden, selected, rows, attend)
+                    continue
                 k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
                 k_all = move(layer, k_pre)
                 if selected.numel() > 0:
@@ -623,13 +665,14 @@ def blend_kv(
         _synchronize(ops.device)
 
     elapsed = time.perf_counter() - start
+    write_s = emit.seconds + (rows.seconds if rows is not None else 0.0)
     return BlendResult(
         selected=selected,
         num_recomputed=int(selected.numel()),
         num_tokens=num_tokens,
         load_s=loader.wait_s,
-        compute_s=elapsed - loader.wait_s - emit.seconds,
-        on_layer_s=emit.seconds,
+        compute_s=elapsed - loader.wait_s - write_s,
+        on_layer_s=write_s,
         stages=clock.seconds,
     )
 

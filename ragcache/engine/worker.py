@@ -287,6 +287,10 @@ class WorkerRuntime:
             layer = self.attn_layers[i]
             layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slot_mapping)
 
+        def write_rows(i: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            layer = self.attn_layers[i]
+            layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slot_mapping[index])
+
         ids = torch.tensor(token_ids[:n], dtype=torch.long, device=device)
         attention = None  # torch SDPA inside the blend
         if self.attention.path == "kernel":
@@ -311,6 +315,8 @@ class WorkerRuntime:
                 selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
                 tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
                 on_layer=write_layer, attention=attention, prefetch=prefetch,
+                # the kernel reads the paged cache: a probed layer is written once, then only its recomputed rows
+                write_rows=write_rows if attention is not None else None,
             )
         recomputed = int(result.num_recomputed)
         # blend does not load layers below the check layer; a handle promotes its entry to the top
