@@ -426,36 +426,29 @@ def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: 
 
 
 def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
-                     k_all: torch.Tensor, v_all: torch.Tensor, on_layer: OnLayer, attention: Attention) -> torch.Tensor:
+                     k_all: torch.Tensor | None, v_all: torch.Tensor | None, on_layer: OnLayer, attention: Attention,
+                     write_rows: WriteRows | None = None) -> torch.Tensor:
     """One layer after the check layer for the selected tokens only (§4.2, selective KV recompute).
 
     ``k_all`` / ``v_all`` ``[N, Hkv, D]`` hold the reused KV at the new positions; the selected rows
     are replaced by their fresh K/V (in place), the layer's final K/V go to ``on_layer``, and the
-    selected queries attend over them through ``attention``. ``hidden`` ``[n, hidden]`` -> the
-    layer's output for the selected tokens (the last layer's is not needed: ``hidden`` is returned).
+    selected queries attend over them through ``attention``. With ``k_all = v_all = None`` the
+    engine already holds the layer's reused KV (the question probe wrote it): only the selected rows
+    go to ``write_rows``, and ``attention`` reads the layer back from the engine's cache.
+    ``hidden`` ``[n, hidden]`` -> the layer's output for the selected tokens (the last layer's is not
+    needed: ``hidden`` is returned).
     """
     q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
     q, k = ops.rope(layer, ctx.positions[selected], q, k)
-    k_all.index_copy_(0, selected, k)
-    v_all.index_copy_(0, selected, v)
-    on_layer(layer, k_all, v_all)
+    if k_all is None:
+        write_rows(layer, selected, k, v)
+    else:
+        k_all.index_copy_(0, selected, k)
+        v_all.index_copy_(0, selected, v)
+        on_layer(layer, k_all, v_all)
     if layer == ops.num_layers - 1:
         return hidden
     attn = attention(layer, q, selected, k_all, v_all)  # [n, Hq, D]
-    return ops.finish_layer(layer, hidden, attn)
-
-
-def _selective_rows_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
-                          write_rows: WriteRows, attention: Attention) -> torch.Tensor:
-    """:func:`_selective_layer` for a layer whose reused KV the engine already holds (the question
-    probe wrote it): only the selected rows' fresh K/V are written (``write_rows``), and
-    ``attention`` reads the layer back from the engine's cache (it gets no ``k``/``v``)."""
-    q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
-    q, k = ops.rope(layer, ctx.positions[selected], q, k)
-    write_rows(layer, selected, k, v)
-    if layer == ops.num_layers - 1:
-        return hidden
-    attn = attention(layer, q, selected, None, None)  # [n, Hq, D]
     return ops.finish_layer(layer, hidden, attn)
 
 
@@ -654,7 +647,7 @@ def blend_kv(
             for layer in selective_layers:
                 if layer in written:  # the probe wrote the reused KV: only the recomputed rows change
                     if selected.numel() > 0:
-                        hidden = _selective_rows_layer(ops, layer, ctx, hidden, selected, rows, attend)
+                        hidden = _selective_layer(ops, layer, ctx, hidden, selected, None, None, emit, attend, rows)
                     continue
                 k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
                 k_all = move(layer, k_pre)

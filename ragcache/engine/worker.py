@@ -283,13 +283,15 @@ class WorkerRuntime:
             ks, vs = zip(*(layer_of(j, i) for j in range(len(handles))))
             return torch.cat(ks).to(device, self.ops.dtype), torch.cat(vs).to(device, self.ops.dtype)
 
-        def write_layer(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        def write_slots(i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             layer = self.attn_layers[i]
-            layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slot_mapping)
+            layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slots)
+
+        def write_layer(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            write_slots(i, slot_mapping, k, v)
 
         def write_rows(i: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            layer = self.attn_layers[i]
-            layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slot_mapping[index])
+            write_slots(i, slot_mapping[index], k, v)
 
         ids = torch.tensor(token_ids[:n], dtype=torch.long, device=device)
         attention = None  # torch SDPA inside the blend
@@ -314,9 +316,9 @@ class WorkerRuntime:
                 check_layer=p.check_layer, deviation=p.deviation,
                 selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
                 tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
-                on_layer=write_layer, attention=attention, prefetch=prefetch,
-                # the kernel reads the paged cache: a probed layer is written once, then only its recomputed rows
-                write_rows=write_rows if attention is not None else None,
+                # with the kernel (it reads the paged cache) a probed layer is written once, then only its
+                # recomputed rows; blend_kv uses write_rows only with an attention of the engine's own
+                on_layer=write_layer, attention=attention, write_rows=write_rows, prefetch=prefetch,
             )
         recomputed = int(result.num_recomputed)
         # blend does not load layers below the check layer; a handle promotes its entry to the top
