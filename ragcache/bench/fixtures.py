@@ -275,6 +275,19 @@ class RedisClusterServer:
             proc.wait(timeout=10)
         return port
 
+    def key_counts(self) -> list[int]:
+        """Keys held by each node (``DBSIZE``), in :attr:`ports` order; 0 for a killed node."""
+        counts = []
+        for port in self.ports:
+            if port not in self.procs:
+                counts.append(0)
+                continue
+            reply = _redis_cmd(port, "DBSIZE").strip()
+            if not reply.startswith(":"):
+                raise RuntimeError(f"DBSIZE on the cluster node at port {port} answered {reply!r}")
+            counts.append(int(reply[1:]))
+        return counts
+
     def version(self) -> str:
         """redis-server's version (e.g. ``7.0.15``)."""
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout

@@ -23,9 +23,11 @@ server costs one quick failure, not seconds of retrying.
 Cluster (redis-py's ``RedisCluster``): each entry is one key, so all of a chunk's layers live in
 one hash slot on one master by construction (no hash tag needed), and the keys of many chunks
 spread evenly over the masters. ``SCAN``, ``STRLEN`` pipelines and ``UNLINK`` fan out over every
-master. A lost master (or ``CLUSTERDOWN``) is an outage of the whole tier, not of some keys: the
-tier raises ``TierUnavailableError`` and stays unavailable until a ``PING`` to every master of the
-current topology succeeds again (after a failover or a repair). Answers then come from the local
+master. A lost master (or ``CLUSTERDOWN``) is an outage of the whole tier, not of some keys: from
+the first command that meets it (a key in one of its slots, a fan-out command) the tier raises
+``TierUnavailableError`` and stays unavailable until a ``PING`` to every master of the current
+topology succeeds again (after a failover or a repair); until then, keys on the live masters are
+served as before. Answers then come from the local
 tiers (or are recomputed), never from a half-reachable store, and the store's back-off does not
 flap between the keys of live and dead masters.
 """
