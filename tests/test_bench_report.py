@@ -51,3 +51,23 @@ def test_full_vs_plain_is_the_median_of_per_example_ratios_not_a_ratio_of_median
     t = ttft_targets(modes)
     assert t["full_vs_plain"]["value"] == pytest.approx(1.02) and t["full_vs_plain"]["met"] is True
     assert t["blend_ttft_speedup_vs_best"]["value"] == pytest.approx(4.5)
+
+
+def test_the_stage_table_has_a_ratio_one_column_only_when_the_run_had_ratio_one():
+    from ragcache.bench.report import tables
+
+    stages = {"variant": "blend:question@0.15", "stages_s": {"question_probe_s": 0.2}, "stages_s_reuse": {},
+              "stages_s_ratio_one": {}, "worker_s": 1.0, "worker_s_ratio_one": None, "worker_s_reuse": 0.1,
+              "ttft_s_plain": 4.0, "ttft_s_ratio_one": None, "floor_s": 0.8, "check_layer": 0, "num_layers": 30,
+              "worker_vs_floor": 1.25}
+    modes = {"blend": _summary("blend@0.15", "blend", 0.15, 2.0, 5.0, 0.1, 2.02, 0.01)}
+    result = {"benchmark": "ttft", "n": 2, "passages": 3, "modes": modes, "sweep": [modes["blend"]]}
+    title, header, rows = tables({**result, "stages": stages})[-1]
+    assert header == ["stage", "blend:question@0.15", "reuse"] and "add 1 to --ratios" in title
+    assert all(len(r) == 3 for r in rows) and ["worker / floor", 1.25, None] in rows
+
+    one = {**stages, "stages_s_ratio_one": {"question_probe_s": 0.3}, "worker_s_ratio_one": 4.4,
+           "ttft_s_ratio_one": 4.6}
+    title, header, rows = tables({**result, "stages": one})[-1]
+    assert header == ["stage", "blend:question@0.15", "ratio 1", "reuse"] and "vs ratio 1 vs reuse" in title
+    assert ["question_probe_s", 0.2, 0.3, None] in rows and ["worker total", 1.0, 4.4, 0.1] in rows

@@ -74,19 +74,33 @@ def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
         out.append(("recompute-ratio sweep (blend, per selection strategy)", h, sweep))
     st = result.get("stages")
     if st:
-        names = sorted(set(st["stages_s"]) | set(st["stages_s_ratio_one"]) | set(st["stages_s_reuse"]))
-        rows = [[k, st["stages_s"].get(k), st["stages_s_ratio_one"].get(k), st["stages_s_reuse"].get(k)]
-                for k in names]
-        rows.append(["worker total", st["worker_s"], st["worker_s_ratio_one"], st["worker_s_reuse"]])
-        if st.get("ttft_s_plain") is not None:
-            rows.append(["plain vLLM prefill (TTFT)", st["ttft_s_plain"], st.get("ttft_s_ratio_one"), None])
-        if st.get("floor_s") is not None:
-            rows.append([f"compute floor vs plain (c={st['check_layer']}, L={st['num_layers']})", st["floor_s"],
-                         None, None])
-            rows.append(["worker / floor", st["worker_vs_floor"], None, None])
-        out.append((f"worker seconds by stage, medians ({st['variant']} vs ratio 1 vs reuse)",
-                    ["stage", st["variant"], "ratio 1", "reuse"], rows))
+        out.append(_stage_table(st))
     return out
+
+
+def _stage_table(st: Mapping[str, Any]) -> Table:
+    """The blend worker's stage medians beside reuse's, and beside blend at ratio 1 (same selection)
+    only where the run had one (``--ratios ...,1``); the title says which."""
+    one = st["worker_s_ratio_one"] is not None
+    names = sorted(set(st["stages_s"]) | set(st["stages_s_ratio_one"]) | set(st["stages_s_reuse"]))
+
+    def line(label: str, main: Any, ratio_one: Any, reuse: Any) -> list[Any]:
+        return [label, main, ratio_one, reuse] if one else [label, main, reuse]
+
+    rows = [line(k, st["stages_s"].get(k), st["stages_s_ratio_one"].get(k), st["stages_s_reuse"].get(k))
+            for k in names]
+    rows.append(line("worker total", st["worker_s"], st["worker_s_ratio_one"], st["worker_s_reuse"]))
+    if st.get("ttft_s_plain") is not None:
+        rows.append(line("plain vLLM prefill (TTFT)", st["ttft_s_plain"], st.get("ttft_s_ratio_one"), None))
+    if st.get("floor_s") is not None:
+        rows.append(line(f"compute floor vs plain (c={st['check_layer']}, L={st['num_layers']})", st["floor_s"],
+                         None, None))
+        rows.append(line("worker / floor", st["worker_vs_floor"], None, None))
+    if one:
+        return (f"worker seconds by stage, medians ({st['variant']} vs ratio 1 vs reuse)",
+                ["stage", st["variant"], "ratio 1", "reuse"], rows)
+    return (f"worker seconds by stage, medians ({st['variant']} vs reuse; add 1 to --ratios for a ratio-1 column)",
+            ["stage", st["variant"], "reuse"], rows)
 
 
 def _eval_tables(result: Mapping[str, Any]) -> list[Table]:
