@@ -79,16 +79,22 @@ def _selections(text: str) -> list[str]:
     from ragcache.options import SelectionSpec
 
     vals = [x.strip() for x in text.split(",") if x.strip()]
-    ok = bool(vals)
+    problem = "" if vals else "no selection given"
     for v in vals:
-        try:
-            SelectionSpec.parse(v)
-        except ValueError:  # pydantic's ValidationError included: an unknown strategy, a granule out of range
-            ok = False
-    if not ok:
+        strategy, _, granule = v.partition("/")
+        if strategy not in SELECTIONS:
+            problem = f"{v!r}: unknown strategy {strategy!r}"
+        else:
+            try:
+                SelectionSpec.parse(v)
+            except ValueError:  # pydantic's ValidationError included: a granule out of range
+                problem = f"{v!r}: the granule {granule!r} is not a whole number in [1, {GRANULE_MAX}]"
+        if problem:
+            break
+    if problem:
         raise argparse.ArgumentTypeError(f"selections must be some of {','.join(SELECTIONS)}, each optionally with "
                                          f"/GRANULE, a whole number of tokens in [1, {GRANULE_MAX}] "
-                                         f"(e.g. question/16); got {text!r}")
+                                         f"(e.g. question/16); {problem}")
     return vals
 
 

@@ -55,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS), help="how many demo questions to ask")
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON to this file")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="skip calibrating the demo index (then blend uses blend.recompute_ratio as set)")
+                   help="skip calibrating the demo index (then blend uses blend.recompute_ratio as set); "
+                   "without it the demo calibrates an index that has no calibration yet")
     p.set_defaults(func=run)
 
 

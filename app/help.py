@@ -7,10 +7,12 @@ import argparse
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with each flag's default, except where there is none or the help text states it."""
+    """``--help`` with each flag's default, except where there is none, where the flag is a switch
+    (``--no-calibrate``'s default True would read as "skips by default") or the help text states it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default" in (action.help or ""):
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if switch or action.default in (None, False) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

@@ -47,10 +47,13 @@ def test_bench_help_shows_list_defaults_as_typed_and_no_empty_defaults(capsys):
     assert args.selections is None  # blend.selection
     args = parser.parse_args(["bench", "ttft", "--selections", "question/1, question/16,deviation"])
     assert args.selections == ["question/1", "question/16", "deviation"]
-    for bad in ("question/0", "question/x", "attention", ","):
+    for bad, why in (("question/0", "the granule '0' is not a whole number"),
+                     ("deviation,question/x", "'question/x': the granule 'x'"),
+                     ("attention", "unknown strategy 'attention'"), (",", "no selection given")):
         with pytest.raises(SystemExit):
             parser.parse_args(["bench", "ttft", "--selections", bad])
-        assert "selections must be some of" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "selections must be some of" in err and why in err, err
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "tiers", "--help"])
     assert ".png" not in capsys.readouterr().out
