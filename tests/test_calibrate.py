@@ -110,18 +110,21 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     assert (before.metrics.recompute_ratio, before.metrics.ratio_source) == (0.25, "fallback")
 
     questions = probe_questions(list(rag.retriever.index.chunks()), 2)
-    asked = []  # the blend requests' ratios, in the order the engine got them
+    asked = []  # the blend requests' ratios and the reuse warm-ups, in the order the engine got them
     generate = engine.generate
 
     def recording(prompt, options, **kw):
         if options.mode == "blend":
             asked.append(options.recompute_ratio)
+        elif options.mode == "reuse":
+            asked.append(("reuse", options.max_tokens))
         return generate(prompt, options, **kw)
 
     monkeypatch.setattr(engine, "generate", recording)
     # three one-line documents: blend cannot be much faster than full prefill, so no speed target here
     result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=1e-3, max_tokens=4, min_speedup=0.01)
-    assert asked == [0.5, 1.0, 1.0, 0.5]  # rotated per question: no ratio is always a prompt's first KV read
+    # per question an untimed one-token reuse reads the chunk KV first, then the ratios, rotated
+    assert asked == [("reuse", 1), 0.5, 1.0, ("reuse", 1), 1.0, 0.5]
     monkeypatch.undo()
     assert [s.ratio for s in result.scores] == [0.5, 1.0]
     assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].good and result.scores[-1].meets  # ratio 1 = full
