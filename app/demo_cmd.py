@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pydoc
 import re
 import statistics
@@ -95,6 +96,19 @@ def _calibrate(rag) -> bool:
     return calibrated_now
 
 
+def busy_note(load: float | None = None, cores: int | None = None) -> str:
+    """A line saying the CPU was shared, or "" on a quiet machine: the demo's own work keeps about
+    one runnable thread per core, so a 1-minute load average above 1.5x the cores means other
+    processes ran beside it and its TTFTs are slower and noisier than a quiet machine's."""
+    load = os.getloadavg()[0] if load is None else load
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if load <= 1.5 * cores:
+        return ""
+    return (f"note: load average {load:.1f} on {cores} cores as the demo ended (its own work accounts for about "
+            f"{cores}): other processes shared the CPU, so these TTFTs are slower and noisier than on a quiet "
+            f"machine; run it again alone to compare blend and full prefill")
+
+
 def _cut(text: str, n: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -153,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
               f"{rows[0]['recompute_ratio']:g} ({source}); "
               f"answers with a repetition loop: blend {loops}/{len(rows)}, full "
               f"{sum(r['loop_full'] for r in rows)}/{len(rows)}")
+        busy = busy_note()
+        if busy:
+            print(busy)
     stats = rag.cache_stats()
     served = ", ".join(f"{name} {t.hits}" for name, t in stats.tiers.items() if t.hits) or "none"
     what = " (the calibration's included)" if calibrated_now else ""
