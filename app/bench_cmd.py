@@ -88,7 +88,7 @@ def _selections(text: str) -> list[str]:
             try:
                 SelectionSpec.parse(v)
             except ValueError:  # pydantic's ValidationError included: a granule out of range
-                problem = f"{v!r}: the granule {granule!r} is not a whole number in [1, {GRANULE_MAX}]"
+                problem = f"{v!r}: the granule {granule!r} must be a whole number in [1, {GRANULE_MAX}]"
         if problem:
             break
     if problem:

@@ -47,7 +47,7 @@ def test_bench_help_shows_list_defaults_as_typed_and_no_empty_defaults(capsys):
     assert args.selections is None  # blend.selection
     args = parser.parse_args(["bench", "ttft", "--selections", "question/1, question/16,deviation"])
     assert args.selections == ["question/1", "question/16", "deviation"]
-    for bad, why in (("question/0", "the granule '0' is not a whole number"),
+    for bad, why in (("question/0", "the granule '0' must be a whole number in [1, "),
                      ("deviation,question/x", "'question/x': the granule 'x'"),
                      ("attention", "unknown strategy 'attention'"), (",", "no selection given")):
         with pytest.raises(SystemExit):
