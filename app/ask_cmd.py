@@ -114,6 +114,22 @@ def format_answer(answer) -> str:
     return "\n".join(lines)
 
 
+def calibration_hint(calibration, metrics) -> str:
+    """A line for a blend that ran at ``blend.recompute_ratio`` as set (a number) over an index whose
+    calibration (``ragcache calibrate``, read only with ``recompute_ratio = "auto"``) says otherwise:
+    it recommends full prefill, or another ratio. "" when there is nothing to say."""
+    if calibration is None or metrics.ratio_source != "settings":
+        return ""
+    ran = f"blend ran at blend.recompute_ratio = {metrics.recompute_ratio:g} as set"
+    if calibration.recommendation == "full":
+        return (f"note: this index's calibration recommends full prefill ({calibration.reason}); {ran}; "
+                f"--mode full follows it")
+    if calibration.ratio is not None and calibration.ratio != metrics.recompute_ratio:
+        return (f"note: this index is calibrated to ratio {calibration.ratio:g}; {ran}; "
+                f"--recompute-ratio auto uses the calibration")
+    return ""
+
+
 def run_ask(args: argparse.Namespace) -> int:
     rag = open_pipeline(args)
     answer = rag.query(args.question, args.options)
@@ -121,6 +137,9 @@ def run_ask(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in answer.to_dict().items() if k != "question"}, ensure_ascii=False))
     else:
         print(format_answer(answer))
+    hint = calibration_hint(rag.calibration(), answer.metrics)
+    if hint:
+        print(hint, file=sys.stderr)
     return 0
 
 

@@ -145,3 +145,22 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     (docs / "d.txt").write_text("Zorbian children learn the seven-string harp from the age of five.")
     assert rag.ingest([docs]).chunks_added == 1  # a new version of the index keeps its calibration
     assert read_calibration(rag.index_path, engine.llm_info.fingerprint, settings.blend.selection) == result
+
+
+def test_ask_says_when_the_index_calibration_disagrees_with_the_ratio_it_ran_at():
+    from types import SimpleNamespace
+
+    from app.ask_cmd import calibration_hint
+
+    as_set = SimpleNamespace(ratio_source="settings", recompute_ratio=0.15)
+    full = Calibration(ratio=None, max_kl=0.05, selection="question", model_fingerprint="fp", n=3, source="probes",
+                       full_ttft_median_s=1.0, scores=[], created="now", recommendation="full",
+                       reason="no ratio tried answers like full prefill")
+    hint = calibration_hint(full, as_set)
+    assert hint.startswith("note: this index's calibration recommends full prefill (no ratio tried")
+    assert "blend.recompute_ratio = 0.15 as set" in hint and "--mode full" in hint
+    assert "calibrated to ratio 0.3" in calibration_hint(cal("fp", 0.3), as_set)
+    assert calibration_hint(cal("fp", 0.15), as_set) == ""  # the same ratio: nothing to say
+    assert calibration_hint(None, as_set) == ""
+    for source in ("calibration", "fallback", "request"):  # auto read it (or warned), or the request chose
+        assert calibration_hint(full, SimpleNamespace(ratio_source=source, recompute_ratio=0.15)) == ""
