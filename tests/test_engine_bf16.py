@@ -31,11 +31,13 @@ apart in full prefill, reuse picks the second. So the test measures batch invari
 (:func:`gemm_is_batch_invariant`) and, where it does not hold, checks the kernel path with the
 torch path's bounds.
 
-Where batch invariance does not hold, both paths may serve a first token other than full prefill's
-only where full prefill itself nearly ties it: full's log-probability of the served token within
+Wherever exactness is not expected (the torch path; the kernel path without batch invariance) a
+first token other than full prefill's may be served only where full prefill itself nearly ties it: full's log-probability of the served token within
 ``NEAR_TIE`` (0.25 nats, the tie measured above: two steps of the 0.125-nat grid that the top
 first-token log-probabilities measured here lie on, bf16's spacing for logits of magnitude 16-32)
-of its own top token. Elsewhere the first token must be full's on both paths.
+of its own top token. The torch path needs it even where the GEMM is batch-invariant: in a full
+test run on the model-207 Xeon, where the GEMM measured batch-invariant at that point of the run,
+its canonical reuse still served the runner-up of that 0.25-nat tie.
 
 Runs in-process engines in bfloat16 (emulated, slower, on CPUs without bf16 instructions), one
 attention path at a time, beside the session's multi-process float32 engine.
@@ -55,8 +57,8 @@ pytestmark = pytest.mark.integration
 #: vLLM's arithmetic is reproduced bit for bit, else bounded by bf16's own noise (module docstring)
 EXACT = (1e-6, 1e-3, True)
 INEXACT = (0.02, 0.10, False)
-#: nats: where bf16 is not batch-invariant, a first token full prefill itself ranks this close to its
-#: top one may be served instead (elsewhere the first token must be full's)
+#: nats: where exactness is not expected, a first token full prefill itself ranks this close to its
+#: top one may be served instead (where it is, the tokens must be full's)
 NEAR_TIE = 0.25
 
 #: SmolLM2-135M's projection shapes (N, K): qkv, o, gate_up, down
@@ -107,9 +109,8 @@ def bf16_engine(request, tmp_path_factory):
 def bounds(bf16_engine):
     """``(max KL, max relative NLL change, same tokens, near tie)`` for this engine's attention path
     on this host (measured after the engine started: at its thread count)."""
-    invariant = gemm_is_batch_invariant()
-    exact = bf16_engine.worker.attention == "kernel" and invariant
-    return (*(EXACT if exact else INEXACT), 0.0 if invariant else NEAR_TIE)
+    exact = bf16_engine.worker.attention == "kernel" and gemm_is_batch_invariant()
+    return (*(EXACT if exact else INEXACT), 0.0 if exact else NEAR_TIE)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def assert_close_to_full(engine, bounds, prompt, mode, **kwargs):
     got = engine.generate(prompt, QueryOptions(mode=mode, max_tokens=12, **kwargs), logprobs=-1)
     if same_tokens:
         assert got.token_ids == full.token_ids, (full.text, got.text)
-    # full's own top token, or (not batch-invariant) one that full prefill itself nearly ties with it
+    # full's own top token, or (inexact) one that full prefill itself nearly ties with it
     top, served = (full.first_token_logprobs[t] for t in (full.token_ids[0], got.token_ids[0]))
     assert top - served <= near_tie, (top - served, full.text, got.text)
     kl = kl_divergence(full.first_token_logprobs, got.first_token_logprobs)
