@@ -32,12 +32,13 @@ apart in full prefill, reuse picks the second. So the test measures batch invari
 torch path's bounds.
 
 Wherever exactness is not expected (the torch path; the kernel path without batch invariance) a
-first token other than full prefill's may be served only where full prefill itself nearly ties it: full's log-probability of the served token within
-``NEAR_TIE`` (0.25 nats, the tie measured above: two steps of the 0.125-nat grid that the top
-first-token log-probabilities measured here lie on, bf16's spacing for logits of magnitude 16-32)
-of its own top token. The torch path needs it even where the GEMM is batch-invariant: in a full
-test run on the model-207 Xeon, where the GEMM measured batch-invariant at that point of the run,
-its canonical reuse still served the runner-up of that 0.25-nat tie.
+first token other than full prefill's may be served only where full prefill itself nearly ties it:
+full's log-probability of the served token within ``NEAR_TIE`` (0.25 nats, the tie measured above:
+two steps of the 0.125-nat grid that the top first-token log-probabilities measured here lie on,
+bf16's spacing for logits of magnitude 16-32) of its own top token. The torch path needs it even
+where the GEMM is batch-invariant: in a full test run on the model-207 Xeon, where the GEMM
+measured batch-invariant at that point of the run, its canonical reuse still served the runner-up
+of that 0.25-nat tie.
 
 Runs in-process engines in bfloat16 (emulated, slower, on CPUs without bf16 instructions), one
 attention path at a time, beside the session's multi-process float32 engine.
