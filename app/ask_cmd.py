@@ -114,20 +114,10 @@ def format_answer(answer) -> str:
     return "\n".join(lines)
 
 
-def calibration_hint(calibration, metrics) -> str:
-    """A line for a blend that ran at ``blend.recompute_ratio`` as set (a number) over an index whose
-    calibration (``ragcache calibrate``, read only with ``recompute_ratio = "auto"``) says otherwise:
-    it recommends full prefill, or another ratio. "" when there is nothing to say."""
-    if calibration is None or metrics.ratio_source != "settings":
-        return ""
-    ran = f"blend ran at blend.recompute_ratio = {metrics.recompute_ratio:g} as set"
-    if calibration.recommendation == "full":
-        return (f"note: this index's calibration recommends full prefill ({calibration.reason}); {ran}; "
-                f"--mode full follows it")
-    if calibration.ratio is not None and calibration.ratio != metrics.recompute_ratio:
-        return (f"note: this index is calibrated to ratio {calibration.ratio:g}; {ran}; "
-                f"--recompute-ratio auto uses the calibration")
-    return ""
+def note_line(metrics) -> str:
+    """The answer's ratio note (:meth:`ragcache.pipeline.RAGPipeline.ratio_note`: the blend's ratio goes
+    against the index's calibration) as a line for stderr, or "" when there is nothing to say."""
+    return f"note: {metrics.ratio_note}" if metrics.ratio_note else ""
 
 
 def run_ask(args: argparse.Namespace) -> int:
@@ -137,9 +127,9 @@ def run_ask(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in answer.to_dict().items() if k != "question"}, ensure_ascii=False))
     else:
         print(format_answer(answer))
-    hint = calibration_hint(rag.calibration(), answer.metrics)
-    if hint:
-        print(hint, file=sys.stderr)
+    note = note_line(answer.metrics)
+    if note:
+        print(note, file=sys.stderr)
     return 0
 
 
@@ -150,6 +140,7 @@ def run_chat(args: argparse.Namespace) -> int:
     print(f"ragcache chat over index {args.index!r} (mode {args.mode or rag.settings.engine.mode}); "
           "/new starts a new conversation; empty line or Ctrl-D to quit", file=sys.stderr)
     history: list[Turn] = []
+    noted = False  # the ratio note is said once per session
     while True:
         try:
             question = input("you> ").strip()
@@ -172,4 +163,8 @@ def run_chat(args: argparse.Namespace) -> int:
         if answer is not None:
             history += [Turn("user", question), Turn("assistant", answer.text)]
             print(format_answer(answer).split("\n\n", 1)[1], file=sys.stderr)
+            note = note_line(answer.metrics)
+            if note and not noted:
+                noted = True
+                print(note, file=sys.stderr)
     return 0

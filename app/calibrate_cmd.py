@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="speed target: blend's median TTFT at least this many times below full prefill's")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios to try")
     p.add_argument("--selection", choices=SELECTIONS, default=None,
-                   help="token selection to calibrate (default: blend.selection)")
+                   help="token selection to calibrate (default: blend.selection); it runs in blend.granule's runs "
+                   "(set RAGCACHE_BLEND__GRANULE for another; the calibration is read back by strategy only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the probe-question draw")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
     p.set_defaults(func=run)

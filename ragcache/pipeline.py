@@ -150,7 +150,6 @@ class RAGPipeline:
         self._retriever: "Retriever | None" = None
         self._lock = threading.RLock()
         self._calibration: "tuple[int, Calibration | None] | None" = None  # (file mtime ns, calibration)
-        self._warned_fallback = False
 
     @classmethod
     def open(cls, settings: Settings | None = None, index: str | Path = "default",
@@ -274,8 +273,7 @@ class RAGPipeline:
         """:meth:`prepare` in a worker thread (question embedding and search are CPU work)."""
         return await asyncio.to_thread(self.prepare, question, options)
 
-    @staticmethod
-    def _answer(r: Retrieval, gen: "Generation", ratio_source: str) -> Answer:
+    def _answer(self, r: Retrieval, gen: "Generation", ratio_source: str) -> Answer:
         m = gen.metrics
         tiers = m.chunk_tiers or [""] * len(r.found)
         sources = [Source(x.chunk.doc_id, x.chunk.title, x.chunk.text, x.score, x.chunk.chunk_id, tier)
@@ -283,6 +281,7 @@ class RAGPipeline:
         m.retrieval_s = r.retrieval_s
         m.total_s = time.perf_counter() - r.t0
         m.ratio_source = ratio_source if m.mode == "blend" else ""
+        m.ratio_note = self.ratio_note(m.ratio_source, m.recompute_ratio) if m.mode == "blend" else ""
         return Answer(r.question, gen.text.strip(), sources, m, gen.finish_reason, r.prompt)
 
     # ---- recompute ratio ---------------------------------------------------------------------
@@ -308,7 +307,7 @@ class RAGPipeline:
         """The blend ratio for a query and where it came from: ``"request"`` (``override``),
         ``"settings"`` (a number in ``blend.recompute_ratio``), ``"calibration"`` (``"auto"`` and
         the index is calibrated) or ``"fallback"`` (``"auto"`` without a usable calibration:
-        ``blend.fallback_ratio``, with a warning once)."""
+        ``blend.fallback_ratio``; :meth:`ratio_note` says so)."""
         b = self.settings.blend
         if override is not None:
             return float(override), "request"
@@ -317,13 +316,33 @@ class RAGPipeline:
         cal = self.calibration()
         if cal is not None and cal.ratio is not None:
             return cal.ratio, "calibration"
-        if not self._warned_fallback:
-            self._warned_fallback = True
-            why = (f"its calibration recommends full prefill: {cal.reason}; consider --mode full" if cal is not None
-                   else f"run `ragcache calibrate --index {self.index_name}`")
-            log.warning("blend.recompute_ratio = 'auto' but the index %s has no calibrated ratio (%s); using "
-                        "blend.fallback_ratio = %g", self.index_name, why, b.fallback_ratio)
         return b.fallback_ratio, "fallback"
+
+    def ratio_note(self, source: str, ratio: float | None) -> str:
+        """One sentence when a blend at ``ratio`` (from ``source``, see :meth:`recompute_ratio`) goes
+        against this index's calibration, else "": ``"settings"`` over an index calibrated to another
+        ratio or to full prefill, or ``"fallback"`` (``"auto"`` with no calibrated ratio). Every
+        answer carries it in ``answer.metrics.ratio_note``; the CLI, the UI and the server show it
+        (the pipeline does not log it: each front end says it once, in its own words)."""
+        if source not in ("settings", "fallback") or ratio is None:
+            return ""
+        cal = self.calibration()
+        name = self.index_name
+        if source == "fallback":
+            if cal is None:
+                return (f"blend.recompute_ratio = 'auto' but the index {name} is not calibrated: blend ran at "
+                        f"blend.fallback_ratio = {ratio:g}; `ragcache calibrate --index {name}` measures a ratio")
+            return (f"the index {name}'s calibration recommends full prefill ({cal.reason}); blend ran at "
+                    f"blend.fallback_ratio = {ratio:g}")
+        if cal is None:
+            return ""
+        if cal.recommendation == "full" or cal.ratio is None:
+            return (f"the index {name}'s calibration recommends full prefill ({cal.reason}); blend ran at "
+                    f"blend.recompute_ratio = {ratio:g} as set")
+        if cal.ratio != ratio:
+            return (f"the index {name} is calibrated to ratio {cal.ratio:g}; blend ran at blend.recompute_ratio = "
+                    f"{ratio:g} as set (recompute_ratio = 'auto' uses the calibration)")
+        return ""
 
     def _for_engine(self, options: QueryOptions) -> tuple[QueryOptions, str]:
         """``options`` as the engine gets them, and where the blend's ratio came from: in blend mode

@@ -108,6 +108,8 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
 
     before = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
     assert (before.metrics.recompute_ratio, before.metrics.ratio_source) == (0.25, "fallback")
+    assert "is not calibrated" in before.metrics.ratio_note and "ragcache calibrate --index zorbia" in \
+        before.metrics.ratio_note
 
     questions = probe_questions(list(rag.retriever.index.chunks()), 2)
     asked = []  # the blend requests' ratios and the reuse warm-ups, in the order the engine got them
@@ -139,6 +141,14 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
 
     after = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
     assert (after.metrics.recompute_ratio, after.metrics.ratio_source) == (result.ratio, "calibration")
+    assert after.metrics.ratio_note == ""
+    other = 1.0 if result.ratio == 0.5 else 0.5
+    settings.blend.recompute_ratio = other  # a number as set, against the calibration
+    as_set = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
+    assert as_set.metrics.ratio_source == "settings"
+    assert f"calibrated to ratio {result.ratio:g}" in as_set.metrics.ratio_note
+    assert as_set.to_dict()["metrics"]["ratio_note"] == as_set.metrics.ratio_note  # what the server sends
+    settings.blend.recompute_ratio = "auto"
     explicit = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4, recompute_ratio=0.1)
     assert (explicit.metrics.recompute_ratio, explicit.metrics.ratio_source) == (0.1, "request")
 
@@ -147,20 +157,35 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     assert read_calibration(rag.index_path, engine.llm_info.fingerprint, settings.blend.selection) == result
 
 
-def test_ask_says_when_the_index_calibration_disagrees_with_the_ratio_it_ran_at():
-    from types import SimpleNamespace
+def test_the_ratio_note_says_when_a_blend_ratio_goes_against_the_index_calibration(monkeypatch):
+    from ragcache.pipeline import RAGPipeline
 
-    from app.ask_cmd import calibration_hint
-
-    as_set = SimpleNamespace(ratio_source="settings", recompute_ratio=0.15)
+    rag = RAGPipeline.__new__(RAGPipeline)  # no engine or index needed: only the calibration is read
+    rag.index_name = "docs"
     full = Calibration(ratio=None, max_kl=0.05, selection="question", model_fingerprint="fp", n=3, source="probes",
                        full_ttft_median_s=1.0, scores=[], created="now", recommendation="full",
                        reason="no ratio tried answers like full prefill")
-    hint = calibration_hint(full, as_set)
-    assert hint.startswith("note: this index's calibration recommends full prefill (no ratio tried")
-    assert "blend.recompute_ratio = 0.15 as set" in hint and "--mode full" in hint
-    assert "calibrated to ratio 0.3" in calibration_hint(cal("fp", 0.3), as_set)
-    assert calibration_hint(cal("fp", 0.15), as_set) == ""  # the same ratio: nothing to say
-    assert calibration_hint(None, as_set) == ""
-    for source in ("calibration", "fallback", "request"):  # auto read it (or warned), or the request chose
-        assert calibration_hint(full, SimpleNamespace(ratio_source=source, recompute_ratio=0.15)) == ""
+    found = {"cal": full}
+    monkeypatch.setattr(rag, "calibration", lambda: found["cal"])
+    note = rag.ratio_note("settings", 0.15)
+    assert note.startswith("the index docs's calibration recommends full prefill (no ratio tried")
+    assert "blend.recompute_ratio = 0.15 as set" in note
+    assert "blend.fallback_ratio = 0.15" in rag.ratio_note("fallback", 0.15)
+    for source in ("calibration", "request", ""):  # auto read it, or the request chose
+        assert rag.ratio_note(source, 0.15) == ""
+    found["cal"] = cal("fp", 0.3)
+    assert "calibrated to ratio 0.3" in rag.ratio_note("settings", 0.15)
+    assert rag.ratio_note("settings", 0.3) == ""  # the same ratio: nothing to say
+    found["cal"] = None
+    assert rag.ratio_note("settings", 0.15) == ""
+    assert "is not calibrated" in rag.ratio_note("fallback", 0.15)
+
+
+def test_ask_prints_the_ratio_note_once_on_stderr():
+    from types import SimpleNamespace
+
+    from app.ask_cmd import note_line
+
+    assert note_line(SimpleNamespace(ratio_note="")) == ""
+    assert note_line(SimpleNamespace(ratio_note="the index x is calibrated to ratio 0.3")) == \
+        "note: the index x is calibrated to ratio 0.3"

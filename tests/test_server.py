@@ -227,6 +227,28 @@ def test_second_turn_prompt_holds_the_first_turn_after_the_chunks(served):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_a_blend_against_the_index_calibration_carries_a_note_and_the_log_says_it_once(served, caplog):
+    from ragcache.index import CALIBRATION, Calibration, readable_path, write_calibration
+
+    url, state = served
+    folder = readable_path(state.pipeline(INDEX).index_path)
+    cal = Calibration(ratio=None, max_kl=0.05, selection=state.settings.blend.selection,
+                      model_fingerprint=state.engine.llm_info.fingerprint, n=2, source="probes",
+                      full_ttft_median_s=1.0, recommendation="full", reason="no ratio tried was faster")
+    write_calibration(folder, cal)
+    try:
+        with caplog.at_level("WARNING", logger="ragcache.server.app"):
+            notes = [client(url).chat.completions.create(messages=user(q), **ASK).model_extra["ragcache"]["metrics"]
+                     ["ratio_note"] for q in ("What is the capital of Zorbia?", "How many seats has the Amber Hall?")]
+        assert notes[0] == notes[1] and "recommends full prefill (no ratio tried was faster)" in notes[0]
+        assert "blend.recompute_ratio = 0.15 as set" in notes[0]
+        assert [r.getMessage() for r in caplog.records if "recommends full prefill" in r.getMessage()] == [notes[0]]
+    finally:
+        (folder / CALIBRATION).unlink()
+    after = client(url).chat.completions.create(messages=user("What is the capital of Zorbia?"), **ASK)
+    assert after.model_extra["ragcache"]["metrics"]["ratio_note"] == ""  # no calibration: nothing to say
+
+
 def test_metrics_move_by_the_right_amounts(served):
     url, _ = served
     c = client(url)

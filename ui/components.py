@@ -60,6 +60,8 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
     if m.recompute_ratio is not None:
         parts.insert(0, f"recompute ratio {m.recompute_ratio:g} ({m.ratio_source or 'set'})")
     st.caption(" · ".join(parts))
+    if m.ratio_note:  # the ratio goes against the index's calibration
+        st.caption(f":material/info: {_escape(m.ratio_note)}")
 
 
 def sources_expander(sources: Sequence["Source"]) -> None:

@@ -485,6 +485,9 @@ class RequestMetrics(ContextStats):
         recompute_ratio: the blend's recompute ratio for this request (None outside blend mode).
         ratio_source: where that ratio came from (set by the pipeline): ``"request"``, ``"settings"``,
             ``"calibration"`` (the index's calibrated ratio) or ``"fallback"``; empty otherwise.
+        ratio_note: one sentence when that ratio goes against the index's calibration (set by the
+            pipeline, :meth:`ragcache.pipeline.RAGPipeline.ratio_note`): the calibration recommends
+            full prefill or another ratio, or ``"auto"`` found no calibration; empty otherwise.
         repetition_loop: the answer repeats an n-gram of >= 2 tokens >= 3 times in a row
             (:func:`ragcache.quality.repetition_loop`): a degenerate answer.
     """
@@ -498,6 +501,7 @@ class RequestMetrics(ContextStats):
     num_cached_tokens: int = 0
     recompute_ratio: float | None = None
     ratio_source: str = ""
+    ratio_note: str = ""
     repetition_loop: bool = False
 
     @classmethod

@@ -121,6 +121,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.in_flight = 0
         self._pipelines: dict[tuple[str, int], "RAGPipeline"] = {}
+        self._noted: set[tuple[str, str]] = set()  # (index, ratio note) logged once
 
     def keyring(self) -> KeyRing:
         """The keys accepted now: built from ``serve.api_key`` and ``serve.keys_file``, and built
@@ -233,6 +234,16 @@ class ServerState:
             pipe = self._pipelines[key] = RAGPipeline(self.settings, path, self.engine)
             pipe.index_name = name
         return pipe
+
+    def answered(self, index: str, answer: "Answer", tenant: str) -> None:
+        """Count a finished answer in the metrics, and log its ratio note (the blend's ratio goes
+        against the index's calibration, :meth:`~ragcache.pipeline.RAGPipeline.ratio_note`) once per
+        index and note; clients get the note in every answer's ``ragcache.metrics.ratio_note``."""
+        self.metrics.observe(index, answer, tenant)
+        note = answer.metrics.ratio_note
+        if note and (index, note) not in self._noted:
+            self._noted.add((index, note))
+            log.warning("%s", note)
 
     def acquire(self) -> _Slot:
         """A place for one more request.
@@ -349,7 +360,7 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
                     yield _sse(chunk_body(cid, model, created, delta={"content": item}))
                 else:
                     answer = item
-        state.metrics.observe(index, answer, tenant)  # before the last lines: a client done reading sees it counted
+        state.answered(index, answer, tenant)  # before the last lines: a client done reading sees it counted
         outcome = "completed"
         extra = ragcache_body(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
         if include_usage:  # OpenAI sends the usage chunk only when asked
@@ -528,7 +539,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
                 response, slot = _EventStream(events, slot), None  # the stream frees the slot
                 return response
             answer = await _unless_disconnected(request, pipe.aanswer(r))
-            state.metrics.observe(index, answer, tenant)
+            state.answered(index, answer, tenant)
             extra = ragcache_body(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
             return JSONResponse(completion_body(completion_id(), body.model, answer, extra))
         except _ClientGone:
