@@ -124,6 +124,10 @@ class BlendSettings(_Section):
         384, ge=0, description="a blend recomputes at least this many context tokens (all of a shorter context), "
         "whatever the ratio gives: on short prompts 15% is too few for the passage an answer reads, and answers loop "
         "(0 = the ratio alone; a ratio of 0 stays plain reuse)")
+    recompute_depth: float = Field(
+        1.0, gt=0.0, le=1.0, description="share of the model's layers, from the first, in which the selected tokens "
+        "are recomputed; the later layers keep their reused KV (1 = every layer; ratio 1.0 always recomputes every "
+        "layer)")
     fallback_ratio: Ratio = Field(
         0.15, description="ratio used when recompute_ratio = 'auto' and the index has no calibration")
     check_layer: int | Literal["auto"] = Field(

@@ -56,6 +56,9 @@ def test_the_compute_floor_counts_the_tokens_the_blend_recomputed_not_the_nomina
     nominal = with_floor({**stages, "recomputed_frac": None}, check_layer=0, num_layers=30)
     assert nominal["floor_s"] == pytest.approx(1 / 30 * 3.0 + 0.15 * 29 / 30 * 3.0 + 0.1, abs=1e-3)
     assert got["worker_vs_floor"] < nominal["worker_vs_floor"]
+    shallow = with_floor(stages, check_layer=0, num_layers=30, depth_layers=27)  # blend.recompute_depth 0.9
+    assert shallow["floor_s"] == pytest.approx(1 / 30 * 3.0 + 0.3 * 26 / 30 * 3.0 + 0.1, abs=1e-3)
+    assert shallow["depth_layers"] == 27 and got["depth_layers"] == 30
 
 
 def test_the_main_blend_is_the_settings_selection_else_the_first_at_the_default_ratio():

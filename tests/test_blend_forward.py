@@ -440,6 +440,67 @@ def test_question_probe_writes_its_layers_once_with_write_rows(tiny, tiny_contex
     assert engine.rows_written == []
 
 
+@pytest.mark.parametrize("kernel_like", [False, True])
+def test_recompute_depth_stops_the_selected_tokens_and_keeps_the_reused_kv_after_it(tiny, tiny_context, kernel_like):
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    ids, positions = tiny_context.token_ids, tiny_context.positions
+    kwargs = dict(recompute_ratio=0.2, check_layer=0, selection=Selection("question", granule=4), tail_ids=TAIL,
+                  segment_starts=starts, exact=exact)
+    every, every_kv = run_blend(ops, tiny_context, **kwargs)
+    reused = LayerCollector(ops.num_layers)
+    reuse_kv(ops, positions, tiny_context.load_layer, reused)
+    if kernel_like:  # the engine path: the probe writes whole layers, then only recomputed rows
+        engine = CacheRowsAttention(ops, positions)
+        half = blend(ops, ids, positions, tiny_context.load_layer, on_layer=engine.cache, attention=engine.attention,
+                     write_rows=engine.write_rows, recompute_depth=0.5, **kwargs)
+        half_kv = engine.cache
+    else:
+        half, half_kv = run_blend(ops, tiny_context, recompute_depth=0.5, **kwargs)
+    assert torch.equal(half.selected, every.selected) and half.num_recomputed == every.num_recomputed > 0
+    for layer in range(ops.num_layers):  # 4 layers: the selected tokens are recomputed in layers 0 and 1
+        want_k, want_v = (every_kv.k[layer], every_kv.v[layer]) if layer < 2 else (reused.k[layer], reused.v[layer])
+        torch.testing.assert_close(half_kv.k[layer], want_k, rtol=0, atol=1e-6)
+        torch.testing.assert_close(half_kv.v[layer], want_v, rtol=0, atol=1e-6)
+    assert not torch.allclose(every_kv.v[3], reused.v[3])  # the full depth does change the late layers
+    # ratio 1.0 is full prefill whatever the depth
+    _, one = run_blend(ops, tiny_context, recompute_ratio=1.0, recompute_depth=0.25, check_layer=1)
+    expected_k, expected_v = full_kv(ops, tiny_context)
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(one.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(one.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_forced_tokens_go_through_every_layer_whatever_the_recompute_depth(tiny, tiny_context):
+    _, ops = tiny
+    start, stop = tiny_context.chunk_starts[1], tiny_context.chunk_starts[2]
+    n = tiny_context.token_ids.shape[0]
+    forced = torch.zeros(n, dtype=torch.bool)
+    forced[start:stop] = True
+    k_pre, v = tiny_context.k_pre.clone(), tiny_context.v.clone()
+    k_pre[:, start:stop] = 0
+    v[:, start:stop] = 0
+    got = LayerCollector(ops.num_layers)
+    result = blend(ops, tiny_context.token_ids, tiny_context.positions, lambda layer: (k_pre[layer], v[layer]),
+                   recompute_ratio=0.2, forced=forced, on_layer=got, recompute_depth=0.5)
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[result.selected] = True
+    assert chosen[forced].all() and (chosen & ~forced).any()
+    for layer in range(ops.num_layers):
+        assert got.v[layer][start:stop].abs().sum(dim=(1, 2)).min() > 0  # computed, never the zeros loaded
+    for layer in (2, 3):  # after the depth: the other chosen tokens keep their cached KV
+        others = chosen & ~forced
+        assert torch.equal(got.v[layer][others], tiny_context.v[layer][others])
+
+
+def test_recompute_layers_rounds_up_and_keeps_the_check_layer():
+    from ragcache.blend.forward import recompute_layers
+
+    assert recompute_layers(1.0, 30, 0) == 30 and recompute_layers(0.9, 30, 0) == 27
+    assert recompute_layers(0.8, 30, 0) == 24 and recompute_layers(0.81, 30, 0) == 25
+    assert recompute_layers(0.01, 30, 1) == 2  # at least through the check layer and one more
+
+
 def test_blend_rejects_bad_arguments(tiny, tiny_context):
     _, ops = tiny
     ids, positions, load = tiny_context.token_ids, tiny_context.positions, tiny_context.load_layer
@@ -451,6 +512,8 @@ def test_blend_rejects_bad_arguments(tiny, tiny_context):
         {"check_layer": -1},
         {"deviation": "attention"},
         {"forced": torch.zeros(3, dtype=torch.bool)},
+        {"recompute_depth": 0.0},
+        {"recompute_depth": 1.5},
     ):
         with pytest.raises(ValueError):
             blend(ops, ids, positions, load, on_layer=sink, **kwargs)

@@ -94,6 +94,24 @@ def test_the_recompute_floor_sets_the_budget_of_a_short_context(engine, fact_chu
         engine.settings.blend = base
 
 
+def test_recompute_depth_reaches_the_worker_and_leaves_ratio_one_exact(engine, fact_chunks):
+    prompt = engine.prompts.build("Who founded Velmora and when?", fact_chunks)
+    base = engine.settings.blend
+    ask = QueryOptions(mode="blend", recompute_ratio=0.3, max_tokens=1)
+    try:
+        deep = engine.generate(prompt, ask, logprobs=-1)
+        engine.settings.blend = base.model_copy(update={"recompute_depth": 0.5})
+        shallow = engine.generate(prompt, ask, logprobs=-1)
+        assert shallow.metrics.recomputed_tokens == deep.metrics.recomputed_tokens > 0  # the same selection
+        # layers 15-29 keep the reused KV: the first token's distribution moves
+        assert kl(deep.first_token_logprobs, shallow.first_token_logprobs) > 1e-6
+        full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=12))
+        one = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=1.0, max_tokens=12))
+        assert one.token_ids == full.token_ids  # ratio 1.0 recomputes every layer whatever the depth
+    finally:
+        engine.settings.blend = base
+
+
 def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks):
     new = make_chunks(engine, ["Zorbian children learn the seven-string harp from the age of five."])
     engine.forget(new)

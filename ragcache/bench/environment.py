@@ -81,6 +81,8 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "in_process": s.engine.in_process,
         "recompute_ratio": s.blend.recompute_ratio, "check_layer": s.blend.check_layer,
         "check_layer_resolved": s.blend.resolved_check_layer,
+        "min_recompute_tokens": s.blend.min_recompute_tokens, "recompute_depth": s.blend.recompute_depth,
+        "granule": s.blend.granule,
         "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
         "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
         "attention_reason": getattr(worker, "attention_reason", None),

@@ -93,7 +93,9 @@ def _stage_table(st: Mapping[str, Any]) -> Table:
     if st.get("ttft_s_plain") is not None:
         rows.append(line("plain vLLM prefill (TTFT)", st["ttft_s_plain"], st.get("ttft_s_ratio_one"), None))
     if st.get("floor_s") is not None:
-        rows.append(line(f"compute floor vs plain (c={st['check_layer']}, L={st['num_layers']})", st["floor_s"],
+        depth = st.get("depth_layers") or st["num_layers"]
+        where = f"c={st['check_layer']}, L={st['num_layers']}" + (f", D={depth}" if depth != st["num_layers"] else "")
+        rows.append(line(f"compute floor vs plain ({where})", st["floor_s"],
                          None, None))
         rows.append(line("worker / floor", st["worker_vs_floor"], None, None))
     if one:

@@ -71,7 +71,10 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     t_start = time.perf_counter()
 
     strategy = main.spec.strategy if main is not None and main.spec is not None else blend_settings.selection
-    layers = (blend_settings.check_layer_for(strategy), num_hidden_layers(engine.llm_info.path))
+    from ragcache.blend.forward import recompute_layers
+
+    check_layer, num_layers = blend_settings.check_layer_for(strategy), num_hidden_layers(engine.llm_info.path)
+    layers = (check_layer, num_layers, recompute_layers(blend_settings.recompute_depth, num_layers, check_layer))
 
     def result(partial: bool = False) -> dict[str, Any]:
         out = _ttft_result(variants, records, default_ratio, main_name, passages, max_tokens, prefix_warmup,
@@ -175,7 +178,7 @@ def _quality_record(g: "Generation", gens: Mapping[str, "Generation"], v: Varian
 
 def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], default_ratio: float,
                  main_name: str | None, passages: int, max_tokens: int, prefix_warmup: str, run_s: float,
-                 layers: tuple[int, int]) -> dict[str, Any]:
+                 layers: tuple[int, int, int]) -> dict[str, Any]:
     summaries = {v.name: summarize_variant(v, records) for v in variants}
     main = {"full": summaries["full"]}
     for m in (PLAIN, "prefix", "reuse"):
@@ -256,14 +259,17 @@ def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_name: str | Non
             "stages_s_reuse": summaries["reuse"]["stages_median_s"]}
 
 
-def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int) -> dict[str, Any] | None:
+def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
+               depth_layers: int | None = None) -> dict[str, Any] | None:
     """``stages`` plus the blend's compute floor against plain vLLM's prefill.
 
-    floor = (c + 1) / L x t(plain) + r x (L - c - 1) / L x t(plain) + t(reuse), with t(plain) the
+    floor = (c + 1) / L x t(plain) + r x (D - c - 1) / L x t(plain) + t(reuse), with t(plain) the
     median TTFT of plain vLLM's full prefill of the same prompts (what a user would run instead), r
     the share of context tokens the blend recomputed (mean over the examples: the ratio, or more where
-    ``blend.min_recompute_tokens`` raised a short context's budget), c the check layer, L the layers
-    (the layers up to the check layer run for every token, the rest for the recomputed share) and
+    ``blend.min_recompute_tokens`` raised a short context's budget), c the check layer, L the layers,
+    D the layers the recomputed tokens go through (``blend.recompute_depth``; default L: the issue's
+    formula) (the layers up to the check layer run for every token, layers c+1 .. D-1 for the
+    recomputed share, the rest for none) and
     t(reuse) reuse's median worker seconds (moving and writing the reused KV). Adds ``floor_s``,
     ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own ratio-1 path over
     plain's); each None when its inputs were not run.
@@ -274,9 +280,11 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int)
     r = stages.get("recomputed_frac") or stages["ratio"]
     floor = None
     if t_plain:
-        floor = ((check_layer + 1) / num_layers * t_plain + r * (num_layers - check_layer - 1) / num_layers * t_plain
+        depth = num_layers if depth_layers is None else depth_layers
+        floor = ((check_layer + 1) / num_layers * t_plain + r * (depth - check_layer - 1) / num_layers * t_plain
                  + stages["worker_s_reuse"])
-    return {**stages, "check_layer": check_layer, "num_layers": num_layers, "floor_s": rounded(floor),
+    return {**stages, "check_layer": check_layer, "num_layers": num_layers,
+            "depth_layers": num_layers if depth_layers is None else depth_layers, "floor_s": rounded(floor),
             "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None,
             "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None}
 

@@ -18,6 +18,7 @@ Tensors handed to ``on_layer`` are created under ``torch.inference_mode()`` and 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -427,7 +428,7 @@ def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: 
 
 def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
                      k_all: torch.Tensor | None, v_all: torch.Tensor | None, on_layer: OnLayer, attention: Attention,
-                     write_rows: WriteRows | None = None) -> torch.Tensor:
+                     write_rows: WriteRows | None = None, *, last: bool = False) -> torch.Tensor:
     """One layer after the check layer for the selected tokens only (§4.2, selective KV recompute).
 
     ``k_all`` / ``v_all`` ``[N, Hkv, D]`` hold the reused KV at the new positions; the selected rows
@@ -435,8 +436,9 @@ def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.T
     selected queries attend over them through ``attention``. With ``k_all = v_all = None`` the
     engine already holds the layer's reused KV (the question probe wrote it): only the selected rows
     go to ``write_rows``, and ``attention`` reads the layer back from the engine's cache.
-    ``hidden`` ``[n, hidden]`` -> the layer's output for the selected tokens (the last layer's is not
-    needed: ``hidden`` is returned).
+    ``hidden`` ``[n, hidden]`` -> the layer's output for the selected tokens (with ``last``, the
+    model's last layer or the last one these tokens are recomputed in, no output is needed: only
+    their K/V are written and ``hidden`` is returned).
     """
     q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
     q, k = ops.rope(layer, ctx.positions[selected], q, k)
@@ -446,10 +448,16 @@ def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.T
         k_all.index_copy_(0, selected, k)
         v_all.index_copy_(0, selected, v)
         on_layer(layer, k_all, v_all)
-    if layer == ops.num_layers - 1:
+    if last:
         return hidden
     attn = attention(layer, q, selected, k_all, v_all)  # [n, Hq, D]
     return ops.finish_layer(layer, hidden, attn)
+
+
+def recompute_layers(recompute_depth: float, num_layers: int, check_layer: int) -> int:
+    """How many layers, from the first, the selected tokens are recomputed in (:func:`blend_kv`'s
+    ``recompute_depth``): ``ceil(recompute_depth * num_layers)``, at least ``check_layer + 1``."""
+    return min(num_layers, max(check_layer + 1, math.ceil(round(recompute_depth * num_layers, 9))))
 
 
 def blend_kv(
@@ -460,6 +468,7 @@ def blend_kv(
     *,
     recompute_ratio: float,
     min_recompute_tokens: int = 0,
+    recompute_depth: float = 1.0,
     check_layer: int,
     deviation: str,
     selection: Selection | None = None,
@@ -494,7 +503,8 @@ def blend_kv(
     3. Layers ``check_layer + 1 ..`` (:func:`_selective_layer`): only the selected tokens go
        forward. K = cached K moved to ``positions`` with the selected rows replaced by their fresh
        K, V likewise; the selected queries attend over all N keys with the exact causal mask by
-       position.
+       position. With ``recompute_depth`` < 1 they stop after the first ``ceil(depth * L)`` layers
+       and the later layers keep the reused KV (forced tokens, which have none, go on to the end).
 
     With ``check_layer`` 0 and no KV deviation to measure, steps 1-2 compute no context token in
     full: a token's layer-0 K/V depend on that token alone, so the cached KV moved to ``positions``
@@ -522,6 +532,11 @@ def blend_kv(
             ``prefetch`` from a background thread.
             The blend may write into the returned tensors: return tensors the caller owns.
         recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
+        recompute_depth: share of the layers, from the first, in which the selected tokens are
+            recomputed, in (0, 1]: from layer ``ceil(recompute_depth * L)`` on (at least the check
+            layer + 1) only forced tokens go forward and every other token keeps its reused KV.
+            Applies only when a selection is made (a budget below every token): ratio 1.0 stays
+            exact. Measured in docs/benchmarks.md ("recompute depth").
         min_recompute_tokens: with a ratio above 0, recompute at least this many tokens (all N
             when fewer; :func:`~ragcache.blend.select.hkvd_budget`).
         check_layer: the layer where the tokens are selected, in ``[0, num_layers)``.
@@ -555,7 +570,8 @@ def blend_kv(
 
     Raises:
         ValueError: on empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``,
-            a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a ``check_layer``
+            a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a ``recompute_depth``
+            outside ``(0, 1]``, a ``check_layer``
             outside ``[0, num_layers)``, an unknown ``deviation``, a question-aware selection without
             ``tail_ids``, or ``load_layer`` returning tensors of the wrong shape.
     """
@@ -564,6 +580,8 @@ def blend_kv(
     budget = hkvd_budget(recompute_ratio, num_tokens, min_recompute_tokens)  # validates the ratio and the floor
     if not 0 <= check_layer < num_layers:
         raise ValueError(f"check_layer must be in [0, {num_layers}), got {check_layer}")
+    if not 0.0 < recompute_depth <= 1.0:
+        raise ValueError(f"recompute_depth must be in (0, 1], got {recompute_depth}")
     if deviation not in DEVIATIONS:
         raise ValueError(f"deviation must be one of {DEVIATIONS}, got {deviation!r}")
     selection = selection or Selection("deviation")
@@ -576,6 +594,8 @@ def blend_kv(
     num_forced = int(forced.sum()) if forced is not None else 0
     scores_matter = 0 < budget < num_tokens - num_forced
     use_tail = selection.needs_question and scores_matter
+    # the selected tokens go forward through layers < depth_end; after it only the forced ones do
+    depth_end = recompute_layers(recompute_depth, num_layers, check_layer) if scores_matter else num_layers
 
     # Which layers the cached KV is loaded for, in order (see load_layer): the question probe's, then
     # the selective layers' again. The probe's moved layers are not kept for the selective pass:
@@ -643,16 +663,23 @@ def blend_kv(
                 if selected.numel() > 0 and check_layer < num_layers - 1:
                     hidden = ops.finish_layer(check_layer, hidden[:ctx.n][selected],
                                               attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
+        recomputed = selected  # every token recomputed in some layer
         with clock("selective_layers_s"):
             for layer in selective_layers:
+                if layer == depth_end and selected.numel() > 0:  # the rest keep their reused KV from here
+                    keep = ctx.forced[selected] if ctx.forced is not None else torch.zeros_like(selected, dtype=torch.bool)
+                    selected, hidden = selected[keep], hidden[keep]
+                # the layer before depth_end needs no output for tokens that stop there
+                last = layer == num_layers - 1 or (layer == depth_end - 1 and ctx.forced is None)
                 if layer in written:  # the probe wrote the reused KV: only the recomputed rows change
                     if selected.numel() > 0:
-                        hidden = _selective_layer(ops, layer, ctx, hidden, selected, None, None, emit, attend, rows)
+                        hidden = _selective_layer(ops, layer, ctx, hidden, selected, None, None, emit, attend, rows,
+                                                  last=last)
                     continue
                 k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
                 k_all = move(layer, k_pre)
                 if selected.numel() > 0:
-                    hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend)
+                    hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend, last=last)
                 else:
                     emit(layer, k_all, v_all)
         _synchronize(ops.device)
@@ -660,8 +687,8 @@ def blend_kv(
     elapsed = time.perf_counter() - start
     write_s = emit.seconds + (rows.seconds if rows is not None else 0.0)
     return BlendResult(
-        selected=selected,
-        num_recomputed=int(selected.numel()),
+        selected=recomputed,
+        num_recomputed=int(recomputed.numel()),
         num_tokens=num_tokens,
         load_s=loader.wait_s,
         compute_s=elapsed - loader.wait_s - write_s,

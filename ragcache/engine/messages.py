@@ -60,7 +60,7 @@ class Rpc:
 
 
 #: the [blend] settings every reuse/blend request carries
-_BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "check_layer", "deviation", "selection", "chunk_head_tokens",
+_BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "recompute_depth", "check_layer", "deviation", "selection", "chunk_head_tokens",
                 "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads", "pipeline_overlap"}
 
 
@@ -99,8 +99,8 @@ class BlendParams:
         question_end: the question tail that question-aware selection reads is
             ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
             the continuation they score (a gold answer) is not seen by the selection.
-        recompute_ratio, min_recompute_tokens, check_layer, deviation, selection, chunk_head_tokens,
-            question_weight, max_chunk_share, granule, probe_layers, question_heads, pipeline_overlap: the
+        recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation, selection,
+            chunk_head_tokens, question_weight, max_chunk_share, granule, probe_layers, question_heads, pipeline_overlap: the
             ``[blend]`` settings in force for this request (see :class:`ragcache.config.BlendSettings`).
     """
 
@@ -111,6 +111,7 @@ class BlendParams:
     question_end: int = 0
     recompute_ratio: float
     min_recompute_tokens: int
+    recompute_depth: float
     check_layer: int
     deviation: str
     selection: str
@@ -168,6 +169,7 @@ class BlendParams:
                 segments=tuple(SegmentRef(str(k), int(s), int(n)) for k, s, n in data["segments"]),
                 question_end=int(data.get("question_end", 0)),
                 recompute_ratio=float(data["recompute_ratio"]), min_recompute_tokens=int(data["min_recompute_tokens"]),
+                recompute_depth=float(data["recompute_depth"]),
                 check_layer=int(data["check_layer"]),
                 deviation=str(data["deviation"]), selection=str(data["selection"]),
                 chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),

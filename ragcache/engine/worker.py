@@ -313,6 +313,7 @@ class WorkerRuntime:
             result = blend_kv(
                 self.ops, ids, positions, load_layer,
                 recompute_ratio=p.recompute_ratio, min_recompute_tokens=p.min_recompute_tokens,
+                recompute_depth=p.recompute_depth,
                 check_layer=p.check_layer, deviation=p.deviation,
                 selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
                 tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
