@@ -38,6 +38,14 @@ def full_kv(ops, context):
     return [move_keys(ops, layer, k_pre[layer], context.positions) for layer in range(ops.num_layers)], list(v)
 
 
+def assert_full_prefill(ops, context, got, tol=1e-5, layers=None):
+    """``got`` (a LayerCollector) holds full prefill's K/V of ``context`` in ``layers`` (default all)."""
+    expected_k, expected_v = full_kv(ops, context)
+    for layer in range(ops.num_layers) if layers is None else layers:
+        torch.testing.assert_close(got.k[layer], expected_k[layer], atol=tol, rtol=tol)
+        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=tol, rtol=tol)
+
+
 #: the [blend] settings' defaults, for calls that do not set a knob themselves; blend_kv's own default
 #: selection is CacheBlend's deviation, whose check layer "auto" resolves to
 DEFAULTS = {**BlendSettings().model_dump(include={"recompute_ratio", "deviation"}),
@@ -109,15 +117,12 @@ def test_blend_at_ratio_one_reproduces_full_prefill_multi_chunk_tiny(
     tiny, tiny_context, check_layer, deviation, prefetch
 ):
     _, ops = tiny
-    expected_k, expected_v = full_kv(ops, tiny_context)
     result, got = run_blend(
         ops, tiny_context, recompute_ratio=1.0, check_layer=check_layer, deviation=deviation, prefetch=prefetch
     )
     n = tiny_context.token_ids.shape[0]
     assert result.num_recomputed == n and result.selected.tolist() == list(range(n))
-    for layer in range(ops.num_layers):
-        torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+    assert_full_prefill(ops, tiny_context, got)
 
 
 def test_blend_at_ratio_one_reproduces_full_prefill_multi_chunk_smollm2(smol):
@@ -129,11 +134,8 @@ def test_blend_at_ratio_one_reproduces_full_prefill_multi_chunk_smollm2(smol):
         "The Danube flows through ten countries, more than any other river in the world.",
     ]
     context = cached_context(ops, lead_in, [tokenizer(p + "\n")["input_ids"] for p in passages])
-    expected_k, expected_v = full_kv(ops, context)
     _, got = run_blend(ops, context, recompute_ratio=1.0, check_layer=1)
-    for layer in range(ops.num_layers):
-        torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-4, rtol=1e-4)
+    assert_full_prefill(ops, context, got, tol=1e-4)
 
 
 TAIL = torch.tensor([5, 77, 130, 9, 201])  # a question tail after the tiny context
@@ -151,16 +153,13 @@ def context_layout(context):
 def test_every_selection_at_ratio_one_reproduces_full_prefill(tiny, tiny_context, strategy):
     _, ops = tiny
     starts, exact = context_layout(tiny_context)
-    expected_k, expected_v = full_kv(ops, tiny_context)
     sel = Selection(strategy, chunk_head_tokens=3, max_chunk_share=0.5)
     result, got = run_blend(ops, tiny_context, recompute_ratio=1.0, selection=sel, tail_ids=TAIL,
                             segment_starts=starts, exact=exact)
     n = tiny_context.token_ids.shape[0]
     assert result.selected.tolist() == list(range(n))
     assert "question_probe_s" not in result.stages  # every token is recomputed: no scores needed
-    for layer in range(ops.num_layers):
-        torch.testing.assert_close(got.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+    assert_full_prefill(ops, tiny_context, got)
 
 
 @pytest.mark.parametrize("strategy", ["deviation", "question", "hybrid"])
@@ -218,9 +217,7 @@ def test_question_selection_at_check_layer_zero_computes_only_the_tail_and_the_s
     assert result.num_recomputed == hkvd_budget(0.2, n) < n
     assert counting.qkv_rows[0] == TAIL.shape[0] + result.num_recomputed
     assert all(rows == TAIL.shape[0] + result.num_recomputed for rows in counting.qkv_rows.values())
-    expected_k, expected_v = full_kv(ops, tiny_context)
-    torch.testing.assert_close(collected.k[0], expected_k[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(collected.v[0], expected_v[0], atol=1e-5, rtol=1e-5)
+    assert_full_prefill(ops, tiny_context, collected, layers=[0])
     kept = torch.ones(n, dtype=torch.bool)
     kept[result.selected] = False
     for layer in range(1, ops.num_layers):  # unselected rows keep the cached KV, selected ones are fresh
@@ -241,15 +238,11 @@ def test_blend_at_ratio_zero_equals_reuse_after_the_check_layer(tiny, tiny_conte
     result, blended = run_blend(ops, tiny_context, recompute_ratio=0.0, check_layer=check_layer)
     reused = LayerCollector(ops.num_layers)
     reuse_result = reuse_kv(ops, tiny_context.positions, tiny_context.load_layer, reused)
-    expected_k, expected_v = full_kv(ops, tiny_context)
     assert result.num_recomputed == 0 and reuse_result.num_recomputed == 0
-    for layer in range(ops.num_layers):
-        if layer <= check_layer:  # computed in full for every token
-            torch.testing.assert_close(blended.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(blended.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
-        else:
-            assert torch.equal(blended.k[layer], reused.k[layer])
-            assert torch.equal(blended.v[layer], reused.v[layer])
+    assert_full_prefill(ops, tiny_context, blended, layers=range(check_layer + 1))  # every token in full
+    for layer in range(check_layer + 1, ops.num_layers):
+        assert torch.equal(blended.k[layer], reused.k[layer])
+        assert torch.equal(blended.v[layer], reused.v[layer])
 
 
 def test_reuse_moves_cached_k_and_keeps_v(tiny, tiny_context):
@@ -326,10 +319,7 @@ def test_forced_tokens_without_cached_kv_are_recomputed(tiny, tiny_context):
         ops, tiny_context.token_ids, tiny_context.positions, lambda layer: (torch.zeros_like(k_pre[layer]),) * 2,
         recompute_ratio=0.0, forced=torch.ones(n, dtype=torch.bool), on_layer=everything,
     )
-    expected_k, expected_v = full_kv(ops, tiny_context)
-    for layer in range(ops.num_layers):
-        torch.testing.assert_close(everything.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(everything.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+    assert_full_prefill(ops, tiny_context, everything)
 
 
 def test_prefetch_loads_layers_in_order_on_a_background_thread(tiny, tiny_context):
@@ -465,10 +455,7 @@ def test_recompute_depth_stops_the_selected_tokens_and_keeps_the_reused_kv_after
     assert not torch.allclose(every_kv.v[3], reused.v[3])  # the full depth does change the late layers
     # ratio 1.0 is full prefill whatever the depth
     _, one = run_blend(ops, tiny_context, recompute_ratio=1.0, recompute_depth=0.25, check_layer=1)
-    expected_k, expected_v = full_kv(ops, tiny_context)
-    for layer in range(ops.num_layers):
-        torch.testing.assert_close(one.k[layer], expected_k[layer], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(one.v[layer], expected_v[layer], atol=1e-5, rtol=1e-5)
+    assert_full_prefill(ops, tiny_context, one)
 
 
 def test_forced_tokens_go_through_every_layer_whatever_the_recompute_depth(tiny, tiny_context):
