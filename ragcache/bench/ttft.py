@@ -279,12 +279,12 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
     t_plain, one = stages["ttft_s_plain"], stages["ttft_s_ratio_one"]
     r = stages.get("recomputed_frac") or stages["ratio"]
     floor = None
+    depth = num_layers if depth_layers is None else depth_layers
     if t_plain:
-        depth = num_layers if depth_layers is None else depth_layers
         floor = ((check_layer + 1) / num_layers * t_plain + r * (depth - check_layer - 1) / num_layers * t_plain
                  + stages["worker_s_reuse"])
-    return {**stages, "check_layer": check_layer, "num_layers": num_layers,
-            "depth_layers": num_layers if depth_layers is None else depth_layers, "floor_s": rounded(floor),
+    return {**stages, "check_layer": check_layer, "num_layers": num_layers, "depth_layers": depth,
+            "floor_s": rounded(floor),
             "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None,
             "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None}
 

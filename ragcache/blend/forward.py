@@ -667,8 +667,11 @@ def blend_kv(
         with clock("selective_layers_s"):
             for layer in selective_layers:
                 if layer == depth_end and selected.numel() > 0:  # the rest keep their reused KV from here
-                    keep = ctx.forced[selected] if ctx.forced is not None else torch.zeros_like(selected, dtype=torch.bool)
-                    selected, hidden = selected[keep], hidden[keep]
+                    if ctx.forced is None:
+                        selected = selected[:0]
+                    else:
+                        keep = ctx.forced[selected]
+                        selected, hidden = selected[keep], hidden[keep]
                 # the layer before depth_end needs no output for tokens that stop there
                 last = layer == num_layers - 1 or (layer == depth_end - 1 and ctx.forced is None)
                 if layer in written:  # the probe wrote the reused KV: only the recomputed rows change

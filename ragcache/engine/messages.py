@@ -60,8 +60,9 @@ class Rpc:
 
 
 #: the [blend] settings every reuse/blend request carries
-_BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "recompute_depth", "check_layer", "deviation", "selection", "chunk_head_tokens",
-                "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads", "pipeline_overlap"}
+_BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "recompute_depth", "check_layer", "deviation", "selection",
+                "chunk_head_tokens", "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads",
+                "pipeline_overlap"}
 
 
 def _overlap(value: Any) -> bool | str:
@@ -100,8 +101,8 @@ class BlendParams:
             ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
             the continuation they score (a gold answer) is not seen by the selection.
         recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation, selection,
-            chunk_head_tokens, question_weight, max_chunk_share, granule, probe_layers, question_heads, pipeline_overlap: the
-            ``[blend]`` settings in force for this request (see :class:`ragcache.config.BlendSettings`).
+            chunk_head_tokens, question_weight, max_chunk_share, granule, probe_layers, question_heads,
+            pipeline_overlap: the ``[blend]`` settings in force for this request (see :class:`ragcache.config.BlendSettings`).
     """
 
     mode: str
