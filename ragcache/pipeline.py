@@ -330,17 +330,17 @@ class RAGPipeline:
         name = self.index_name
         if source == "fallback":
             if cal is None:
-                return (f"blend.recompute_ratio = 'auto' but the index {name} is not calibrated: blend ran at "
+                return (f"blend.recompute_ratio = 'auto' but index {name} is not calibrated: blend ran at "
                         f"blend.fallback_ratio = {ratio:g}; `ragcache calibrate --index {name}` measures a ratio")
-            return (f"the index {name}'s calibration recommends full prefill ({cal.reason}); blend ran at "
+            return (f"the calibration of index {name} recommends full prefill ({cal.reason}); blend ran at "
                     f"blend.fallback_ratio = {ratio:g}")
         if cal is None:
             return ""
         if cal.recommendation == "full" or cal.ratio is None:
-            return (f"the index {name}'s calibration recommends full prefill ({cal.reason}); blend ran at "
+            return (f"the calibration of index {name} recommends full prefill ({cal.reason}); blend ran at "
                     f"blend.recompute_ratio = {ratio:g} as set")
         if cal.ratio != ratio:
-            return (f"the index {name} is calibrated to ratio {cal.ratio:g}; blend ran at blend.recompute_ratio = "
+            return (f"index {name} is calibrated to ratio {cal.ratio:g}; blend ran at blend.recompute_ratio = "
                     f"{ratio:g} as set (recompute_ratio = 'auto' uses the calibration)")
         return ""
 

@@ -168,7 +168,7 @@ def test_the_ratio_note_says_when_a_blend_ratio_goes_against_the_index_calibrati
     found = {"cal": full}
     monkeypatch.setattr(rag, "calibration", lambda: found["cal"])
     note = rag.ratio_note("settings", 0.15)
-    assert note.startswith("the index docs's calibration recommends full prefill (no ratio tried")
+    assert note.startswith("the calibration of index docs recommends full prefill (no ratio tried")
     assert "blend.recompute_ratio = 0.15 as set" in note
     assert "blend.fallback_ratio = 0.15" in rag.ratio_note("fallback", 0.15)
     for source in ("calibration", "request", ""):  # auto read it, or the request chose
