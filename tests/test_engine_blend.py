@@ -112,6 +112,20 @@ def test_recompute_depth_reaches_the_worker_and_leaves_ratio_one_exact(engine, f
         engine.settings.blend = base
 
 
+def test_scoring_the_same_continuation_twice_in_prefix_mode_reads_no_cached_block(engine, fact_chunks):
+    # The first scoring request leaves full blocks of prompt + continuation in vLLM's prefix cache; a
+    # second one over the same tokens must not read them (they cover the positions it scores).
+    prompt = engine.prompts.build("Who founded Velmora and when?", fact_chunks)
+    block = 128  # vLLM's CPU block size
+    filler = encode(engine.tokenizer, " Velmora was founded by Idris Kell in 1432 after a storm.")
+    continuation = (filler * 40)[: (len(prompt.token_ids) // block + 2) * block - len(prompt.token_ids) + 3]
+    exact = QueryOptions(mode="prefix")
+    first = engine.continuation_logprobs(prompt, continuation, exact)
+    again = engine.continuation_logprobs(prompt, continuation, exact)  # raised "cached tokens cover ..." before
+    assert len(first) == len(again) == len(continuation)
+    assert again == pytest.approx(first, abs=1e-4)
+
+
 def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks):
     new = make_chunks(engine, ["Zorbian children learn the seven-string harp from the age of five."])
     engine.forget(new)

@@ -296,7 +296,8 @@ class EngineBase:
         a normal request of ``options.mode``. Two vLLM settings make this work beside the connector:
         ``skip_reading_prefix_cache=False`` (with prompt logprobs vLLM otherwise skips every cache
         hit, the connector's claimed tokens included) and ``detokenize=False`` (rows of claimed tokens
-        hold uninitialised ids that must not be decoded).
+        hold uninitialised ids that must not be decoded). It never reads vLLM's prefix cache, prefix
+        mode included (a cache salt of its own): the scores come from a fresh pass.
 
         Raises:
             ValueError: empty continuation.
@@ -311,6 +312,9 @@ class EngineBase:
         req.sampling.prompt_logprobs = 0
         req.sampling.skip_reading_prefix_cache = False
         req.sampling.detokenize = False
+        # in prefix mode too, no exact-prefix block of another request: one over the same prompt and
+        # continuation (a question asked twice) would cover the positions this request must score
+        req.inputs["cache_salt"] = req.rid
         return req
 
     @staticmethod
