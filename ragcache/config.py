@@ -508,5 +508,21 @@ def _describe(exc: ValidationError, toml_path: Path | None) -> str:
             lines.append(f"invalid settings in [{key}]: {msg} (set in {where})")
         else:
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] in _BOUND_ERRORS:  # say the whole range, not only the bound that was crossed
+                rule = _setting_range(err["loc"])
+                msg = rule if rule != _NO_RANGE else msg
             lines.append(f"invalid setting {key} = {value!r}: {msg} (set in {where})")
     return "; ".join(lines)
+
+
+#: pydantic error types of a value outside a field's bounds
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _setting_range(loc: tuple) -> str:
+    """:func:`range_text` of the setting at ``loc`` (``("blend", "recompute_depth")``), or :data:`_NO_RANGE`."""
+    try:
+        section, key = loc[0], loc[1]
+        return range_text(Settings.model_fields[section].annotation.model_fields[key])
+    except (IndexError, KeyError, AttributeError):
+        return _NO_RANGE

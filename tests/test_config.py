@@ -76,7 +76,10 @@ def test_settings_file_from_env_and_cwd(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "toml, words",
     [
-        ("[store]\ncpu_kv_pool_gb = -1\n", ["store.cpu_kv_pool_gb", "-1", "greater than or equal to 0"]),
+        ("[store]\ncpu_kv_pool_gb = -1\n", ["store.cpu_kv_pool_gb", "-1", "must be >= 0"]),
+        ("[blend]\nrecompute_depth = 0\n", ["blend.recompute_depth", "0", "must be in (0, 1]"]),
+        ("[blend]\nrecompute_depth = 1.5\n", ["blend.recompute_depth", "1.5", "must be in (0, 1]"]),
+        ("[retrieval]\ntop_k = 0\n", ["retrieval.top_k", "0", "must be in [1, 100]"]),
         ("[store]\nssd_cache_max_gb = -0.5\n", ["store.ssd_cache_max_gb", "-0.5"]),
         ("[blend]\nrecompute_ratio = 1.5\n", ["blend.recompute_ratio", "1.5", "must be in [0, 1] (or 'auto')"]),
         ("[blend]\nrecompute_ratio = \"fast\"\n", ["blend.recompute_ratio", "fast", "a number in [0, 1] or 'auto'"]),
