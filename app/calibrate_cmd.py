@@ -141,10 +141,18 @@ def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
         floor = f" ({min_recompute_tokens} tokens)" if min_recompute_tokens is not None else ""
         print(f"recomputed: the share of each context actually recomputed. Where it exceeds the ratio, "
               f"blend.min_recompute_tokens{floor} set a floor: every ratio below that floor recomputes the same tokens")
+    prompts = cal.source if cal.n != 1 else cal.source.rstrip("s")  # "1 probe", "3 probes"
     print(f"full prefill: TTFT median {cal.full_ttft_median_s:.3f} s, loops {100 * cal.full_loop_share:.0f}%, over "
-          f"{cal.n} {cal.source}; targets: KL <= {cal.max_kl:g}, answer NLL <= +{100 * cal.max_nll_rel:g}%, "
+          f"{cal.n} {prompts}; targets: KL <= {cal.max_kl:g}, answer NLL <= +{100 * cal.max_nll_rel:g}%, "
           f"speedup >= {cal.min_speedup:g}x")
     if cal.recommendation == "full":
         print(f"recommendation: full prefill (--mode full): {cal.reason}")
     else:
         print(f"recommendation: {cal.reason}")
+    if cal.n < FEW_PROMPTS:
+        print(f"note: measured on {cal.n} prompt{'s' if cal.n != 1 else ''} only: TTFT and KL vary from prompt to "
+              f"prompt, so this verdict is noisy; --n {FEW_PROMPTS * 3} or more gives one to rely on")
+
+
+#: fewer prompts than this and the calibration's verdict is called noisy
+FEW_PROMPTS = 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -47,8 +48,10 @@ def test_the_recomputed_share_is_kept_and_shows_when_the_floor_raised_a_ratio(tm
     out = capsys.readouterr().out
     assert "recomputed" in out.splitlines()[0]
     assert [line.split()[1] for line in out.splitlines()[1:4]] == ["18.2%", "18.2%", "30.1%"]
-    assert "blend.min_recompute_tokens (384 tokens) set a floor" in out
-    capsys.readouterr()
+    assert "blend.min_recompute_tokens (384 tokens) set a floor" in out and "noisy" not in out
+    print_calibration(dataclasses.replace(record, n=1), 384)  # one prompt: the verdict is called noisy
+    out = capsys.readouterr().out
+    assert "over 1 probe;" in out and "note: measured on 1 prompt only" in out
     print_calibration(cal("fp", 0.1))  # no share recorded: a dash, no floor line
     out = capsys.readouterr().out
     assert out.splitlines()[1].split()[1] == "-" and "min_recompute_tokens" not in out
