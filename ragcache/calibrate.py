@@ -51,7 +51,8 @@ __all__ = ["Calibration", "CalibrationError", "RatioScore", "calibrate", "probe_
            "write_calibration", "DEFAULT_MAX_KL", "DEFAULT_RATIOS"]
 #: ratios tried by default, ascending
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
-#: how full's own answer is scored (exact: vLLM's prefix cache over full prefill's KV)
+#: how full prefill's own answer is scored: exact KV (prefix mode; a scoring request reads no cached
+#: block, so it is a fresh full pass: EngineBase._scoring_request); bench ttft scores with it too
 EXACT = QueryOptions(mode="prefix")
 #: reads a prompt's chunk KV once before the timed blends (calibrate)
 WARM_UP = QueryOptions(mode="reuse", max_tokens=1)

@@ -20,13 +20,12 @@ from ragcache.bench.datasets import QAExample, make_chunks
 from ragcache.bench.metrics import (
     exact_match, kl_divergence, mean, mean_nll, median, percentile, rouge_l, rounded, token_f1,
 )
+from ragcache.calibrate import EXACT  # the exact modes' NLL is scored as calibrate scores full's answer
 from ragcache.config import MODES
 from ragcache.models import num_hidden_layers
 from ragcache.options import QueryOptions
 from ragcache.quality import rotated
 
-#: how the exact modes' NLL is scored (vLLM's prefix cache over full prefill's KV)
-EXACT = QueryOptions(mode="prefix")
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine, Generation
