@@ -37,8 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="speed target: blend's median TTFT at least this many times below full prefill's")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios to try")
     p.add_argument("--selection", choices=SELECTIONS, default=None,
-                   help="token selection to calibrate (default: blend.selection); it runs in blend.granule's runs "
-                   "(set RAGCACHE_BLEND__GRANULE for another; the calibration is read back by strategy only)")
+                   help="token selection to calibrate (default: blend.selection), under the other blend settings "
+                   "in force (granule, recompute_depth, ...); the record holds only while they and the dtype stay "
+                   "the same")
     p.add_argument("--seed", type=int, default=0, help="seed of the probe-question draw")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
     p.set_defaults(func=run)
@@ -145,6 +146,9 @@ def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
     print(f"full prefill: TTFT median {cal.full_ttft_median_s:.3f} s, loops {100 * cal.full_loop_share:.0f}%, over "
           f"{cal.n} {prompts}; targets: KL <= {cal.max_kl:g}, answer NLL <= +{100 * cal.max_nll_rel:g}%, "
           f"speedup >= {cal.min_speedup:g}x")
+    if cal.settings:
+        print("measured under " + ", ".join(f"{name.removeprefix('blend.')} = {value}"
+                                            for name, value in cal.settings.items()))
     if cal.recommendation == "full":
         print(f"recommendation: full prefill (--mode full): {cal.reason}")
     else:

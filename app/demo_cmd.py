@@ -83,6 +83,9 @@ def _calibrate(rag) -> bool:
     calibrated_now = cal is None
     ratios = ", ".join(f"{r:g}" for r in CALIBRATION_RATIOS)
     if cal is None:
+        changes = rag.calibration_changes()
+        if changes:
+            print(f"the demo index's calibration was measured under other settings ({'; '.join(changes)})")
         print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend at ratios {ratios} against "
               f"full prefill", flush=True)
         cal = calibrate(rag, probe_questions(list(rag.retriever.index.chunks()), CALIBRATION_PROBES),

@@ -3,7 +3,7 @@
 Owns: measuring blend against full prefill on prompts drawn from one index (:func:`calibrate`) and
 the probe questions made from the index's own chunks (:func:`probe_questions`). The record it
 produces is kept in the index folder (``calibration.json``, one entry per model fingerprint and
-selection strategy; :class:`~ragcache.index.Calibration`, :func:`~ragcache.index.read_calibration`,
+selection strategy, with the settings it was measured under, outside which it does not hold; :class:`~ragcache.index.Calibration`, :func:`~ragcache.index.read_calibration`,
 :func:`~ragcache.index.write_calibration`, re-exported here), where ``blend.recompute_ratio =
 "auto"`` reads it.
 
@@ -208,7 +208,8 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
                        full_ttft_median_s=round(full_ttft, 4), scores=scores,
                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), max_nll_rel=max_nll_rel,
                        min_speedup=min_speedup, full_loop_share=round(full_loop, 4),
-                       recommendation=recommendation, reason=reason)
+                       recommendation=recommendation, reason=reason,
+                       settings=rag.calibrated_settings(selection))
 
 
 def _median(values: Sequence[float]) -> float:

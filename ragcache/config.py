@@ -219,6 +219,30 @@ class BlendSettings(_Section):
                              "zero; use check_layer >= 1 or 'auto'")
         return int(self.check_layer)
 
+    def calibrated_settings(self, selection: str | None = None) -> dict[str, Any]:
+        """The settings that change what a blend at a given ratio computes, for ``selection`` (None:
+        ``selection``): a calibration (``ragcache calibrate``) measured under other values does not
+        hold. Only the settings ``selection`` reads are included (e.g. ``question_weight`` for
+        hybrid only), so changing an unused one keeps the calibration; ``check_layer`` resolved.
+
+        Returns:
+            ``{"blend.<name>": value}``, JSON-serialisable.
+
+        Raises:
+            ValueError: as :meth:`check_layer_for`.
+        """
+        selection = selection or self.selection
+        names = ["min_recompute_tokens", "recompute_depth", "chunk_head_tokens", "max_chunk_share", "granule"]
+        if self.measures_deviation(selection):
+            names.append("deviation")
+        if selection == "hybrid":
+            names.append("question_weight")
+        if selection == "question" or (selection == "hybrid" and self.question_weight > 0):
+            names += ["probe_layers", "question_heads"]
+        values = {f"blend.{name}": getattr(self, name) for name in names}
+        values["blend.check_layer"] = self.check_layer_for(selection)
+        return values
+
     @property
     def static_ratio(self) -> float:
         """The ratio when no calibration is consulted: ``recompute_ratio``, or ``fallback_ratio`` for "auto"."""

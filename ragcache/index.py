@@ -407,6 +407,10 @@ class Calibration:
         max_nll_rel: the answer-NLL target (relative to full's). min_speedup: the speed target.
         full_loop_share: share of full prefill's answers with a repetition loop.
         recommendation: ``"blend"`` (at ``ratio``) or ``"full"``; ``reason`` says why in one sentence.
+        settings: what the blends were measured under: the blend settings that change what a blend
+            at a ratio computes (:meth:`ragcache.config.BlendSettings.calibrated_settings`) and
+            ``"engine.dtype"`` (the resolved dtype); None in records written before it was kept.
+            A calibration holds only under the same values (:meth:`changed`).
     """
 
     ratio: float | None
@@ -423,6 +427,16 @@ class Calibration:
     full_loop_share: float = 0.0
     recommendation: str = "blend"
     reason: str = ""
+    settings: dict[str, Any] | None = None
+
+    def changed(self, current: dict[str, Any]) -> list[str]:
+        """The settings whose value in ``current`` (same keys as :attr:`settings`) differs from the
+        one measured, as ``"blend.granule = 16 (calibrated with 8)"``; [] when the calibration holds
+        (also for a record that kept no settings: it cannot be checked)."""
+        if self.settings is None:
+            return []
+        return [f"{name} = {current.get(name)!r} (calibrated with {self.settings.get(name)!r})"
+                for name in sorted(set(self.settings) | set(current)) if self.settings.get(name) != current.get(name)]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Calibration":

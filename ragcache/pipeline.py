@@ -288,7 +288,27 @@ class RAGPipeline:
 
     def calibration(self) -> "Calibration | None":
         """The index's calibration for the engine's model and ``blend.selection`` (``ragcache
-        calibrate``), or None; re-read when the file changes."""
+        calibrate``), or None: none recorded, or one measured under other settings
+        (:meth:`calibration_changes` lists them; ``"auto"`` then falls back). Re-read when the file
+        changes."""
+        cal = self._read_calibration()
+        return None if cal is None or cal.changed(self.calibrated_settings()) else cal
+
+    def calibration_changes(self) -> list[str]:
+        """The settings changed since the index's calibration was measured (as
+        :meth:`ragcache.index.Calibration.changed` words them), or [] (none, or no calibration)."""
+        cal = self._read_calibration()
+        return [] if cal is None else cal.changed(self.calibrated_settings())
+
+    def calibrated_settings(self, selection: str | None = None) -> dict[str, Any]:
+        """What a calibration of this index is measured under and holds for: the blend settings that
+        change what a blend at a ratio computes (:meth:`ragcache.config.BlendSettings.calibrated_settings`
+        for ``selection``, None: ``blend.selection``) and the engine's resolved ``engine.dtype``."""
+        values = self.engine.settings.blend.calibrated_settings(selection or self.settings.blend.selection)
+        values["engine.dtype"] = str(self.engine.dtype.dtype)
+        return values
+
+    def _read_calibration(self) -> "Calibration | None":
         from ragcache.index import CALIBRATION, read_calibration, readable_path
 
         folder = readable_path(self.index_path)
@@ -321,13 +341,19 @@ class RAGPipeline:
     def ratio_note(self, source: str, ratio: float | None) -> str:
         """One sentence when a blend at ``ratio`` (from ``source``, see :meth:`recompute_ratio`) goes
         against this index's calibration, else "": ``"settings"`` over an index calibrated to another
-        ratio or to full prefill, or ``"fallback"`` (``"auto"`` with no calibrated ratio). Every
+        ratio or to full prefill, or ``"fallback"`` (``"auto"`` with no calibrated ratio, or with a
+        calibration measured under other settings: :meth:`calibration_changes`). Every
         answer carries it in ``answer.metrics.ratio_note``; the CLI, the UI and the server show it
         (the pipeline does not log it: each front end says it once, in its own words)."""
         if source not in ("settings", "fallback") or ratio is None:
             return ""
         cal = self.calibration()
         name = self.index_name
+        changes = self.calibration_changes()
+        if changes and source == "fallback":
+            return (f"the calibration of index {name} was measured under other settings ({'; '.join(changes)}): "
+                    f"blend ran at blend.fallback_ratio = {ratio:g}; `ragcache calibrate --index {name}` measures "
+                    f"it again")
         if source == "fallback":
             if cal is None:
                 return (f"blend.recompute_ratio = 'auto' but index {name} is not calibrated: blend ran at "

@@ -145,6 +145,18 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     after = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
     assert (after.metrics.recompute_ratio, after.metrics.ratio_source) == (result.ratio, "calibration")
     assert after.metrics.ratio_note == ""
+    # the record keeps what it was measured under; a change to one of those settings voids it
+    assert result.settings["blend.granule"] == engine.settings.blend.granule
+    assert result.settings["engine.dtype"] == engine.dtype.dtype and "blend.recompute_depth" in result.settings
+    monkeypatch.setattr(engine.settings.blend, "granule", 2 * engine.settings.blend.granule)
+    assert rag.calibration() is None and rag.calibration_changes() == [
+        f"blend.granule = {engine.settings.blend.granule} (calibrated with {result.settings['blend.granule']})"]
+    stale = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
+    assert (stale.metrics.recompute_ratio, stale.metrics.ratio_source) == (0.25, "fallback")
+    assert "measured under other settings (blend.granule = " in stale.metrics.ratio_note
+    assert "ragcache calibrate --index zorbia" in stale.metrics.ratio_note
+    monkeypatch.undo()
+    assert rag.calibration() == result and rag.calibration_changes() == []
     other = 1.0 if result.ratio == 0.5 else 0.5
     settings.blend.recompute_ratio = other  # a number as set, against the calibration
     as_set = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
@@ -168,8 +180,9 @@ def test_the_ratio_note_says_when_a_blend_ratio_goes_against_the_index_calibrati
     full = Calibration(ratio=None, max_kl=0.05, selection="question", model_fingerprint="fp", n=3, source="probes",
                        full_ttft_median_s=1.0, scores=[], created="now", recommendation="full",
                        reason="no ratio tried answers like full prefill")
-    found = {"cal": full}
+    found = {"cal": full, "changes": []}
     monkeypatch.setattr(rag, "calibration", lambda: found["cal"])
+    monkeypatch.setattr(rag, "calibration_changes", lambda: found["changes"])
     note = rag.ratio_note("settings", 0.15)
     assert note.startswith("the calibration of index docs recommends full prefill (no ratio tried")
     assert "blend.recompute_ratio = 0.15 as set" in note
@@ -182,6 +195,35 @@ def test_the_ratio_note_says_when_a_blend_ratio_goes_against_the_index_calibrati
     found["cal"] = None
     assert rag.ratio_note("settings", 0.15) == ""
     assert "is not calibrated" in rag.ratio_note("fallback", 0.15)
+    found["changes"] = ["blend.recompute_depth = 0.9 (calibrated with 1.0)"]  # measured under other settings
+    note = rag.ratio_note("fallback", 0.15)
+    assert "measured under other settings (blend.recompute_depth = 0.9 (calibrated with 1.0))" in note
+    assert "blend.fallback_ratio = 0.15" in note and "`ragcache calibrate --index docs`" in note
+    assert rag.ratio_note("settings", 0.15) == ""  # a number as set: the stale record says nothing about it
+
+
+def test_a_calibration_holds_only_under_the_settings_it_was_measured_under(tmp_path, capsys):
+    from app.calibrate_cmd import print_calibration
+    from ragcache.config import BlendSettings
+
+    blend = BlendSettings()
+    measured = {**blend.calibrated_settings(), "engine.dtype": "float32"}
+    assert measured["blend.check_layer"] == 0  # "auto" resolved for question selection
+    assert "blend.question_weight" not in measured and "blend.deviation" not in measured  # not read by question
+    record = dataclasses.replace(cal("fp", 0.2), settings=measured)
+    write_calibration(tmp_path, record)
+    back = read_calibration(tmp_path, "fp", "question")
+    assert back == record and back.changed(measured) == []
+    assert back.changed({**measured, "engine.dtype": "bfloat16"}) == [
+        "engine.dtype = 'bfloat16' (calibrated with 'float32')"]
+    deeper = BlendSettings(recompute_depth=0.9, question_weight=0.1)  # the weight: not read by question selection
+    assert back.changed({**deeper.calibrated_settings(), "engine.dtype": "float32"}) == [
+        "blend.recompute_depth = 0.9 (calibrated with 1.0)"]
+    hybrid = BlendSettings(selection="hybrid").calibrated_settings()
+    assert hybrid["blend.check_layer"] == 1 and {"blend.question_weight", "blend.deviation"} <= set(hybrid)
+    assert cal("fp", 0.2).changed(measured) == []  # a record from before settings were kept: cannot be checked
+    print_calibration(record)
+    assert "measured under min_recompute_tokens = 384, recompute_depth = 1.0" in capsys.readouterr().out
 
 
 def test_ask_prints_the_ratio_note_once_on_stderr():
