@@ -448,14 +448,18 @@ def test_recompute_depth_stops_the_selected_tokens_and_keeps_the_reused_kv_after
     else:
         half, half_kv = run_blend(ops, tiny_context, recompute_depth=0.5, **kwargs)
     assert torch.equal(half.selected, every.selected) and half.num_recomputed == every.num_recomputed > 0
+    assert (half.recomputed_layers, every.recomputed_layers) == (2, ops.num_layers)  # reported per blend
     for layer in range(ops.num_layers):  # 4 layers: the selected tokens are recomputed in layers 0 and 1
         want_k, want_v = (every_kv.k[layer], every_kv.v[layer]) if layer < 2 else (reused.k[layer], reused.v[layer])
         torch.testing.assert_close(half_kv.k[layer], want_k, rtol=0, atol=1e-6)
         torch.testing.assert_close(half_kv.v[layer], want_v, rtol=0, atol=1e-6)
     assert not torch.allclose(every_kv.v[3], reused.v[3])  # the full depth does change the late layers
     # ratio 1.0 is full prefill whatever the depth
-    _, one = run_blend(ops, tiny_context, recompute_ratio=1.0, recompute_depth=0.25, check_layer=1)
+    whole, one = run_blend(ops, tiny_context, recompute_ratio=1.0, recompute_depth=0.25, check_layer=1)
     assert_full_prefill(ops, tiny_context, one)
+    assert whole.recomputed_layers == ops.num_layers
+    none, _ = run_blend(ops, tiny_context, recompute_ratio=0.0)
+    assert none.num_recomputed == 0 and none.recomputed_layers == 0
 
 
 def test_forced_tokens_go_through_every_layer_whatever_the_recompute_depth(tiny, tiny_context):

@@ -103,6 +103,10 @@ def test_recompute_depth_reaches_the_worker_and_leaves_ratio_one_exact(engine, f
         engine.settings.blend = base.model_copy(update={"recompute_depth": 0.5})
         shallow = engine.generate(prompt, ask, logprobs=-1)
         assert shallow.metrics.recomputed_tokens == deep.metrics.recomputed_tokens > 0  # the same selection
+        layers = 30  # SmolLM2-135M
+        assert (deep.metrics.recomputed_layers, deep.metrics.model_layers) == (layers, layers) and layers > 2
+        assert shallow.metrics.recomputed_layers == layers // 2  # what each answer shows
+        assert shallow.metrics.partial_depth == f"in {layers // 2} of {layers} layers" and deep.metrics.partial_depth == ""
         # layers 15-29 keep the reused KV: the first token's distribution moves
         assert kl(deep.first_token_logprobs, shallow.first_token_logprobs) > 1e-6
         full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=12))

@@ -101,6 +101,20 @@ def test_metrics_round_trip_and_read_the_worker_stats_from_the_output():
     assert full.recompute_ratio is None and full.reused_tokens == 0 and full.chunk_tiers == []
 
 
+def test_an_answer_says_when_its_recomputed_tokens_stopped_before_the_last_layer():
+    from app.ask_cmd import format_answer
+
+    shallow = RequestMetrics(mode="blend", recompute_ratio=0.15, recomputed_tokens=7, recomputed_layers=27,
+                             model_layers=30)
+    assert shallow.partial_depth == "in 27 of 30 layers"
+    answer = SimpleNamespace(text="Velmora.", sources=[], metrics=shallow)
+    assert "recomputed 7 (in 27 of 30 layers) |" in format_answer(answer)
+    for layers in (30, 0):  # every layer, or nothing recomputed: nothing to say
+        deep = RequestMetrics(mode="blend", recomputed_tokens=7, recomputed_layers=layers, model_layers=30)
+        assert deep.partial_depth == ""
+        assert "recomputed 7 |" in format_answer(SimpleNamespace(text="Velmora.", sources=[], metrics=deep))
+
+
 def test_every_rpc_name_is_a_worker_extension_method():
     for name in Rpc.ALL:
         assert callable(getattr(RagcacheWorkerExtension, name)), name

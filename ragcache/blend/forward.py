@@ -70,6 +70,9 @@ class BlendResult:
         compute_s: seconds of the blend's own compute (wall time minus ``load_s`` and ``on_layer_s``).
         on_layer_s: seconds spent inside the ``on_layer`` (and ``write_rows``) callbacks (e.g. writing a
             paged cache).
+        recomputed_layers: how many layers, from the first, the selected tokens were recomputed in
+            (``recompute_depth``, :func:`recompute_layers`; every layer where the choice did not depend
+            on the scores, e.g. ratio 1.0); 0 when no token was recomputed (and for ``reuse_kv``).
         stages: seconds per stage, adding up to the wall time. Blend: ``full_layers_s`` (every
             token's projections, RoPE and MLP in the layers up to the check layer's QKV) and
             ``full_attention_s`` (their attention), ``question_probe_s`` (the question tail through
@@ -89,6 +92,7 @@ class BlendResult:
     compute_s: float
     on_layer_s: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
+    recomputed_layers: int = 0
 
 
 class _LayerLoader:
@@ -697,6 +701,7 @@ def blend_kv(
         compute_s=elapsed - loader.wait_s - write_s,
         on_layer_s=write_s,
         stages=clock.seconds,
+        recomputed_layers=depth_end if recomputed.numel() > 0 else 0,
     )
 
 

@@ -436,6 +436,9 @@ class ContextStats:
         write_s: seconds writing the final K/V into vLLM's paged KV cache.
         worker_s: wall seconds of the whole context load in the worker (load + compute + write).
         stages: finer seconds per stage of ``worker_s`` (see :class:`ragcache.blend.BlendResult`).
+        recomputed_layers: blend: how many of the model's layers, from the first, the recomputed
+            tokens went through (``blend.recompute_depth``; later layers kept their reused KV); 0
+            when nothing was recomputed. model_layers: the model's layers (0 in full/prefix mode).
     """
 
     ctx_tokens: int = 0
@@ -449,6 +452,16 @@ class ContextStats:
     write_s: float = 0.0
     worker_s: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
+    recomputed_layers: int = 0
+    model_layers: int = 0
+
+    @property
+    def partial_depth(self) -> str:
+        """``"in 27 of 30 layers"`` when the recomputed tokens stopped before the last layer
+        (``blend.recompute_depth`` < 1), else ""."""
+        if 0 < self.recomputed_layers < self.model_layers:
+            return f"in {self.recomputed_layers} of {self.model_layers} layers"
+        return ""
 
     @property
     def tier_hits(self) -> dict[str, int]:

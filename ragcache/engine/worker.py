@@ -337,6 +337,7 @@ class WorkerRuntime:
             load_s=open_s + result.load_s, compute_s=missing_s + result.compute_s, write_s=result.on_layer_s,
             worker_s=time.perf_counter() - t0,
             stages={"open_s": open_s, "missing_compute_s": missing_s, **result.stages, "promote_s": promote_s},
+            recomputed_layers=result.recomputed_layers, model_layers=self.ops.num_layers,
         )
 
 
