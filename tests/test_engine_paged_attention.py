@@ -127,3 +127,28 @@ def test_the_choice_follows_the_setting_and_the_backend():
     assert fallback.path == "torch" and "not its CPU kernel" in fallback.reason
     with pytest.raises(ValueError, match="blend.attention"):
         choose_attention("fast", [layer], **shape)
+
+
+def test_auto_measures_the_two_paths_alternately(monkeypatch):
+    # a burst of other work on a shared machine must slow both measurements, not only the one running
+    import ragcache.blend
+    import ragcache.engine.paged_attention as pa
+
+    calls = []
+    kernel_call, torch_attention = pa.PagedKernelAttention.__call__, ragcache.blend.torch_attention
+
+    def kernel_spy(self, *args):
+        calls.append("kernel")
+        return kernel_call(self, *args)
+
+    def torch_spy(*args):
+        fn = torch_attention(*args)
+        return lambda *a: (calls.append("torch"), fn(*a))[1]
+
+    monkeypatch.setattr(pa.PagedKernelAttention, "__call__", kernel_spy)
+    monkeypatch.setattr(ragcache.blend, "torch_attention", torch_spy)
+    layer = vllm_layer(9, 3, 64, torch.float32, num_blocks=2)
+    kernel_ms, torch_ms = pa.measure_attention([layer], num_heads=9, num_kv_heads=3, head_dim=64,
+                                               dtype=torch.float32, scaling=0.125, num_tokens=256, repeats=4)
+    assert calls == ["kernel", "torch"] * 5 and kernel_ms > 0 and torch_ms > 0  # one untimed pair, then 4
+
