@@ -75,6 +75,10 @@ def _mean(xs: Sequence[float]) -> float | None:
 def probe_questions(chunks: Sequence["Chunk"], n: int, seed: int = 0, words: int = 8) -> list[str]:
     """``n`` questions about the opening words of chunks drawn at random (seeded) from ``chunks``.
 
+    With more questions than chunks, every chunk is asked about once, then about its next ``words``
+    words, and so on, so no prompt is measured twice; only when the chunks' words run out do
+    questions repeat.
+
     Raises:
         CalibrationError: ``chunks`` is empty.
     """
@@ -82,8 +86,23 @@ def probe_questions(chunks: Sequence["Chunk"], n: int, seed: int = 0, words: int
     if not usable:
         raise CalibrationError("the index has no chunks to draw probe questions from; ingest documents first")
     rng = random.Random(seed)
-    picks = rng.sample(usable, n) if n <= len(usable) else [rng.choice(usable) for _ in range(n)]
-    return [f"What do the documents say about {' '.join(c.text.split()[:words]).rstrip('.,;:')}?" for c in picks]
+
+    def about(chunk: "Chunk", window: int = 0) -> str | None:
+        said = chunk.text.split()[window * words:(window + 1) * words]
+        return f"What do the documents say about {' '.join(said).rstrip('.,;:')}?" if said else None
+
+    if n <= len(usable):
+        return [about(c) for c in rng.sample(usable, n)]
+    order = rng.sample(usable, len(usable))
+    questions: list[str] = []
+    longest = max(len(c.text.split()) for c in usable)
+    for window in range((longest + words - 1) // words):
+        for q in (about(c, window) for c in order):
+            if q is not None and q not in questions and len(questions) < n:
+                questions.append(q)
+    while len(questions) < n:  # every distinct question asked: they repeat
+        questions += questions[:n - len(questions)]
+    return questions
 
 
 def blend_options(ratios: Sequence[float], selection: str | None = None,

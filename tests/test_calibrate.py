@@ -62,7 +62,13 @@ def test_probe_questions_are_seeded_and_about_the_chunks():
     a, b = probe_questions(chunks, 4, seed=1), probe_questions(chunks, 4, seed=1)
     assert a == b and len(a) == 4 and a != probe_questions(chunks, 4, seed=2)
     assert all(q.startswith("What do the documents say about Passage") for q in a)
-    assert len(probe_questions(chunks, 25)) == 25  # more probes than chunks: drawn with replacement
+    many = probe_questions(chunks, 11)  # more probes than chunks: then the next words of each chunk
+    assert len(many) == 11 and set(probe_questions(chunks, 10)) == set(many[:10])
+    assert many[10] == "What do the documents say about and its bridges?"  # once, though every chunk ends so
+    assert len(probe_questions(chunks, 25)) == 25  # all 11 distinct questions asked: then they repeat
+    tiny = probe_questions([chunk("One two three.")], 3, words=2)  # the words run out: questions repeat
+    assert tiny == ["What do the documents say about One two?", "What do the documents say about three?",
+                    "What do the documents say about One two?"]
 
 
 @pytest.mark.parametrize("argv, message", [
