@@ -155,6 +155,11 @@ class BlendSettings(_Section):
         "by mean, or by max (a token scores what its most attentive head gives it: better first-token KL on 6 of 7 "
         "QA sets, but it concentrates the budget on a repeated name and the demo's heapq answer loops; "
         "docs/benchmarks.md)")
+    candidates: float = Field(
+        2.0, ge=1.0, le=8.0, description="question selection: the question's attention picks this many times the "
+        "budget, those tokens go through layer 0, and the budget is kept among them by impact: the question's "
+        "attention times the error of their reused KV at layer 1 (gradual filtering, CacheBlend §4.3); 1 = by the "
+        "question's attention alone")
     pipeline_overlap: bool | Literal["auto"] = Field(
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "
@@ -238,7 +243,7 @@ class BlendSettings(_Section):
         if selection == "hybrid":
             names.append("question_weight")
         if selection == "question" or (selection == "hybrid" and self.question_weight > 0):
-            names += ["probe_layers", "question_heads"]
+            names += ["probe_layers", "question_heads", "candidates"]
         values = {f"blend.{name}": getattr(self, name) for name in names}
         values["blend.check_layer"] = self.check_layer_for(selection)
         return values

@@ -514,3 +514,58 @@ def test_blend_rejects_bad_arguments(tiny, tiny_context):
         blend(ops, ids, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), on_layer=sink)
     with pytest.raises(ValueError, match="load_layer"):
         reuse_kv(ops, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), sink)
+
+
+@pytest.mark.parametrize("kernel_like", [False, True])
+def test_candidates_are_refined_at_layer_one_to_the_budget(tiny, tiny_context, kernel_like):
+    # candidates = 3: the question picks 3x the budget, they go through layer 0, and layer 1 keeps the
+    # budget among them (by attention x reused-V error); the rest keep their reused KV from layer 1 on
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    ids, positions = tiny_context.token_ids, tiny_context.positions
+    n = ids.shape[0]
+    kwargs = dict(check_layer=0, tail_ids=TAIL, segment_starts=starts, exact=exact, recompute_ratio=0.1)
+    budget = hkvd_budget(0.1, n)
+    alone, _ = run_blend(ops, tiny_context, selection=Selection("question", granule=4), **kwargs)
+    wide, _ = run_blend(ops, tiny_context, selection=Selection("question", granule=4),
+                        **{**kwargs, "min_recompute_tokens": 3 * budget})  # the question's 3x budget choice
+    refined_sel = Selection("question", granule=4, candidates=3.0)
+    refined, got = run_blend(ops, tiny_context, selection=refined_sel, **kwargs)
+    assert refined.num_recomputed == alone.num_recomputed == budget and wide.num_recomputed == 3 * budget
+    chosen = set(refined.selected.tolist())
+    assert chosen <= set(wide.selected.tolist()) and chosen != set(alone.selected.tolist())
+    assert refined.stages["select_s"] > 0
+    reused = LayerCollector(ops.num_layers)
+    reuse_kv(ops, positions, tiny_context.load_layer, reused)
+    dropped = sorted(set(wide.selected.tolist()) - chosen)
+    for layer in range(1, ops.num_layers):  # the dropped candidates keep their reused KV after layer 0
+        assert torch.equal(got.v[layer][dropped], reused.v[layer][dropped])
+    expected_k, expected_v = full_kv(ops, tiny_context)
+    torch.testing.assert_close(got.v[1][refined.selected], expected_v[1][refined.selected], atol=1e-5, rtol=1e-5)
+    if kernel_like:  # the engine path (the probe writes whole layers, then only recomputed rows): the same
+        engine = CacheRowsAttention(ops, positions)
+        same = blend(ops, ids, positions, tiny_context.load_layer, on_layer=engine.cache, attention=engine.attention,
+                     write_rows=engine.write_rows, selection=refined_sel, **kwargs)
+        assert torch.equal(same.selected, refined.selected)
+        for layer in range(ops.num_layers):
+            torch.testing.assert_close(engine.cache.k[layer], got.k[layer], rtol=0, atol=1e-6)
+            torch.testing.assert_close(engine.cache.v[layer], got.v[layer], rtol=0, atol=1e-6)
+    # no refinement where it cannot apply: the selected tokens stop after layer 0 (depth 1 of 4 layers),
+    # or the budget is every token
+    shallow, _ = run_blend(ops, tiny_context, selection=refined_sel, recompute_depth=0.25, **kwargs)
+    assert torch.equal(shallow.selected, alone.selected)
+    whole, whole_kv = run_blend(ops, tiny_context, selection=refined_sel, **{**kwargs, "recompute_ratio": 1.0})
+    assert_full_prefill(ops, tiny_context, whole_kv)
+
+
+def test_forced_tokens_survive_the_refinement(tiny, tiny_context):
+    _, ops = tiny
+    start, stop = tiny_context.chunk_starts[1], tiny_context.chunk_starts[2]
+    n = tiny_context.token_ids.shape[0]
+    forced = torch.zeros(n, dtype=torch.bool)
+    forced[start:stop] = True
+    result, got = run_blend(ops, tiny_context, recompute_ratio=0.1, check_layer=0, forced=forced, tail_ids=TAIL,
+                            selection=Selection("question", granule=4, candidates=3.0))
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[result.selected] = True
+    assert chosen[forced].all() and int((chosen & ~forced).sum()) == hkvd_budget(0.1, n)

@@ -270,3 +270,16 @@ def test_granule_and_probe_layers_are_checked():
         Selection("question", granule=0)
     with pytest.raises(ValueError, match="probe_layers"):
         Selection("question", probe_layers=-1)
+
+
+def test_impact_is_attention_times_the_reused_value_error_at_the_candidates_only():
+    from ragcache.blend import impact_scores
+
+    question = torch.tensor([0.5, 0.2, 0.1, 0.2])
+    reused = torch.zeros(4, 1, 2)
+    fresh = torch.tensor([[[3.0, 4.0]], [[0.0, 0.0]]])  # candidates 1 and 3: errors 5 and 0
+    impact = impact_scores(question, torch.tensor([1, 3]), fresh, reused)
+    assert impact[1] == pytest.approx(1.0) and 0 < impact[3] < 1e-30  # a candidate ranks above the rest
+    assert impact[0] == impact[2] == 0  # not a candidate, however much attention
+    with pytest.raises(ValueError, match="candidates must be >= 1"):
+        Selection("question", candidates=0.5)

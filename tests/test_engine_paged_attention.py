@@ -151,4 +151,3 @@ def test_auto_measures_the_two_paths_alternately(monkeypatch):
     kernel_ms, torch_ms = pa.measure_attention([layer], num_heads=9, num_kv_heads=3, head_dim=64,
                                                dtype=torch.float32, scaling=0.125, num_tokens=256, repeats=4)
     assert calls == ["kernel", "torch"] * 5 and kernel_ms > 0 and torch_ms > 0  # one untimed pair, then 4
-

@@ -82,7 +82,7 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "recompute_ratio": s.blend.recompute_ratio, "check_layer": s.blend.check_layer,
         "check_layer_resolved": s.blend.resolved_check_layer,
         "min_recompute_tokens": s.blend.min_recompute_tokens, "recompute_depth": s.blend.recompute_depth,
-        "granule": s.blend.granule,
+        "granule": s.blend.granule, "candidates": s.blend.candidates,
         "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
         "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
         "attention_reason": getattr(worker, "attention_reason", None),

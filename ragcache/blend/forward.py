@@ -35,6 +35,7 @@ from ragcache.blend.select import (
     check_mask,
     deviation_scores,
     hkvd_budget,
+    impact_scores,
     question_attention,
     select_tokens,
 )
@@ -386,15 +387,20 @@ def _check_layer_kv(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Te
 
 def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: torch.Tensor,
                     loader: "_LayerLoader", move: Callable[[int, torch.Tensor], torch.Tensor],
-                    question: _QuestionScores, on_layer: OnLayer | None = None) -> None:
+                    question: _QuestionScores, on_layer: OnLayer | None = None,
+                    keep_v: int | None = None) -> torch.Tensor | None:
     """The question tail alone through ``layers`` over the reused KV of the context (ProphetKV-style
     scores fused over layers, ICML'26): each layer's cached K is loaded and moved to the context's
     positions (``move(layer, k_pre)``); no context token is computed. The layers are not kept: with
     ``on_layer`` each goes to the engine's cache now (the selective pass then overwrites only the
     recomputed rows), without it the selective pass loads them again (cheaper than holding every
-    layer's KV, see :func:`blend_kv`)."""
+    layer's KV, see :func:`blend_kv`). Returns the cached V ``[N, Hkv, D]`` of layer ``keep_v``
+    when it is among ``layers`` (for :func:`_refine`), else None."""
+    kept = None
     for layer in layers:
         k_pre, v_cached = loader.get(layer)
+        if layer == keep_v:
+            kept = v_cached
         k_moved = move(layer, k_pre)  # [N, Hkv, D]
         if on_layer is not None:
             on_layer(layer, k_moved, v_cached)
@@ -403,6 +409,7 @@ def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: 
         attn = question.attend(q_t, k_moved, k_t, v_cached, v_t)  # [T, Hq, D]
         if layer < ops.num_layers - 1:
             hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
+    return kept
 
 
 def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: Selection, deviation: str,
@@ -428,6 +435,32 @@ def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: 
                 scores["deviation"] = deviation_scores(move_keys(ops, layer, cached[0], ctx.positions), fresh[0])
     return select_tokens(budget, selection, forced=ctx.forced, exact=ctx.exact, segment_starts=segment_starts,
                          **scores)
+
+
+def _refine(ops: DecoderOps, ctx: _Context, candidates: torch.Tensor, hidden: torch.Tensor, reused_v: torch.Tensor,
+            question: _QuestionScores, budget: int, selection: Selection, segment_starts: Sequence[int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradual filtering at layer 1 (CacheBlend §4.3, weighted by the question): of the question's
+    ``candidates`` ``[m]``, which have been through layer 0 (``hidden`` ``[m, ...]`` entering layer
+    1), keep ``budget`` (plus the forced ones) by impact (:func:`~ragcache.blend.select.impact_scores`:
+    question attention x L2 error of the reused V ``[N, Hkv, D]`` of layer 1 against their fresh V).
+
+    Returns:
+        ``(selected [n], hidden [n, ...])``: the kept candidates, ascending, and their rows.
+    """
+    _, _, fresh_v = ops.qkv(1, hidden)  # [m, Hkv, D]
+    impact = impact_scores(question.mean(), candidates, fresh_v, reused_v)
+    # no exact mask here: it would rank an exact candidate below every non-candidate; an exact
+    # token's reused V has no error, so its impact already ranks it last among the candidates
+    final = select_tokens(budget, selection, question=impact, forced=ctx.forced, segment_starts=segment_starts)
+    keep = torch.isin(candidates, final)
+    # a run the question trimmed may be taken whole here: its tokens outside the candidates have not
+    # been through layer 0, so the budget they held goes to the best remaining candidates
+    short = min(final.numel(), candidates.numel()) - int(keep.sum())
+    if short > 0:
+        rest = impact[candidates].masked_fill(keep, -1.0)
+        keep[torch.topk(rest, short).indices] = True
+    return candidates[keep], hidden[keep]
 
 
 def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
@@ -514,6 +547,10 @@ def blend_kv(
     full: a token's layer-0 K/V depend on that token alone, so the cached KV moved to ``positions``
     is layer 0's fresh KV. The question probe starts at layer 0 and the selected tokens are
     computed from layer 0 (step 3 from layer 0), which saves a projection pass over all N tokens.
+    There, with ``selection.candidates`` > 1, the question picks that many times the budget, they
+    go through layer 0, and at layer 1 the budget is kept among them by impact (:func:`_refine`:
+    the question's attention times their reused V's error at layer 1, CacheBlend's gradual
+    filtering); only the kept tokens go on.
 
     Every attention over the context runs through ``attention`` (default :func:`torch_attention`),
     right after ``on_layer`` (or ``write_rows``) received that layer's final K/V: an engine passes its
@@ -607,6 +644,9 @@ def blend_kv(
     # fresh memory whenever the heap had no room for it (e.g. the first blend after an ingest), and
     # those page faults cost more than loading and moving a layer twice (docs/benchmarks.md).
     fast_path = check_layer == 0 and not (selection.needs_deviation and scores_matter)
+    # question selection refined at layer 1 (_refine): the question picks more, layer 1 keeps the budget
+    candidate_budget = min(math.ceil(round(selection.candidates * budget, 9)), num_tokens - num_forced)
+    refine = fast_path and use_tail and depth_end > 1 and candidate_budget > budget
     probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
     probe_end = min(probe_end, num_layers)
     probe_layers = range(0 if fast_path else check_layer + 1, probe_end) if use_tail else range(0)
@@ -637,13 +677,14 @@ def blend_kv(
             # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
             # positions is layer 0's fresh KV: no context token is computed in full; the question tail
             # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
+            probed_v1 = None  # layer 1's reused V, for _refine
             if question is not None:
                 with clock("question_probe_s"):
-                    _question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move, question,
-                                    probe_emit)
+                    probed_v1 = _question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move,
+                                                question, probe_emit, keep_v=1 if refine else None)
             with clock("select_s"):
-                selected = _select(ops, 0, ctx, budget, selection, deviation, segment_starts, None, None, question,
-                                   scores_matter)  # [n]
+                selected = _select(ops, 0, ctx, candidate_budget if refine else budget, selection, deviation,
+                                   segment_starts, None, None, question, scores_matter)  # [n]
             with clock("selective_layers_s"):
                 hidden = ops.embed(ctx.ids[selected])  # [n, hidden]
         else:
@@ -668,6 +709,15 @@ def blend_kv(
                     hidden = ops.finish_layer(check_layer, hidden[:ctx.n][selected],
                                               attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
         recomputed = selected  # every token recomputed in some layer
+
+        def refined(reused_v: torch.Tensor) -> None:  # the candidates -> the budget (timed as selection)
+            nonlocal selected, hidden, recomputed
+            t0 = time.perf_counter()
+            selected, hidden = _refine(ops, ctx, selected, hidden, reused_v, question, budget, selection,
+                                       segment_starts)
+            recomputed = selected
+            clock.inner("select_s", time.perf_counter() - t0)
+
         with clock("selective_layers_s"):
             for layer in selective_layers:
                 if layer == depth_end and selected.numel() > 0:  # the rest keep their reused KV from here
@@ -679,11 +729,15 @@ def blend_kv(
                 # the layer before depth_end needs no output for tokens that stop there
                 last = layer == num_layers - 1 or (layer == depth_end - 1 and ctx.forced is None)
                 if layer in written:  # the probe wrote the reused KV: only the recomputed rows change
+                    if refine and layer == 1:
+                        refined(probed_v1)
                     if selected.numel() > 0:
                         hidden = _selective_layer(ops, layer, ctx, hidden, selected, None, None, emit, attend, rows,
                                                   last=last)
                     continue
                 k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
+                if refine and layer == 1:
+                    refined(v_all)
                 k_all = move(layer, k_pre)
                 if selected.numel() > 0:
                     hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend, last=last)
