@@ -462,12 +462,18 @@ def test_recompute_depth_stops_the_selected_tokens_and_keeps_the_reused_kv_after
     assert none.num_recomputed == 0 and none.recomputed_layers == 0
 
 
+def second_chunk_forced(context):
+    """``(start, stop, forced)``: the context's second chunk as tokens with no cached KV."""
+    start, stop = context.chunk_starts[1], context.chunk_starts[2]
+    forced = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
+    forced[start:stop] = True
+    return start, stop, forced
+
+
 def test_forced_tokens_go_through_every_layer_whatever_the_recompute_depth(tiny, tiny_context):
     _, ops = tiny
-    start, stop = tiny_context.chunk_starts[1], tiny_context.chunk_starts[2]
+    start, stop, forced = second_chunk_forced(tiny_context)
     n = tiny_context.token_ids.shape[0]
-    forced = torch.zeros(n, dtype=torch.bool)
-    forced[start:stop] = True
     k_pre, v = tiny_context.k_pre.clone(), tiny_context.v.clone()
     k_pre[:, start:stop] = 0
     v[:, start:stop] = 0
@@ -560,10 +566,8 @@ def test_candidates_are_refined_at_layer_one_to_the_budget(tiny, tiny_context, k
 
 def test_forced_tokens_survive_the_refinement(tiny, tiny_context):
     _, ops = tiny
-    start, stop = tiny_context.chunk_starts[1], tiny_context.chunk_starts[2]
+    _, _, forced = second_chunk_forced(tiny_context)
     n = tiny_context.token_ids.shape[0]
-    forced = torch.zeros(n, dtype=torch.bool)
-    forced[start:stop] = True
     result, got = run_blend(ops, tiny_context, recompute_ratio=0.1, check_layer=0, forced=forced, tail_ids=TAIL,
                             selection=Selection("question", granule=4, candidates=3.0))
     chosen = torch.zeros(n, dtype=torch.bool)
