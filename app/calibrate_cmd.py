@@ -142,6 +142,9 @@ def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
         floor = f" ({min_recompute_tokens} tokens)" if min_recompute_tokens is not None else ""
         print(f"recomputed: the share of each context actually recomputed. Where it exceeds the ratio, "
               f"blend.min_recompute_tokens{floor} set a floor: every ratio below that floor recomputes the same tokens")
+    if any(s.whole_context for s in cal.scores):
+        print("100%: the ratio recomputed the whole context, which is full prefill through the blend's path: never "
+              "recorded, whatever its speedup (then load noise)")
     prompts = cal.source if cal.n != 1 else cal.source.rstrip("s")  # "1 probe", "3 probes"
     print(f"full prefill: TTFT median {cal.full_ttft_median_s:.3f} s, loops {100 * cal.full_loop_share:.0f}%, over "
           f"{cal.n} {prompts}; targets: KL <= {cal.max_kl:g}, answer NLL <= +{100 * cal.max_nll_rel:g}%, "

@@ -17,8 +17,10 @@ NLL of full prefill's own greedy answer under blend relative to full, and the sh
 answers that loop (:func:`ragcache.quality.repetition_loop`); and the speedup, the median TTFT of
 full prefill over blend's. A ratio is good enough when its mean KL is at most ``max_kl`` nats, its
 answer NLL at most ``max_nll_rel`` above full's and it loops no more often than full prefill; it
-is worth it when it is also at least ``min_speedup`` times faster. The smallest such ratio is
-recorded; when none is, the calibration recommends full prefill (blend would be slower, or worse,
+is worth it when it is also at least ``min_speedup`` times faster and leaves some context tokens
+reused (a blend that recomputes the whole context, at ratio 1 or on contexts under
+``blend.min_recompute_tokens``, is full prefill through the blend's path, and a speedup measured
+for it is load noise). The smallest such ratio is recorded; when none is, the calibration recommends full prefill (blend would be slower, or worse,
 than not blending) and says why. Users' real questions (``questions``) are better still and are
 used instead when given.
 
@@ -202,10 +204,12 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         speedup = round(full_ttft / ttft, 3) if ttft > 0 else None
         share = _mean(shares[r])
         good = kl <= max_kl and (nll_rel is None or nll_rel <= max_nll_rel) and loop <= full_loop
-        scores.append(RatioScore(ratio=r, kl_mean=round(kl, 5), answer_nll_rel=nll_rel, ttft_median_s=round(ttft, 4),
-                                 meets=good and speedup is not None and speedup >= min_speedup,
-                                 loop_share=round(loop, 4), speedup=speedup, good=good,
-                                 recomputed_share=None if share is None else round(share, 4)))
+        score = RatioScore(ratio=r, kl_mean=round(kl, 5), answer_nll_rel=nll_rel, ttft_median_s=round(ttft, 4),
+                           meets=False, loop_share=round(loop, 4), speedup=speedup, good=good,
+                           recomputed_share=None if share is None else round(share, 4))
+        # a blend over the whole context is full prefill through the blend's path: its "speedup" is noise
+        score.meets = good and speedup is not None and speedup >= min_speedup and not score.whole_context
+        scores.append(score)
     best = next((s for s in scores if s.meets), None)
     if best is not None:
         recommendation, reason = "blend", (f"blend at ratio {best.ratio:g} answers like full prefill (KL "
@@ -213,14 +217,24 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         if best.raised_by_floor:
             reason += (f", recomputing {100 * best.recomputed_share:.0f}% of these contexts (blend.min_recompute_tokens "
                        f"raises a short context's budget above the ratio)")
+    elif all(s.whole_context for s in scores):
+        floor = engine.settings.blend.min_recompute_tokens
+        reason = (f"every ratio tried recomputes the whole context (these prompts' contexts are no longer than "
+                  f"blend.min_recompute_tokens = {floor} tokens, or the ratio is 1): that is full prefill through "
+                  f"the blend's own path, never sooner than vLLM's; blending pays on longer contexts (more or "
+                  f"longer chunks per prompt: retrieval.top_k, ingest.chunk_size) or with a lower "
+                  f"blend.min_recompute_tokens, at some cost in answer quality")
+        recommendation = "full"
     else:
-        good_ones = [s for s in scores if s.good]
+        good_ones = [s for s in scores if s.good and not s.whole_context]
         if good_ones:
             reason = (f"the smallest ratio good enough ({good_ones[0].ratio:g}) is only {good_ones[0].speedup:.2f}x "
                       f"faster than full prefill (target {min_speedup:g}x): blending does not pay on this index")
         else:
             reason = (f"no ratio tried answers like full prefill (KL <= {max_kl:g}, answer NLL within "
                       f"{100 * max_nll_rel:g}%, no more loops than full)")
+            if any(s.good for s in scores):
+                reason += " except those that recompute the whole context, which is full prefill done slower"
         recommendation = "full"
     return Calibration(ratio=best.ratio if best else None, max_kl=max_kl, selection=selection,
                        model_fingerprint=engine.llm_info.fingerprint, n=len(questions), source=source,

@@ -353,6 +353,11 @@ class Manifest:
 # ---------------------------------------------------------------------------- calibration
 
 
+#: a ratio whose blend recomputed at least this share of the context tokens recomputed the whole
+#: context (:attr:`RatioScore.whole_context`)
+WHOLE_CONTEXT_SHARE = 0.999
+
+
 @dataclass
 class RatioScore:
     """Blend at one ratio against full prefill, means over the prompts (``ragcache calibrate``).
@@ -388,6 +393,14 @@ class RatioScore:
         raised the budget (runs of ``blend.granule`` tokens and forced tokens add less on 1k+ token
         contexts). Ratios raised to the same floor recompute the same tokens."""
         return self.recomputed_share is not None and self.recomputed_share > self.ratio + 0.02
+
+    @property
+    def whole_context(self) -> bool:
+        """The blend recomputed (nearly) every context token: ratio 1, or contexts no longer than
+        ``blend.min_recompute_tokens``. That is full prefill through the blend's own path, never
+        faster than vLLM's: such a ratio is never recorded, whatever its measured speedup (which is
+        then load noise)."""
+        return self.recomputed_share is not None and self.recomputed_share >= WHOLE_CONTEXT_SHARE
 
 
 @dataclass

@@ -54,7 +54,22 @@ def test_the_recomputed_share_is_kept_and_shows_when_the_floor_raised_a_ratio(tm
     assert "over 1 probe;" in out and "note: measured on 1 prompt only" in out
     print_calibration(cal("fp", 0.1))  # no share recorded: a dash, no floor line
     out = capsys.readouterr().out
-    assert out.splitlines()[1].split()[1] == "-" and "min_recompute_tokens" not in out
+    assert out.splitlines()[1].split()[1] == "-" and "min_recompute_tokens" not in out and "whole context" not in out
+
+
+def test_a_ratio_over_the_whole_context_is_marked_and_never_meets(capsys):
+    from app.calibrate_cmd import print_calibration
+
+    # contexts under the floor: every ratio recomputes all of them, and load noise made one look 2x sooner
+    scores = [RatioScore(0.05, 0.0, 0.0, 0.5, False, speedup=2.0, good=True, recomputed_share=1.0),
+              RatioScore(0.15, 0.0, 0.0, 1.0, False, speedup=1.0, good=True, recomputed_share=0.9995)]
+    assert all(s.whole_context for s in scores) and not RatioScore(0.9, 0, 0, 1, False, recomputed_share=0.99).whole_context
+    assert not RatioScore(0.1, 0.1, None, 1.0, False).whole_context  # a record from before the field: unknown
+    print_calibration(Calibration(ratio=None, max_kl=0.05, selection="question", model_fingerprint="fp", n=3,
+                                  source="probes", full_ttft_median_s=1.0, scores=scores, created="now",
+                                  recommendation="full", reason="every ratio tried recomputes the whole context"))
+    out = capsys.readouterr().out
+    assert "100%: the ratio recomputed the whole context" in out and "recommendation: full prefill" in out
 
 
 def test_probe_questions_are_seeded_and_about_the_chunks():
@@ -133,18 +148,23 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
 
     monkeypatch.setattr(engine, "generate", recording)
     # three one-line documents: blend cannot be much faster than full prefill, so no speed target here
-    result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=1e-3, max_tokens=4, min_speedup=0.01)
+    result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=10.0, max_tokens=4, min_speedup=0.01)
     # per question an untimed one-token reuse reads the chunk KV first, then the ratios, rotated
     assert asked == [("reuse", 1), 0.5, 1.0, ("reuse", 1), 1.0, 0.5]
     monkeypatch.undo()
     assert [s.ratio for s in result.scores] == [0.5, 1.0]
-    assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].good and result.scores[-1].meets  # ratio 1 = full
-    assert result.recommendation == "blend" and all(s.speedup > 0 for s in result.scores)
+    assert result.scores[-1].kl_mean <= 1e-3 and result.scores[-1].good  # ratio 1 answers as full prefill does
     assert result.scores[-1].recomputed_share == 1.0 and 0.4 <= result.scores[0].recomputed_share < 1.0
-    slow = calibrate(rag, questions, ratios=(1.0,), max_kl=1e-3, max_tokens=4, min_speedup=2.0)
-    assert slow.scores[0].good and not slow.scores[0].meets  # as good as full, but not 2x faster
+    # ... but recomputes the whole context: full prefill through the blend's path, never recorded
+    assert result.scores[-1].whole_context and not result.scores[-1].meets and not result.scores[0].whole_context
+    assert result.recommendation == "blend" and all(s.speedup > 0 for s in result.scores) and result.scores[0].meets
+    slow = calibrate(rag, questions, ratios=(0.5,), max_kl=10.0, max_tokens=4, min_speedup=50.0)
+    assert slow.scores[0].good and not slow.scores[0].meets  # good enough, but not 50x faster
     assert slow.ratio is None and slow.recommendation == "full" and "faster than full prefill" in slow.reason
-    assert result.ratio in (0.5, 1.0) and result.model_fingerprint == engine.llm_info.fingerprint
+    whole = calibrate(rag, questions[:1], ratios=(1.0,), max_kl=10.0, max_tokens=4, min_speedup=0.01)
+    assert whole.scores[0].good and not whole.scores[0].meets and whole.recommendation == "full"
+    assert "recomputes the whole context" in whole.reason and whole.ratio is None
+    assert result.ratio == 0.5 and result.model_fingerprint == engine.llm_info.fingerprint
     path = write_calibration(rag.index_path, result)
     assert json.loads(path.read_text())  # in the index folder
 
