@@ -20,8 +20,8 @@ answer NLL at most ``max_nll_rel`` above full's and it loops no more often than 
 is worth it when it is also at least ``min_speedup`` times faster and leaves some context tokens
 reused (a blend that recomputes the whole context, at ratio 1 or on contexts under
 ``blend.min_recompute_tokens``, is full prefill through the blend's path, and a speedup measured
-for it is load noise). The smallest such ratio is recorded; when none is, the calibration recommends full prefill (blend would be slower, or worse,
-than not blending) and says why. Users' real questions (``questions``) are better still and are
+for it is load noise). The smallest such ratio is recorded; when none is, the calibration
+recommends full prefill (blend would be slower, or worse, than not blending) and says why. Users' real questions (``questions``) are better still and are
 used instead when given.
 
 Imports the pipeline's types only for type checking; uses the engine through its public methods.
