@@ -21,8 +21,8 @@ is worth it when it is also at least ``min_speedup`` times faster and leaves som
 reused (a blend that recomputes the whole context, at ratio 1 or on contexts under
 ``blend.min_recompute_tokens``, is full prefill through the blend's path, and a speedup measured
 for it is load noise). The smallest such ratio is recorded; when none is, the calibration
-recommends full prefill (blend would be slower, or worse, than not blending) and says why. Users' real questions (``questions``) are better still and are
-used instead when given.
+recommends full prefill (blend would be slower, or worse, than not blending) and says why.
+Users' real questions (``questions``) are better still and are used instead when given.
 
 Imports the pipeline's types only for type checking; uses the engine through its public methods.
 Never app/ or ui/.
