@@ -164,6 +164,7 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     whole = calibrate(rag, questions[:1], ratios=(1.0,), max_kl=10.0, max_tokens=4, min_speedup=0.01)
     assert whole.scores[0].good and not whole.scores[0].meets and whole.recommendation == "full"
     assert "recomputes the whole context" in whole.reason and whole.ratio is None
+    assert "no longer than blend.min_recompute_tokens" not in whole.reason  # ratio 1 is not the floor's doing
     assert result.ratio == 0.5 and result.model_fingerprint == engine.llm_info.fingerprint
     path = write_calibration(rag.index_path, result)
     assert json.loads(path.read_text())  # in the index folder
