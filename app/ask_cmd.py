@@ -107,7 +107,7 @@ def format_answer(answer) -> str:
         lines.append(f"  [{i}] {title}{snippet}...  (score {s.score:.3f}, kv: {s.tier or '-'})")
     hits = ", ".join(f"{t} {n}" for t, n in sorted(m.tier_hits.items())) or "-"
     lines.append("")
-    depth = f" ({m.partial_depth})" if m.partial_depth else ""
+    depth = f" ({m.recompute_note})" if m.recompute_note else ""
     mode = m.mode if m.recompute_ratio is None else f"{m.mode} (ratio {m.recompute_ratio:g}, {m.ratio_source or 'set'})"
     lines.append(f"mode {mode} | TTFT {m.ttft_s:.3f} s | retrieval {m.retrieval_s:.3f} s | total {m.total_s:.2f} s | "
                  f"prompt {m.prompt_tokens} tok | reused {m.reused_tokens} | recomputed {m.recomputed_tokens}{depth} | "

@@ -7,6 +7,7 @@ full path through a real engine is covered by tests/test_engine_blend.py).
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -113,6 +114,13 @@ def test_an_answer_says_when_its_recomputed_tokens_stopped_before_the_last_layer
         deep = RequestMetrics(mode="blend", recomputed_tokens=7, recomputed_layers=layers, model_layers=30)
         assert deep.partial_depth == ""
         assert "recomputed 7 |" in format_answer(SimpleNamespace(text="Velmora.", sources=[], metrics=deep))
+    # a short context under the recompute floor: every token recomputed at ratio 0.15, and the line says why
+    short = RequestMetrics(mode="blend", recompute_ratio=0.15, recomputed_tokens=170, reused_tokens=0,
+                           recomputed_layers=30, model_layers=30)
+    line = format_answer(SimpleNamespace(text="Velmora.", sources=[], metrics=short))
+    assert "recomputed 170 (the whole context: blend.min_recompute_tokens covers it) |" in line
+    missing = dataclasses.replace(short, missing_computed_tokens=170)  # no stored KV: computed, not the floor
+    assert "recomputed 170 |" in format_answer(SimpleNamespace(text="Velmora.", sources=[], metrics=missing))
 
 
 def test_every_rpc_name_is_a_worker_extension_method():

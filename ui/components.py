@@ -58,7 +58,7 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
     if m.worker_s:
         parts[1:1] = [f"KV load {seconds(m.load_s)}", f"context ready in {seconds(m.worker_s)}"]
     if m.recompute_ratio is not None:
-        depth = f", recomputed {m.partial_depth}" if m.partial_depth else ""
+        depth = f", recomputed {m.recompute_note}" if m.recompute_note else ""
         parts.insert(0, f"recompute ratio {m.recompute_ratio:g} ({m.ratio_source or 'set'}){depth}")
     st.caption(" · ".join(parts))
     if m.ratio_note:  # the ratio goes against the index's calibration

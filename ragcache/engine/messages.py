@@ -545,3 +545,16 @@ class RequestMetrics(ContextStats):
     def from_dict(cls, data: Mapping[str, Any]) -> "RequestMetrics":
         """Inverse of :meth:`to_dict` (derived and unknown keys are ignored)."""
         return cls(**_pick(cls, data))
+
+    @property
+    def recompute_note(self) -> str:
+        """What to say beside the recomputed tokens: :attr:`partial_depth` ("in 27 of 30 layers"),
+        or "the whole context: blend.min_recompute_tokens covers it" when a blend below ratio 1
+        recomputed every context token of stored chunks (a short context under the floor: full
+        prefill through the blend's path), else ""."""
+        if self.partial_depth:
+            return self.partial_depth
+        if (self.mode == "blend" and self.recompute_ratio is not None and self.recompute_ratio < 1
+                and self.recomputed_tokens and not self.reused_tokens and not self.missing_computed_tokens):
+            return "the whole context: blend.min_recompute_tokens covers it"
+        return ""
