@@ -83,8 +83,8 @@ class EngineKVHook:
                 held[tier] = held.get(tier, 0) + 1
         where = ", ".join(f"{tier} {n}" + (" (this process's memory)" if tier in MEMORY_TIERS else "")
                           for tier, n in held.items()) or "no tier"
-        lines = [f"KV precompute: {t.computed} entries computed ({t.tokens} tokens with the separator after each chunk "
-                 f"and the prompt head where it was new, {t.seconds:.1f} s), "
+        lines = [f"KV precompute: {t.computed} entries computed ({t.tokens} tokens, each chunk's separator and any new "
+                 f"prompt head included, {t.seconds:.1f} s), "
                  f"{t.skipped} already stored; stored on {where}"]
         for tier, n in held.items():
             missed = t.computed - n
