@@ -177,17 +177,20 @@ def test_stream_sends_sources_first_then_text_then_a_usage_chunk_only_when_asked
 
 def test_eight_concurrent_streams_finish_and_each_answers_its_own_question(served):
     """In float32 each concurrent answer equals its answer asked alone. In bfloat16 batching may
-    change a few tokens (batch numerics, README "Batching and bf16"), so there each answer must be
-    closest to its own solo answer: KV of another request would answer another question.
-    tests/test_server_cli.py asserts 16 concurrent blend streams exactly in float32."""
-    from difflib import SequenceMatcher
-
+    change tokens (batch numerics, README "Batching and bf16": 3 of 16 answers on Zen 4): a changed
+    answer agrees with its solo answer word for word up to some point and then goes its own way. So
+    there each answer must share at least as long a word prefix with its own solo answer as with any
+    other question's (KV of another request would answer that other question from its first words),
+    and most answers must equal their solo answers. (A character-level likeness ranked "The answer to
+    the question is: Kelmet." closer to another answer opening "The answer to the question is" than
+    to its own solo answer.) tests/test_server_cli.py asserts 16 concurrent blend streams exactly in
+    float32."""
     url, state = served
     questions = ["What is the capital of Zorbia?", "Who founded Velmora?", "What is kelmet?",
                  "How many seats has the Amber Hall?", "When was Velmora founded?", "Where does parliament meet?",
                  "What river flows through Velmora?", "How often are elections held in Zorbia?"]
     c = client(url)
-    alone = [c.chat.completions.create(messages=user(q), **ASK).choices[0].message.content for q in questions]
+    alone = [c.chat.completions.create(messages=user(q), **ASK).choices[0].message.content.strip() for q in questions]
 
     async def one(aclient: openai.AsyncOpenAI, q: str) -> str:
         stream = await aclient.chat.completions.create(messages=user(q), stream=True, **ASK)
@@ -202,9 +205,20 @@ def test_eight_concurrent_streams_finish_and_each_answers_its_own_question(serve
         assert batched == alone
     else:
         for i, answer in enumerate(batched):
-            likeness = [SequenceMatcher(None, answer, solo.strip()).ratio() for solo in alone]
-            assert likeness[i] == max(likeness), (questions[i], answer, alone)  # ties: identical solo answers
+            shared = [common_words(answer, solo) for solo in alone]
+            assert shared[i] == max(shared), (questions[i], answer, alone)  # ties: answers opening alike
+        assert sum(b == a for b, a in zip(batched, alone)) >= len(questions) // 2, (batched, alone)
     wait_idle(url)
+
+
+def common_words(a: str, b: str) -> int:
+    """How many whitespace-separated words ``a`` and ``b`` share from their start."""
+    n = 0
+    for x, y in zip(a.split(), b.split()):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def test_second_turn_prompt_holds_the_first_turn_after_the_chunks(served):
