@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +21,9 @@ from ragcache.retrieval import (
     StableOrderPostprocessor,
     stable_order,
 )
-from tests.conftest import clear_ragcache_env
+from tests.conftest import clear_ragcache_env, shared_data
 
-HOTPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa" / "hotpotqa_distractor_100.json"
+HOTPOT = "hotpotqa/hotpotqa_distractor_100.json"  # under ../shared/data or $RAGCACHE_DATA_DIR
 N_QUESTIONS = 5
 
 
@@ -36,9 +35,7 @@ def _isolated(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def hotpot():
-    if not HOTPOT.is_file():
-        pytest.skip(f"{HOTPOT} is absent (the evaluation data lives in ../shared/data beside the repo)")
-    return json.loads(HOTPOT.read_text())[:N_QUESTIONS]
+    return json.loads(shared_data(HOTPOT).read_text())[:N_QUESTIONS]
 
 
 @pytest.fixture(scope="module")
