@@ -22,9 +22,9 @@ from ragcache.index import (
 )
 from ragcache.ingest import Ingestor, KVPrecomputeError
 from ragcache.readers import passage_doc_id
-from tests.conftest import clear_ragcache_env
+from tests.conftest import clear_ragcache_env, shared_data
 
-HOTPOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa" / "hotpotqa_distractor_100.json"
+HOTPOT = "hotpotqa/hotpotqa_distractor_100.json"  # under ../shared/data or $RAGCACHE_DATA_DIR
 N_PASSAGES = 30
 
 
@@ -63,9 +63,7 @@ def make_ingestor(models, tmp_path: Path, index: str = "idx", kv_hook=None, **in
 
 def hotpot_records(n_passages: int = N_PASSAGES) -> tuple[list[dict], set[tuple[str, str]]]:
     """Whole HotpotQA records until they hold ``n_passages`` distinct passages (then trimmed)."""
-    if not HOTPOT.is_file():
-        pytest.skip(f"{HOTPOT} is absent (the evaluation data lives in ../shared/data beside the repo)")
-    data = json.loads(HOTPOT.read_text())
+    data = json.loads(shared_data(HOTPOT).read_text())
     records, seen = [], set()
     for rec in data:
         ctxs = []
