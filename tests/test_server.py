@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -205,20 +206,10 @@ def test_eight_concurrent_streams_finish_and_each_answers_its_own_question(serve
         assert batched == alone
     else:
         for i, answer in enumerate(batched):
-            shared = [common_words(answer, solo) for solo in alone]
+            shared = [len(os.path.commonprefix([answer.split(), solo.split()])) for solo in alone]  # words
             assert shared[i] == max(shared), (questions[i], answer, alone)  # ties: answers opening alike
         assert sum(b == a for b, a in zip(batched, alone)) >= len(questions) // 2, (batched, alone)
     wait_idle(url)
-
-
-def common_words(a: str, b: str) -> int:
-    """How many whitespace-separated words ``a`` and ``b`` share from their start."""
-    n = 0
-    for x, y in zip(a.split(), b.split()):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_second_turn_prompt_holds_the_first_turn_after_the_chunks(served):
