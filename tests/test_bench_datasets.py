@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -18,3 +19,23 @@ def test_load_qa_and_dataset_errors(tmp_path):
     assert exs[0].passages == [("T", "x")] and passage_text("T", "x") == "T\nx" and passage_text("", "x") == "x"
     with pytest.raises(DatasetNotFoundError, match="musique"):
         load_qa(tmp_path / "missing.json")
+
+
+def test_the_demo_dataset_ships_with_ragcache(tmp_path, monkeypatch):
+    from app.demo_cmd import DEMO_QUESTIONS
+    from ragcache.bench.datasets import PACKAGED, resolve_dataset
+
+    monkeypatch.setenv("RAGCACHE_DATA_DIR", str(tmp_path))  # no shared data: the file comes with the package
+    assert resolve_dataset("demo") == PACKAGED["demo"]
+    exs = load_qa("demo")
+    assert len(exs) == 30
+    assert [e.question for e in exs[:len(DEMO_QUESTIONS)]] == [q for q, _ in DEMO_QUESTIONS]  # what `make demo` asks
+    assert len({e.question for e in exs}) == 30
+    for e in exs:
+        # a gold answer from the docstring, and the demo index's top-k chunks as untitled passages
+        assert e.answers and e.answers[0].strip(), e.question
+        assert len(e.passages) == 5 and all(title == "" and text.strip() for title, text in e.passages), e.question
+    # the passages are about the function asked: its module's page is among their sources
+    for e in json.loads(PACKAGED["demo"].read_text(encoding="utf-8")):
+        module = re.search(r"\b([a-z]+)\.[A-Za-z_]+", e["question"]).group(1)
+        assert module in {c["source"] for c in e["ctxs"]}, e["question"]

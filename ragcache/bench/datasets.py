@@ -21,6 +21,13 @@ DATASETS = {
     "hotpotqa": "hotpotqa/hotpotqa_distractor_100.json",
 }
 
+#: datasets that ship with ragcache, by short name: ``demo``, 30 questions over the demo corpus (the
+#: pydoc pages ``make demo`` ingests) with the chunks the demo index retrieves for each and the first
+#: sentence of the function's docstring as the gold answer (written by scripts/make_demo_qa.py)
+PACKAGED = {
+    "demo": Path(__file__).resolve().parent / "data" / "demo_pydoc_qa.json",
+}
+
 #: the repository root (this file is ragcache/bench/datasets.py)
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -59,16 +66,19 @@ def shared_data_dir() -> Path:
 
 
 def resolve_dataset(name_or_path: str | os.PathLike[str]) -> Path:
-    """A dataset short name (``musique``, ``hotpotqa``) or a path, as an existing file.
+    """A dataset short name (``musique``, ``hotpotqa``, ``demo``) or a path, as an existing file.
 
     Raises:
         DatasetNotFoundError: no such file.
     """
     key = str(name_or_path)
-    path = shared_data_dir() / DATASETS[key] if key in DATASETS else Path(key).expanduser()
+    if key in PACKAGED:
+        path = PACKAGED[key]
+    else:
+        path = shared_data_dir() / DATASETS[key] if key in DATASETS else Path(key).expanduser()
     if not path.is_file():
         raise DatasetNotFoundError(
-            f"dataset {path} not found: pass --dataset musique|hotpotqa (files under ../shared/data, "
+            f"dataset {path} not found: pass --dataset musique|hotpotqa|demo (the first two under ../shared/data, "
             f"or set RAGCACHE_DATA_DIR) or a JSON file of {{question, answers, ctxs:[{{title, text}}]}}")
     return path
 
