@@ -28,7 +28,9 @@ def test_gold_answer_scoring_matches_across_exact_paths_and_eval_reports_quality
     assert blend_all == pytest.approx(full, abs=5e-3)
     assert reuse != pytest.approx(full, abs=1e-3)  # two chunks moved without recompute: not exact
 
-    res = run_eval(engine, data, mode="reuse", passages=2, max_tokens=4)
+    ex.passages = ex.passages[:2]  # fewer than --passages asks: the result reports what the prompts had
+    res = run_eval(engine, data, mode="reuse", passages=3, max_tokens=4)
+    assert res["passages"] == 2
     q = res["quality"]
     assert res["benchmark"] == "eval" and q["n"] == 1 and q["kl_mean"] > 0
     assert res["examples"][0]["gold_nll"] == pytest.approx(mean_nll(reuse), rel=1e-3)

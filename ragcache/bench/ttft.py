@@ -188,7 +188,9 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
     sweep = [summaries[v.name] for v in variants if v.mode == "blend"]
     stages = with_floor(stage_table(summaries, main_name), *layers)
     return {
-        "benchmark": "ttft", "n": len(records), "passages": passages, "max_tokens": max_tokens,
+        # the passages a prompt had (--passages caps them; the demo set has 5 per question)
+        "benchmark": "ttft", "n": len(records), "passages": max((r["passages"] for r in records), default=passages),
+        "max_tokens": max_tokens,
         "prefix_warmup": prefix_warmup, "default_ratio": default_ratio,
         "ratios": sorted({v.ratio for v in variants if v.ratio is not None}),
         "selections": sorted({v.selection for v in variants if v.selection}),
@@ -356,7 +358,7 @@ def run_eval(engine: "BlendEngine", examples: Sequence[QAExample], *, mode: str,
     } for r in res["examples"]]
     return {
         "benchmark": "eval", "mode": mode, "recompute_ratio": ratio if mode == "blend" else None,
-        "n": res["n"], "passages": passages, "max_tokens": max_tokens,
+        "n": res["n"], "passages": res["passages"], "max_tokens": max_tokens,
         "quality": pick(res["variants"][name]), "full": pick(res["variants"]["full"]),
         "run_s": res["run_s"], "examples": examples_out,
     }
