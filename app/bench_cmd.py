@@ -98,10 +98,14 @@ def _selections(text: str) -> list[str]:
     return vals
 
 
+#: ``--dataset``'s help, wherever the flag is
+DATASET_HELP = ("QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR), demo (questions over the demo "
+                "corpus, shipped with ragcache) or a JSON path")
+
+
 def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset: str = "musique") -> None:
     p.add_argument("--dataset", default=dataset,
-                   help="QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR), demo (questions over the "
-                        "demo corpus, shipped with ragcache) or a JSON path")
+                   help=DATASET_HELP)
     p.add_argument("--out", type=Path, default=Path(out) if out else None,
                    help="result JSON (the .md tables" + (" and the .png plot" if plot else "") + " beside it)"
                    + ("" if out else "; default: results/eval_MODE.json"))
@@ -244,8 +248,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     n = kinds.add_parser("plain", help="full-prefill TTFT of a plain vLLM engine (no ragcache) in any dtype, e.g. "
                          "vLLM's own auto", formatter_class=_FMT)
     n.add_argument("--dataset", default="musique",
-                   help="QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR), demo (questions over the "
-                        "demo corpus, shipped with ragcache) or a JSON path")
+                   help=DATASET_HELP)
     n.add_argument("--out", type=Path, default=Path("results/bench_plain.json"),
                    help="result JSON (the .md tables beside it)")
     n.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
