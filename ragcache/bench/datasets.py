@@ -74,8 +74,10 @@ def resolve_dataset(name_or_path: str | os.PathLike[str]) -> Path:
     key = str(name_or_path)
     if key in PACKAGED:
         path = PACKAGED[key]
+    elif key in DATASETS:
+        path = shared_data_dir() / DATASETS[key]
     else:
-        path = shared_data_dir() / DATASETS[key] if key in DATASETS else Path(key).expanduser()
+        path = Path(key).expanduser()
     if not path.is_file():
         raise DatasetNotFoundError(
             f"dataset {path} not found: pass --dataset musique|hotpotqa|demo (the first two under ../shared/data, "
