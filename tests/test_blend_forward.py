@@ -522,10 +522,11 @@ def test_blend_rejects_bad_arguments(tiny, tiny_context):
         reuse_kv(ops, positions, lambda layer: (load(layer)[0][:-1], load(layer)[1]), sink)
 
 
-@pytest.mark.parametrize("kernel_like", [False, True])
-def test_candidates_are_refined_at_layer_one_to_the_budget(tiny, tiny_context, kernel_like):
-    # candidates = 3: the question picks 3x the budget, they go through layer 0, and layer 1 keeps the
-    # budget among them (by attention x reused-V error); the rest keep their reused KV from layer 1 on
+@pytest.mark.parametrize("kernel_like,refine_layer", [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_candidates_are_refined_at_the_refine_layer_to_the_budget(tiny, tiny_context, kernel_like, refine_layer):
+    # candidates = 3: the question picks 3x the budget, they go through layers 0 .. R-1, and layer R keeps
+    # the budget among them (by attention x reused-V error over layers 1 .. R); the rest keep their reused
+    # KV from layer R on
     _, ops = tiny
     starts, exact = context_layout(tiny_context)
     ids, positions = tiny_context.token_ids, tiny_context.positions
@@ -535,7 +536,7 @@ def test_candidates_are_refined_at_layer_one_to_the_budget(tiny, tiny_context, k
     alone, _ = run_blend(ops, tiny_context, selection=Selection("question", granule=4), **kwargs)
     wide, _ = run_blend(ops, tiny_context, selection=Selection("question", granule=4),
                         **{**kwargs, "min_recompute_tokens": 3 * budget})  # the question's 3x budget choice
-    refined_sel = Selection("question", granule=4, candidates=3.0)
+    refined_sel = Selection("question", granule=4, candidates=3.0, refine_layer=refine_layer)
     refined, got = run_blend(ops, tiny_context, selection=refined_sel, **kwargs)
     assert refined.num_recomputed == alone.num_recomputed == budget and wide.num_recomputed == 3 * budget
     chosen = set(refined.selected.tolist())
@@ -544,7 +545,9 @@ def test_candidates_are_refined_at_layer_one_to_the_budget(tiny, tiny_context, k
     reused = LayerCollector(ops.num_layers)
     reuse_kv(ops, positions, tiny_context.load_layer, reused)
     dropped = sorted(set(wide.selected.tolist()) - chosen)
-    for layer in range(1, ops.num_layers):  # the dropped candidates keep their reused KV after layer 0
+    for layer in range(1, refine_layer):  # before R the dropped candidates were recomputed too
+        assert not torch.equal(got.v[layer][dropped], reused.v[layer][dropped])
+    for layer in range(refine_layer, ops.num_layers):  # from R on they keep their reused KV
         assert torch.equal(got.v[layer][dropped], reused.v[layer][dropped])
     expected_k, expected_v = full_kv(ops, tiny_context)
     torch.testing.assert_close(got.v[1][refined.selected], expected_v[1][refined.selected], atol=1e-5, rtol=1e-5)
@@ -556,20 +559,21 @@ def test_candidates_are_refined_at_layer_one_to_the_budget(tiny, tiny_context, k
         for layer in range(ops.num_layers):
             torch.testing.assert_close(engine.cache.k[layer], got.k[layer], rtol=0, atol=1e-6)
             torch.testing.assert_close(engine.cache.v[layer], got.v[layer], rtol=0, atol=1e-6)
-    # no refinement where it cannot apply: the selected tokens stop after layer 0 (depth 1 of 4 layers),
-    # or the budget is every token
-    shallow, _ = run_blend(ops, tiny_context, selection=refined_sel, recompute_depth=0.25, **kwargs)
+    # no refinement where it cannot apply: the selected tokens stop at or before layer R (depth R of 4
+    # layers), or the budget is every token
+    shallow, _ = run_blend(ops, tiny_context, selection=refined_sel, recompute_depth=refine_layer / 4, **kwargs)
     assert torch.equal(shallow.selected, alone.selected)
     whole, whole_kv = run_blend(ops, tiny_context, selection=refined_sel, **{**kwargs, "recompute_ratio": 1.0})
     assert_full_prefill(ops, tiny_context, whole_kv)
 
 
-def test_forced_tokens_survive_the_refinement(tiny, tiny_context):
+@pytest.mark.parametrize("refine_layer", [1, 3])
+def test_forced_tokens_survive_the_refinement(tiny, tiny_context, refine_layer):
     _, ops = tiny
     _, _, forced = second_chunk_forced(tiny_context)
     n = tiny_context.token_ids.shape[0]
     result, got = run_blend(ops, tiny_context, recompute_ratio=0.1, check_layer=0, forced=forced, tail_ids=TAIL,
-                            selection=Selection("question", granule=4, candidates=3.0))
+                            selection=Selection("question", granule=4, candidates=3.0, refine_layer=refine_layer))
     chosen = torch.zeros(n, dtype=torch.bool)
     chosen[result.selected] = True
     assert chosen[forced].all() and int((chosen & ~forced).sum()) == hkvd_budget(0.1, n)

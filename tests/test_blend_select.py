@@ -273,13 +273,23 @@ def test_granule_and_probe_layers_are_checked():
 
 
 def test_impact_is_attention_times_the_reused_value_error_at_the_candidates_only():
-    from ragcache.blend import impact_scores
+    from ragcache.blend import impact_scores, value_error
 
     question = torch.tensor([0.5, 0.2, 0.1, 0.2])
     reused = torch.zeros(4, 1, 2)
     fresh = torch.tensor([[[3.0, 4.0]], [[0.0, 0.0]]])  # candidates 1 and 3: errors 5 and 0
-    impact = impact_scores(question, torch.tensor([1, 3]), fresh, reused)
+    candidates = torch.tensor([1, 3])
+    error = value_error(fresh, reused[candidates])
+    assert error.tolist() == [5.0, 0.0]
+    impact = impact_scores(question, candidates, error)
     assert impact[1] == pytest.approx(1.0) and 0 < impact[3] < 1e-30  # a candidate ranks above the rest
     assert impact[0] == impact[2] == 0  # not a candidate, however much attention
+    # the error summed over layers: an earlier layer's error lifts candidate 3 above candidate 1
+    summed = impact_scores(question, candidates, error + torch.tensor([0.0, 6.0]))
+    assert summed[3] == pytest.approx(1.2) and summed[3] > summed[1]
+    with pytest.raises(ValueError, match="does not match"):
+        impact_scores(question, candidates, error[:1])
     with pytest.raises(ValueError, match="candidates must be >= 1"):
         Selection("question", candidates=0.5)
+    with pytest.raises(ValueError, match="refine_layer must be >= 1"):
+        Selection("question", candidates=2.0, refine_layer=0)

@@ -83,6 +83,7 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "check_layer_resolved": s.blend.resolved_check_layer,
         "min_recompute_tokens": s.blend.min_recompute_tokens, "recompute_depth": s.blend.recompute_depth,
         "granule": s.blend.granule, "candidates": s.blend.candidates,
+        "refine_layer": s.blend.refine_layer,
         "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
         "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
         "attention_reason": getattr(worker, "attention_reason", None),

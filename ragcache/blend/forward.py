@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,6 +36,7 @@ from ragcache.blend.select import (
     deviation_scores,
     hkvd_budget,
     impact_scores,
+    value_error,
     question_attention,
     select_tokens,
 )
@@ -388,19 +389,19 @@ def _check_layer_kv(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Te
 def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: torch.Tensor,
                     loader: "_LayerLoader", move: Callable[[int, torch.Tensor], torch.Tensor],
                     question: _QuestionScores, on_layer: OnLayer | None = None,
-                    keep_v: int | None = None) -> torch.Tensor | None:
+                    keep_v: Collection[int] = ()) -> dict[int, torch.Tensor]:
     """The question tail alone through ``layers`` over the reused KV of the context (ProphetKV-style
     scores fused over layers, ICML'26): each layer's cached K is loaded and moved to the context's
     positions (``move(layer, k_pre)``); no context token is computed. The layers are not kept: with
     ``on_layer`` each goes to the engine's cache now (the selective pass then overwrites only the
     recomputed rows), without it the selective pass loads them again (cheaper than holding every
-    layer's KV, see :func:`blend_kv`). Returns the cached V ``[N, Hkv, D]`` of layer ``keep_v``
-    when it is among ``layers`` (for :func:`_refine`), else None."""
-    kept = None
+    layer's KV, see :func:`blend_kv`). Returns the cached V ``[N, Hkv, D]`` of the layers in
+    ``keep_v`` that are among ``layers`` (for :func:`_refine`), by layer."""
+    kept: dict[int, torch.Tensor] = {}
     for layer in layers:
         k_pre, v_cached = loader.get(layer)
-        if layer == keep_v:
-            kept = v_cached
+        if layer in keep_v:
+            kept[layer] = v_cached
         k_moved = move(layer, k_pre)  # [N, Hkv, D]
         if on_layer is not None:
             on_layer(layer, k_moved, v_cached)
@@ -437,25 +438,30 @@ def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: 
                          **scores)
 
 
-def _refine(ops: DecoderOps, ctx: _Context, candidates: torch.Tensor, hidden: torch.Tensor, reused_v: torch.Tensor,
-            question: _QuestionScores, budget: int, selection: Selection, segment_starts: Sequence[int]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradual filtering at layer 1 (CacheBlend §4.3, weighted by the question): of the question's
-    ``candidates`` ``[m]``, which have been through layer 0 (``hidden`` ``[m, ...]`` entering layer
-    1), keep ``budget`` (plus the forced ones) by impact (:func:`~ragcache.blend.select.impact_scores`:
-    question attention x L2 error of the reused V ``[N, Hkv, D]`` of layer 1 against their fresh V).
+def _refine(ops: DecoderOps, ctx: _Context, layer: int, candidates: torch.Tensor, hidden: torch.Tensor,
+            reused_v: torch.Tensor, error: torch.Tensor | None, question: _QuestionScores, budget: int,
+            selection: Selection, segment_starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradual filtering at ``layer`` (CacheBlend §4.3, weighted by the question): of the question's
+    ``candidates`` ``[m]``, which have been through layers ``0 .. layer - 1`` (``hidden`` ``[m, ...]``
+    entering ``layer``), keep ``budget`` (plus the forced ones) by impact
+    (:func:`~ragcache.blend.select.impact_scores`: question attention x the L2 error of their reused
+    V, here against ``reused_v`` ``[N, Hkv, D]`` of ``layer``, plus ``error`` ``[m]``, the error
+    summed over the layers before it, or None).
 
     Returns:
         ``(selected [n], hidden [n, ...])``: the kept candidates, ascending, and their rows.
     """
-    _, _, fresh_v = ops.qkv(1, hidden)  # [m, Hkv, D]
-    impact = impact_scores(question.mean(), candidates, fresh_v, reused_v)
+    _, _, fresh_v = ops.qkv(layer, hidden)  # [m, Hkv, D]
+    total = value_error(fresh_v, reused_v[candidates])  # [m]
+    if error is not None:
+        total += error
+    impact = impact_scores(question.mean(), candidates, total)
     # no exact mask here: it would rank an exact candidate below every non-candidate; an exact
     # token's reused V has no error, so its impact already ranks it last among the candidates
     final = select_tokens(budget, selection, question=impact, forced=ctx.forced, segment_starts=segment_starts)
     keep = torch.isin(candidates, final)
     # a run the question trimmed may be taken whole here: its tokens outside the candidates have not
-    # been through layer 0, so the budget they held goes to the best remaining candidates
+    # been through the layers before, so the budget they held goes to the best remaining candidates
     short = min(final.numel(), candidates.numel()) - int(keep.sum())
     if short > 0:
         rest = impact[candidates].masked_fill(keep, -1.0)
@@ -465,7 +471,8 @@ def _refine(ops: DecoderOps, ctx: _Context, candidates: torch.Tensor, hidden: to
 
 def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
                      k_all: torch.Tensor | None, v_all: torch.Tensor | None, on_layer: OnLayer, attention: Attention,
-                     write_rows: WriteRows | None = None, *, last: bool = False) -> torch.Tensor:
+                     write_rows: WriteRows | None = None, *, last: bool = False,
+                     observe_v: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
     """One layer after the check layer for the selected tokens only (§4.2, selective KV recompute).
 
     ``k_all`` / ``v_all`` ``[N, Hkv, D]`` hold the reused KV at the new positions; the selected rows
@@ -475,9 +482,12 @@ def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.T
     go to ``write_rows``, and ``attention`` reads the layer back from the engine's cache.
     ``hidden`` ``[n, hidden]`` -> the layer's output for the selected tokens (with ``last``, the
     model's last layer or the last one these tokens are recomputed in, no output is needed: only
-    their K/V are written and ``hidden`` is returned).
+    their K/V are written and ``hidden`` is returned). ``observe_v(layer, v [n, Hkv, D])`` sees the
+    selected tokens' fresh V before any row is written.
     """
     q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
+    if observe_v is not None:
+        observe_v(layer, v)
     q, k = ops.rope(layer, ctx.positions[selected], q, k)
     if k_all is None:
         write_rows(layer, selected, k, v)
@@ -548,9 +558,10 @@ def blend_kv(
     is layer 0's fresh KV. The question probe starts at layer 0 and the selected tokens are
     computed from layer 0 (step 3 from layer 0), which saves a projection pass over all N tokens.
     There, with ``selection.candidates`` > 1, the question picks that many times the budget, they
-    go through layer 0, and at layer 1 the budget is kept among them by impact (:func:`_refine`:
-    the question's attention times their reused V's error at layer 1, CacheBlend's gradual
-    filtering); only the kept tokens go on.
+    go through layers ``0 .. R - 1`` (R = ``selection.refine_layer``), and at layer R the budget is
+    kept among them by impact (:func:`_refine`: the question's attention times their reused V's
+    error summed over layers 1 .. R, CacheBlend's gradual filtering); only the kept tokens go on,
+    the dropped ones keep the fresh KV of the layers they went through.
 
     Every attention over the context runs through ``attention`` (default :func:`torch_attention`),
     right after ``on_layer`` (or ``write_rows``) received that layer's final K/V: an engine passes its
@@ -644,9 +655,10 @@ def blend_kv(
     # fresh memory whenever the heap had no room for it (e.g. the first blend after an ingest), and
     # those page faults cost more than loading and moving a layer twice (docs/benchmarks.md).
     fast_path = check_layer == 0 and not (selection.needs_deviation and scores_matter)
-    # question selection refined at layer 1 (_refine): the question picks more, layer 1 keeps the budget
+    # question selection refined at layer R (_refine): the question picks more, layer R keeps the budget
     candidate_budget = min(math.ceil(round(selection.candidates * budget, 9)), num_tokens - num_forced)
-    refine = fast_path and use_tail and depth_end > 1 and candidate_budget > budget
+    refine_at = selection.refine_layer
+    refine = fast_path and use_tail and depth_end > refine_at and candidate_budget > budget
     probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
     probe_end = min(probe_end, num_layers)
     probe_layers = range(0 if fast_path else check_layer + 1, probe_end) if use_tail else range(0)
@@ -673,15 +685,18 @@ def blend_kv(
         probe_emit = emit if written else None
         rows = _Timer(write_rows, clock, "cache_write_s") if written else None
 
+        # the refinement (fast path): reused V [N, Hkv, D] of layers 1 .. R, and the candidates' V error [m]
+        # summed over the layers they have been through
+        reused_v: dict[int, torch.Tensor] = {}
+        error: torch.Tensor | None = None
         if fast_path:
             # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
             # positions is layer 0's fresh KV: no context token is computed in full; the question tail
             # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
-            probed_v1 = None  # layer 1's reused V, for _refine
             if question is not None:
                 with clock("question_probe_s"):
-                    probed_v1 = _question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move,
-                                                question, probe_emit, keep_v=1 if refine else None)
+                    reused_v.update(_question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move,
+                                                    question, probe_emit, range(1, refine_at + 1) if refine else ()))
             with clock("select_s"):
                 selected = _select(ops, 0, ctx, candidate_budget if refine else budget, selection, deviation,
                                    segment_starts, None, None, question, scores_matter)  # [n]
@@ -710,12 +725,19 @@ def blend_kv(
                                               attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
         recomputed = selected  # every token recomputed in some layer
 
-        def refined(reused_v: torch.Tensor) -> None:  # the candidates -> the budget (timed as selection)
+        def refined(layer: int) -> None:  # the candidates -> the budget (timed as selection)
             nonlocal selected, hidden, recomputed
             t0 = time.perf_counter()
-            selected, hidden = _refine(ops, ctx, selected, hidden, reused_v, question, budget, selection,
-                                       segment_starts)
+            selected, hidden = _refine(ops, ctx, layer, selected, hidden, reused_v[layer], error, question, budget,
+                                       selection, segment_starts)
             recomputed = selected
+            clock.inner("select_s", time.perf_counter() - t0)
+
+        def observe(layer: int, fresh_v: torch.Tensor) -> None:  # a layer before R: add the candidates' V error
+            nonlocal error
+            t0 = time.perf_counter()
+            e = value_error(fresh_v, reused_v[layer][selected])  # [m]
+            error = e if error is None else error + e
             clock.inner("select_s", time.perf_counter() - t0)
 
         with clock("selective_layers_s"):
@@ -728,19 +750,23 @@ def blend_kv(
                         selected, hidden = selected[keep], hidden[keep]
                 # the layer before depth_end needs no output for tokens that stop there
                 last = layer == num_layers - 1 or (layer == depth_end - 1 and ctx.forced is None)
+                seen = observe if refine and 1 <= layer < refine_at else None  # the candidates' V error
                 if layer in written:  # the probe wrote the reused KV: only the recomputed rows change
-                    if refine and layer == 1:
-                        refined(probed_v1)
+                    if refine and layer == refine_at:
+                        refined(layer)
                     if selected.numel() > 0:
                         hidden = _selective_layer(ops, layer, ctx, hidden, selected, None, None, emit, attend, rows,
-                                                  last=last)
+                                                  last=last, observe_v=seen)
                     continue
                 k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
-                if refine and layer == 1:
-                    refined(v_all)
+                if refine and 1 <= layer <= refine_at:
+                    reused_v[layer] = v_all  # read before the selective layer writes its rows
+                if refine and layer == refine_at:
+                    refined(layer)
                 k_all = move(layer, k_pre)
                 if selected.numel() > 0:
-                    hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend, last=last)
+                    hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend, last=last,
+                                              observe_v=seen)
                 else:
                     emit(layer, k_all, v_all)
         _synchronize(ops.device)

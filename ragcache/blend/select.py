@@ -15,13 +15,16 @@ indices under one of three strategies (:class:`Selection`):
     layers up to the check layer together with the context, and each context token is scored by
     the attention it receives from the tail's queries (softmax weights averaged over the tail
     tokens, pooled over heads by mean or max (``question_heads``), and averaged over the layers).
-    With ``candidates`` > 1 (check layer 0) the question's choice is refined once, at layer 1, in
-    the way of CacheBlend's gradual filtering: the question picks ``candidates`` times the budget,
-    those tokens go through layer 0 (exact: layer 0's reused KV is its fresh KV), and the budget is
-    kept among them by their *impact*, the question's attention times the L2 error of their reused
-    V at layer 1 (the error a stale token adds to the attention output is its weight times its value
-    error): a token the question reads but whose reused KV is already right gives way to one that
-    is read and stale (:mod:`ragcache.blend.forward`).
+    With ``candidates`` > 1 (check layer 0) the question's choice is refined once, at layer
+    ``refine_layer`` (R), in the way of CacheBlend's gradual filtering: the question picks
+    ``candidates`` times the budget, those tokens go through layers 0 .. R-1 (layer 0 exactly: its
+    reused KV is its fresh KV), and the budget is kept among them by their *impact*, the question's
+    attention times the L2 error of their reused V summed over layers 1 .. R (the error a stale
+    token adds to a layer's attention output is its weight times its value error): a token the
+    question reads but whose reused KV is already right gives way to one that is read and stale. The
+    error of a stale token grows with depth as its neighbours' errors feed into it, so a deeper R
+    sees it better, at the cost of the extra candidates' work in R layers
+    (:mod:`ragcache.blend.forward`; docs/benchmarks.md for R).
 ``hybrid``
     Both signals mixed by rank (``question_weight``), plus the first ``chunk_head_tokens`` tokens
     of every chunk whose KV moved (EPIC, Hu et al. 2024: a chunk's first tokens carry the attention
@@ -72,8 +75,10 @@ class Selection:
         question_heads: question scores: how each layer's per-head attention is pooled over the
             query heads, ``"mean"`` or ``"max"`` (:func:`question_attention`).
         candidates: question selection at check layer 0: the question picks this many times the
-            budget and the budget is kept among them by impact at layer 1 (see the module
-            docstring), >= 1 (1 = by question attention alone).
+            budget and the budget is kept among them by impact at layer ``refine_layer`` (see the
+            module docstring), >= 1 (1 = by question attention alone).
+        refine_layer: with ``candidates`` > 1, the layer at which the budget is kept among the
+            candidates (their V error summed over layers 1 .. ``refine_layer``), >= 1.
     """
 
     strategy: str
@@ -84,6 +89,7 @@ class Selection:
     probe_layers: int | None = None
     question_heads: str = "mean"
     candidates: float = 1.0
+    refine_layer: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy not in SELECTIONS:
@@ -102,6 +108,8 @@ class Selection:
             raise ValueError(f"question_heads must be one of {QUESTION_HEADS}, got {self.question_heads!r}")
         if not self.candidates >= 1.0:
             raise ValueError(f"candidates must be >= 1, got {self.candidates}")
+        if self.refine_layer < 1:
+            raise ValueError(f"refine_layer must be >= 1, got {self.refine_layer}")
 
     @property
     def needs_question(self) -> bool:
@@ -217,24 +225,37 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     return out.reshape(num_kv_heads, g, t, head_dim).permute(2, 0, 1, 3).reshape(t, num_heads, head_dim), scores
 
 
-def impact_scores(question: torch.Tensor, candidates: torch.Tensor, fresh_v: torch.Tensor,
-                  reused_v: torch.Tensor) -> torch.Tensor:
+def value_error(fresh_v: torch.Tensor, reused_v: torch.Tensor) -> torch.Tensor:
+    """``[m]`` float32: the L2 norm of ``fresh_v - reused_v`` per token, over heads and dims.
+
+    Args:
+        fresh_v: ``[m, Hkv, D]`` fresh V of m tokens.
+        reused_v: ``[m, Hkv, D]`` their reused V at the same layer.
+    """
+    return (fresh_v.float() - reused_v.float()).pow(2).sum(dim=(1, 2)).sqrt()
+
+
+def impact_scores(question: torch.Tensor, candidates: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
     """Each candidate's impact on the attention output: the question's attention times the L2 error
     of its reused V (see the module docstring, ``candidates``).
 
     Args:
         question: ``[N]`` attention from the question (:func:`question_attention`, >= 0).
         candidates: ``[m]`` int64 indices of the candidates.
-        fresh_v: ``[m, Hkv, D]`` the candidates' fresh V (at layer 1).
-        reused_v: ``[N, Hkv, D]`` the reused V of every context token (same layer).
+        error: ``[m]`` float32, >= 0: the candidates' V error (:func:`value_error`), summed over the
+            layers it was measured at.
 
     Returns:
-        ``[N]`` float32: ``question * ||fresh_v - reused_v||`` at the candidates, plus the smallest
-        positive float so a candidate always ranks above a non-candidate; 0 elsewhere.
+        ``[N]`` float32: ``question * error`` at the candidates, plus the smallest positive float so
+        a candidate always ranks above a non-candidate; 0 elsewhere.
+
+    Raises:
+        ValueError: ``error`` does not have one value per candidate.
     """
-    error = (fresh_v.float() - reused_v[candidates].float()).pow(2).sum(dim=(1, 2)).sqrt()  # [m]
+    if error.shape != candidates.shape:
+        raise ValueError(f"error {tuple(error.shape)} does not match {candidates.shape[0]} candidates")
     impact = torch.zeros(question.shape[0], dtype=torch.float32, device=question.device)
-    impact[candidates] = question[candidates].float() * error + torch.finfo(torch.float32).tiny
+    impact[candidates] = question[candidates].float() * error.float() + torch.finfo(torch.float32).tiny
     return impact
 
 

@@ -62,7 +62,7 @@ class Rpc:
 #: the [blend] settings every reuse/blend request carries
 _BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "recompute_depth", "check_layer", "deviation", "selection",
                 "chunk_head_tokens", "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads",
-                "candidates", "pipeline_overlap"}
+                "candidates", "refine_layer", "pipeline_overlap"}
 
 
 def _overlap(value: Any) -> bool | str:
@@ -102,7 +102,7 @@ class BlendParams:
             the continuation they score (a gold answer) is not seen by the selection.
         recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation, selection,
             chunk_head_tokens, question_weight, max_chunk_share, granule, probe_layers, question_heads,
-            candidates, pipeline_overlap: the ``[blend]`` settings in force for this request (see :class:`ragcache.config.BlendSettings`).
+            candidates, refine_layer, pipeline_overlap: the ``[blend]`` settings in force for this request (see :class:`ragcache.config.BlendSettings`).
     """
 
     mode: str
@@ -124,6 +124,7 @@ class BlendParams:
     question_heads: str
     pipeline_overlap: bool | str
     candidates: float = 1.0
+    refine_layer: int = 1
 
     @classmethod
     def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
@@ -178,6 +179,7 @@ class BlendParams:
                 max_chunk_share=float(data["max_chunk_share"]), granule=int(data["granule"]),
                 probe_layers=int(data["probe_layers"]), question_heads=str(data["question_heads"]),
                 pipeline_overlap=_overlap(data["pipeline_overlap"]), candidates=float(data.get("candidates", 1.0)),
+                refine_layer=int(data.get("refine_layer", 1)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None

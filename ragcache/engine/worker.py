@@ -304,7 +304,8 @@ class WorkerRuntime:
             result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=prefetch)
         else:
             selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share, p.granule,
-                                  None if p.probe_layers < 0 else p.probe_layers, p.question_heads, p.candidates)
+                                  None if p.probe_layers < 0 else p.probe_layers, p.question_heads, p.candidates,
+                                  p.refine_layer)
             exact = torch.zeros(n, dtype=torch.bool, device=device)
             for seg in segments:
                 if is_canonical(seg.start, head_ids):
