@@ -164,7 +164,8 @@ class BlendSettings(_Section):
         1, ge=1, le=64, description="question selection with candidates > 1: the layer at which the budget is kept "
         "among the candidates, by their V error summed over layers 1 .. refine_layer (deeper sees a stale token's "
         "growing error but sends the extra candidates through that many layers: 3 measured ~3% more TTFT for "
-        "first-token KL -11% / +0.5% / +6% / -1% on four QA sets and no fewer loops; docs/benchmarks.md)")
+        "first-token KL vs refine_layer 1 of -11% on HotpotQA 20-29, +0.4% on HotpotQA 0-9, +6% on MuSiQue, -1% on "
+        "the demo set, and about as many loops (3/90 vs 4/90); docs/benchmarks.md)")
     pipeline_overlap: bool | Literal["auto"] = Field(
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "

@@ -47,13 +47,17 @@ def questions(extra: int, seed: int = 0) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="full,blend", help="modes to ask in, comma-separated")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--modes", default="full,blend", help="modes to ask in, comma-separated (full, reuse, blend)")
     parser.add_argument("--extra", type=int, default=60, help="questions beyond the bench set's 30")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", default="results/demo_loops.json")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per answer (greedy)")
+    parser.add_argument("--out", default="results/demo_loops.json",
+                        help="JSON file of every answer (rewritten after each question)")
     args = parser.parse_args()
     modes = args.modes.split(",")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rag = RAGPipeline.open(Settings.load(None), index="demo")
     rows, start = [], time.time()
     try:
@@ -64,6 +68,7 @@ def main() -> None:
                 row[mode] = {"text": answer.text, "loop": bool(answer.metrics.repetition_loop),
                              "ttft_s": round(answer.metrics.ttft_s, 3)}
             rows.append(row)
+            out.write_text(json.dumps(rows, indent=1))  # an interrupted run keeps what it asked
             print(q, " ".join(f"{m}:{'LOOP' if row[m]['loop'] else 'ok'}" for m in modes), flush=True)
     finally:
         rag.engine.close()
@@ -71,9 +76,7 @@ def main() -> None:
     for mode in modes:
         looped = [r["question"].split()[2].rstrip("?") for r in rows if r[mode]["loop"]]
         print(f"| {mode} | {len(looped)} | {len(rows)} | {', '.join(looped)} |")
-    print(f"\n{time.time() - start:.0f} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"\n{time.time() - start:.0f} s; answers in {out}")
 
 
 if __name__ == "__main__":
