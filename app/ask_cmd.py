@@ -115,10 +115,18 @@ def format_answer(answer) -> str:
     return "\n".join(lines)
 
 
-def note_line(metrics) -> str:
-    """The answer's ratio note (:meth:`ragcache.pipeline.RAGPipeline.ratio_note`: the blend's ratio goes
-    against the index's calibration) as a line for stderr, or "" when there is nothing to say."""
-    return f"note: {metrics.ratio_note}" if metrics.ratio_note else ""
+def note_line(metrics, ratio_note: bool = True) -> str:
+    """The answer's notes as lines for stderr, or "" when there is nothing to say: the cached context
+    could not be served (``load_error``: full prefill answered), and with ``ratio_note`` the ratio note
+    (:meth:`ragcache.pipeline.RAGPipeline.ratio_note`: the blend's ratio goes against the index's
+    calibration)."""
+    notes = []
+    if metrics.load_error:
+        notes.append(f"note: the cached context could not be served ({metrics.load_error}); full prefill answered "
+                     f"(the engine's log has the traceback)")
+    if ratio_note and metrics.ratio_note:
+        notes.append(f"note: {metrics.ratio_note}")
+    return "\n".join(notes)
 
 
 def run_ask(args: argparse.Namespace) -> int:
@@ -164,8 +172,8 @@ def run_chat(args: argparse.Namespace) -> int:
         if answer is not None:
             history += [Turn("user", question), Turn("assistant", answer.text)]
             print(format_answer(answer).split("\n\n", 1)[1], file=sys.stderr)
-            note = note_line(answer.metrics)
-            if note and not noted:
-                noted = True
+            note = note_line(answer.metrics, ratio_note=not noted)
+            noted = noted or bool(answer.metrics.ratio_note)
+            if note:
                 print(note, file=sys.stderr)
     return 0

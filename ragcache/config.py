@@ -14,6 +14,7 @@ Invalid values raise :class:`ConfigError` at start, naming the key, the value an
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -229,6 +230,37 @@ class BlendSettings(_Section):
             raise ValueError(f"selection {selection!r} with blend.check_layer = 0: the KV deviation at layer 0 is "
                              "zero; use check_layer >= 1 or 'auto'")
         return int(self.check_layer)
+
+    def check_model_layers(self, num_layers: int) -> list[str]:
+        """Check the layer settings against a model of ``num_layers`` decoder layers, at engine start
+        (without it a bad ``check_layer`` only failed inside the first blend request).
+
+        Returns:
+            warnings, one sentence each: settings the model makes moot (``refine_layer`` at or past the
+            last layer the recomputed tokens go through, so no cut is made: the question's choice is
+            kept as with ``candidates = 1``).
+
+        Raises:
+            ConfigError: ``check_layer`` is not below ``num_layers`` for some selection a request may
+                pick (``"auto"`` resolves to 0 or 1).
+        """
+        for selection in SELECTIONS:
+            try:
+                layer = self.check_layer_for(selection)
+            except ValueError:  # check_layer 0 with a deviation selection: refused per request, with its fix
+                continue
+            if layer >= num_layers:
+                what = (f"blend.check_layer = 'auto' is layer {layer} for selection {selection!r}"
+                        if self.check_layer == "auto" else f"blend.check_layer = {layer}")
+                raise ConfigError(f"{what}, but the model has {num_layers} layers (0 .. {num_layers - 1}); set "
+                                  f"blend.check_layer below {num_layers}")
+        warnings = []
+        last = min(num_layers, max(1, math.ceil(round(self.recompute_depth * num_layers, 9))))  # blend's recompute_layers
+        if self.candidates > 1 and self.refine_layer >= last:
+            warnings.append(f"blend.refine_layer = {self.refine_layer} is at or past the last layer the recomputed "
+                            f"tokens go through ({last} of the model's {num_layers}): no cut is made there, the "
+                            f"question's choice is kept as with blend.candidates = 1; set refine_layer below {last}")
+        return warnings
 
     def calibrated_settings(self, selection: str | None = None) -> dict[str, Any]:
         """The settings that change what a blend at a given ratio computes, for ``selection`` (None:

@@ -258,6 +258,6 @@ def test_ask_prints_the_ratio_note_once_on_stderr():
 
     from app.ask_cmd import note_line
 
-    assert note_line(SimpleNamespace(ratio_note="")) == ""
-    assert note_line(SimpleNamespace(ratio_note="the index x is calibrated to ratio 0.3")) == \
+    assert note_line(SimpleNamespace(ratio_note="", load_error="")) == ""
+    assert note_line(SimpleNamespace(ratio_note="the index x is calibrated to ratio 0.3", load_error="")) == \
         "note: the index x is calibrated to ratio 0.3"

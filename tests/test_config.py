@@ -139,6 +139,29 @@ def test_check_layer_auto_resolves_per_selection_and_zero_is_refused_for_deviati
         Settings.load(blend={"check_layer": "first"})
 
 
+def test_layer_settings_are_checked_against_the_model_at_start():
+    """A check layer past the model's layers is refused (for any selection a request may pick); a
+    refine layer at or past the last recomputed layer is a warning (no cut is made there)."""
+    from ragcache.config import BlendSettings, ConfigError
+
+    assert BlendSettings().check_model_layers(30) == []
+    assert BlendSettings(check_layer=29, selection="deviation").check_model_layers(30) == []
+    with pytest.raises(ConfigError, match=r"^blend.check_layer = 30, but the model has 30 layers \(0 .. 29\); set "
+                                          r"blend.check_layer below 30$"):
+        BlendSettings(check_layer=30).check_model_layers(30)
+    with pytest.raises(ConfigError, match="blend.check_layer = 'auto' is layer 1 for selection 'deviation', but the "
+                                          "model has 1 layers"):
+        BlendSettings().check_model_layers(1)  # "auto" is layer 1 for deviation
+    [warning] = BlendSettings(refine_layer=30).check_model_layers(30)
+    assert "blend.refine_layer = 30 is at or past the last layer the recomputed tokens go through (30" in warning
+    assert BlendSettings(refine_layer=29).check_model_layers(30) == []
+    assert BlendSettings(refine_layer=30, candidates=1).check_model_layers(30) == []  # no cut to make
+    # with recompute_depth the recomputed tokens stop after ceil(depth x layers)
+    assert BlendSettings(refine_layer=14, recompute_depth=0.5).check_model_layers(30) == []
+    [warning] = BlendSettings(refine_layer=15, recompute_depth=0.5).check_model_layers(30)
+    assert "(15 of the model's 30)" in warning
+
+
 def test_a_request_selection_gets_its_own_check_layer():
     """A request that selects otherwise than the settings gets the check layer of its own strategy
     ("auto": 0 for question, 1 for deviation); a deviation request under an explicit check_layer 0

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from ragcache.chunks import Chunk, chunk_id_for
+from ragcache.engine.messages import TRANSFER_KEY
 from ragcache.models import encode
 from ragcache.options import QueryOptions
 from tests.conftest import shared_data
@@ -141,6 +142,24 @@ def test_missing_chunk_is_computed_during_request_then_hits(engine, fact_chunks)
     second = engine.generate(prompt, QueryOptions(mode="blend"))
     assert "computed" not in second.metrics.chunk_tiers
     assert second.token_ids == first.token_ids
+
+
+def test_a_context_load_that_fails_is_answered_by_full_prefill_and_the_engine_goes_on(engine, fact_chunks):
+    """An exception in the connector's load used to escape vLLM's step and leave the engine hung for
+    every later request; now the request's context is prefilled by vLLM instead (its metrics say why).
+    The failure here is a request whose blend parameters the worker refuses (a check layer past the
+    model's 30 layers, which the settings would never let through: a client bug, or a stale client)."""
+    prompt = engine.prompts.build("Who founded Velmora?", fact_chunks)
+    full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=8))
+    req = engine._request(prompt, QueryOptions(mode="blend", max_tokens=8))
+    req.sampling.extra_args["kv_transfer_params"][TRANSFER_KEY]["check_layer"] = 99
+    [out] = engine.llm.generate([req.inputs], [req.sampling], use_tqdm=False)
+    failed = engine._generation(req, out, 0.0)
+    assert failed.metrics.load_error == "ValueError: check_layer must be in [0, 30), got 99"
+    assert failed.token_ids == full.token_ids  # vLLM's own prefill of the same prompt (float32: exact)
+    assert failed.metrics.reused_tokens == 0 and failed.metrics.num_cached_tokens == 0
+    after = engine.generate(prompt, QueryOptions(mode="blend", max_tokens=8))  # the engine goes on
+    assert after.metrics.load_error == "" and after.metrics.reused_tokens > 0
 
 
 def test_blended_kv_is_not_a_prefix_hit_for_full(engine, fact_chunks):

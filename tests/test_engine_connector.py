@@ -123,6 +123,23 @@ def test_an_answer_says_when_its_recomputed_tokens_stopped_before_the_last_layer
     assert "recomputed 170 |" in format_answer(SimpleNamespace(text="Velmora.", sources=[], metrics=missing))
 
 
+def test_a_failed_context_load_is_said_beside_the_answer_and_zeroes_the_cached_count():
+    from app.ask_cmd import note_line
+
+    stats = ContextStats(load_error="ValueError: check_layer must be in [0, 30), got 99")
+    output = SimpleNamespace(metrics=None, num_cached_tokens=118, outputs=[SimpleNamespace(token_ids=[1, 2])],
+                             kv_transfer_params={TRANSFER_KEY: stats.to_dict()})
+    m = RequestMetrics.from_output(mode="blend", prompt_tokens=130, output=output, total_s=1.0, recompute_ratio=0.15)
+    assert m.load_error == stats.load_error and m.num_cached_tokens == 0  # vLLM prefilled it all
+    m.ratio_note = "the index x is calibrated to ratio 0.3"
+    assert note_line(m) == ("note: the cached context could not be served (ValueError: check_layer must be in "
+                            "[0, 30), got 99); full prefill answered (the engine's log has the traceback)\n"
+                            "note: the index x is calibrated to ratio 0.3")
+    assert note_line(m, ratio_note=False).count("note:") == 1  # chat says the ratio note once, a failure each time
+    ok = dataclasses.replace(m, load_error="", ratio_note="")
+    assert note_line(ok) == ""
+
+
 def test_every_rpc_name_is_a_worker_extension_method():
     for name in Rpc.ALL:
         assert callable(getattr(RagcacheWorkerExtension, name)), name

@@ -76,6 +76,7 @@ def test_rope_scaling_and_the_smallest_length_key_are_read_as_vllm_reads_them(tm
 @pytest.mark.parametrize("env, words", [
     ({"RAGCACHE_ENGINE__KV_CACHE_MEMORY_BYTES": "16777216"}, "cannot hold one request of engine.max_model_len = 8192"),
     ({"RAGCACHE_ENGINE__MAX_MODEL_LEN": "100000"}, "is above the model's maximum of 8192 tokens"),
+    ({"RAGCACHE_BLEND__CHECK_LAYER": "30"}, "blend.check_layer = 30, but the model has 30 layers (0 .. 29)"),
 ])
 def test_ask_refuses_them_in_one_line_before_vllm_is_imported(tmp_path, env, words):
     index = tmp_path / "idx"
@@ -90,4 +91,4 @@ def test_ask_refuses_them_in_one_line_before_vllm_is_imported(tmp_path, env, wor
                        env={**os.environ, "PYTHONPATH": str(REPO), **env})
     assert r.stdout.split()[-3:] == ["EXIT", "2", "False"], r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("ragcache: error: engine.") and words in errors[0]
+    assert len(errors) == 1 and errors[0].startswith("ragcache: error: ") and words in errors[0], errors

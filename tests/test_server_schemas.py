@@ -111,6 +111,9 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
     m = ServerMetrics(["cpu", "disk"])
     m.observe("docs", _answer("blend", ["cpu", "disk", "computed"]))
     m.count_outcome("docs", "blend", "aborted")
+    failed = _answer("blend", [])
+    failed.metrics.load_error = "ValueError: check_layer must be in [0, 30), got 99"  # full prefill answered
+    m.observe("docs", failed)
     stats = StoreStats.from_dict({"cpu": {"occupancy_bytes": 123, "evictions": 2}, "disk": {"occupancy_bytes": 0}})
     text = m.render(stats).decode()
     for line in ('ragcache_chunk_lookups_total{tier="cpu"} 3.0', 'ragcache_chunk_lookups_total{tier="disk"} 2.0',
@@ -118,7 +121,9 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
                  'ragcache_tier_bytes{tier="cpu"} 123.0', 'ragcache_evictions_total{tier="cpu"} 2.0',
                  'ragcache_cached_prompt_tokens_total{index="docs",mode="blend",tenant="default"} 200.0',
                  'ragcache_requests_total{index="docs",mode="blend",outcome="aborted",tenant="default"} 1.0',
-                 'ragcache_requests_in_flight 0.0'):
+                 'ragcache_requests_in_flight 0.0',
+                 'ragcache_requests_total{index="docs",mode="blend",outcome="completed",tenant="default"} 2.0',
+                 'ragcache_context_load_errors_total{index="docs",mode="blend"} 1.0'):
         assert line in text
     assert "c0" not in text and "_created" not in text
 

@@ -61,6 +61,9 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
         depth = f", recomputed {m.recompute_note}" if m.recompute_note else ""
         parts.insert(0, f"recompute ratio {m.recompute_ratio:g} ({m.ratio_source or 'set'}){depth}")
     st.caption(" · ".join(parts))
+    if m.load_error:  # the worker could not serve the cached context: vLLM prefilled it in full
+        st.caption(f":material/warning: the cached context could not be served ({_escape(m.load_error)}); "
+                   "full prefill answered")
     if m.ratio_note:  # the ratio goes against the index's calibration
         st.caption(f":material/info: {_escape(m.ratio_note)}")
 

@@ -15,6 +15,7 @@ only, so importing this module costs nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -25,7 +26,7 @@ from ragcache import lifeline, logs
 from ragcache.chunks import KV_LAYOUT_VERSION
 from ragcache.config import Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
-from ragcache.engine.limits import check_engine_limits
+from ragcache.engine.limits import check_engine_limits, read_kv_shape
 from ragcache.engine.messages import (
     CONNECTOR_MODES, TRANSFER_KEY, BlendParams, PrecomputeItem, PrecomputeReport, RequestMetrics, SegmentRef,
     WorkerReady,
@@ -39,6 +40,8 @@ from ragcache.quality import repetition_loop
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,13 +163,17 @@ class EngineBase:
 
         Raises:
             ModelNotFoundError: the model cannot be found. ConfigError: engine settings vLLM would
-                refuse for this model (:func:`~ragcache.engine.limits.check_engine_limits`).
+                refuse for this model (:func:`~ragcache.engine.limits.check_engine_limits`), or a
+                ``blend.check_layer`` past its layers (:meth:`~ragcache.config.BlendSettings.check_model_layers`,
+                whose warnings are logged).
         """
         logs.quiet_unless_configured(settings.engine.verbose)  # before vLLM is imported and its processes start
         self.settings = settings
         self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
         self.dtype = resolve_dtype(settings.engine.dtype)
         check_engine_limits(settings.engine, self.llm_info.path, self.dtype.dtype)
+        for warning in settings.blend.check_model_layers(read_kv_shape(self.llm_info.path).num_layers):
+            log.warning("%s", warning)
         set_engine_environment(in_process=in_process)
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -188,6 +195,7 @@ class EngineBase:
                 kv_connector="RagcacheConnector",
                 kv_connector_module_path="ragcache.engine.connector",
                 kv_role="kv_both",
+                kv_load_failure_policy="recompute",  # a context the connector fails to serve is prefilled
                 kv_connector_extra_config={"step_tokens": eng.connector_step_tokens},
             ),
             worker_extension_cls="ragcache.engine.worker.RagcacheWorkerExtension",

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ragcache.engine.messages import TRANSFER_KEY, BlendParams, LoadRequest
+from ragcache.engine.messages import TRANSFER_KEY, BlendParams, ContextStats, LoadRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,6 +93,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         # worker side: set by the worker extension (ragcache.engine.worker) via ragcache_init
         self.runtime: Any = None
         self._done: dict[str, dict[str, Any]] = {}
+        self._load_errors: set[int] = set()  # blocks of failed loads, for vLLM to recompute
 
     # ==============================
     # Worker-side methods
@@ -104,6 +105,9 @@ class RagcacheConnector(KVConnectorBase_V1):
         Runs synchronously before the step's forward (the claim is not asynchronous): the whole
         context is written (all layers), so ``wait_for_layer_load`` has nothing to wait for.
 
+        A load that raises is not re-raised (it would stop vLLM's engine with every request in it):
+        vLLM recomputes that request's context instead (:meth:`_load_failed`).
+
         Raises:
             RuntimeError: a request asked for chunk KV before ``ragcache_init`` set up the worker.
         """
@@ -113,7 +117,26 @@ class RagcacheConnector(KVConnectorBase_V1):
         if self.runtime is None:
             raise RuntimeError("ragcache connector used before ragcache_init; create engines with BlendEngine")
         for load in meta.loads:
-            self._done[load.req_id] = self.runtime.load_request(load, self.block_size).to_dict()
+            try:
+                self._done[load.req_id] = self.runtime.load_request(load, self.block_size).to_dict()
+            except Exception as exc:  # one request's failure must not take the engine (and every request) down
+                self._done[load.req_id] = self._load_failed(load, exc)
+
+    def _load_failed(self, load: LoadRequest, exc: Exception) -> dict[str, Any]:
+        """A load that raised: its context blocks are reported to vLLM as not loaded
+        (:meth:`get_block_ids_with_load_errors`), and vLLM, under ``kv_load_failure_policy =
+        "recompute"`` (set by the engine), prefills the whole prompt itself: the request is answered
+        by full prefill, its stats say why (``ContextStats.load_error``), the log has the traceback."""
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        log.warning("ragcache could not serve the context of request %s (%s); vLLM prefills the whole prompt "
+                    "instead", load.req_id, error, exc_info=True)
+        self._load_errors.update(load.block_ids[:-(-load.params.ctx_len // self.block_size)])
+        return ContextStats(load_error=error).to_dict()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The paged-cache blocks of this step's loads that failed (see :meth:`_load_failed`), once."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -442,6 +442,8 @@ class ContextStats:
         recomputed_layers: blend: how many of the model's layers, from the first, the recomputed
             tokens went through (``blend.recompute_depth``; later layers kept their reused KV); 0
             when nothing was recomputed. model_layers: the model's layers (0 in full/prefix mode).
+        load_error: why the worker could not serve the context (the exception, one line), or "": vLLM
+            then prefilled the whole prompt itself, so the answer is full prefill's.
     """
 
     ctx_tokens: int = 0
@@ -457,6 +459,7 @@ class ContextStats:
     stages: dict[str, float] = field(default_factory=dict)
     recomputed_layers: int = 0
     model_layers: int = 0
+    load_error: str = ""
 
     @property
     def partial_depth(self) -> str:
@@ -500,7 +503,7 @@ class RequestMetrics(ContextStats):
         prompt_tokens: tokens of the whole prompt.
         output_tokens: tokens decoded.
         num_cached_tokens: prompt tokens vLLM did not prefill (local prefix-cache hits plus the
-            connector's context).
+            connector's context; 0 after a ``load_error``).
         recompute_ratio: the blend's recompute ratio for this request (None outside blend mode).
         ratio_source: where that ratio came from (set by the pipeline): ``"request"``, ``"settings"``,
             ``"calibration"`` (the index's calibrated ratio) or ``"fallback"``; empty otherwise.
@@ -539,6 +542,8 @@ class RequestMetrics(ContextStats):
             outs = getattr(output, "outputs", None) or []
             ids = list(outs[0].token_ids) if outs else []
             stats = (getattr(output, "kv_transfer_params", None) or {}).get(TRANSFER_KEY) or {}
+            if stats.get("load_error"):  # vLLM counted the connector's claim, then prefilled it all
+                cached = 0
         return cls(mode=mode, ttft_s=ttft, total_s=total_s, prompt_tokens=prompt_tokens, output_tokens=len(ids),
                    num_cached_tokens=cached, recompute_ratio=recompute_ratio if mode == "blend" else None,
                    repetition_loop=repetition_loop(ids), **ContextStats.from_dict(stats).__dict__)

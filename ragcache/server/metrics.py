@@ -24,6 +24,8 @@ Per request (after it completes):
                                                       minus hits are misses, so hits/lookups is the hit rate
   ragcache_requests_total{index,mode,outcome,tenant} requests that got an answer (completed), whose
                                                       client went away (aborted) or that failed (error)
+  ragcache_context_load_errors_total{index,mode}     completed requests whose cached context the worker could
+                                                      not serve (vLLM prefilled it in full instead)
 Now:
   ragcache_requests_in_flight                        chat completions being answered
   ragcache_engine_unfinished_requests                requests vLLM holds (waiting or running) at the scrape
@@ -99,6 +101,9 @@ class ServerMetrics:
         self.hits = Counter("ragcache_chunk_hits", "Retrieved chunks served by each KV tier", ["tier"], registry=r)
         self.requests = Counter("ragcache_requests", "Chat completions by outcome (completed, aborted, error) and "
                                 "tenant", ["index", "mode", "outcome", "tenant"], registry=r)
+        self.context_load_errors = Counter("ragcache_context_load_errors", "Completed requests whose cached context "
+                                           "the worker could not serve (vLLM prefilled it in full; the server log "
+                                           "has the error)", im, registry=r)
         self.in_flight = Gauge("ragcache_requests_in_flight", "Chat completions being answered now", registry=r)
         self.engine_unfinished = Gauge("ragcache_engine_unfinished_requests", "Requests vLLM holds now (waiting "
                                        "or running); 0 when idle, or a request leaked", registry=r)
@@ -128,6 +133,8 @@ class ServerMetrics:
         for tier in m.chunk_tiers:
             self._count_chunk(tier)
         self.requests.labels(index, m.mode, "completed", tenant).inc()
+        if m.load_error:
+            self.context_load_errors.labels(*key).inc()
 
     def _count_chunk(self, tier: str) -> None:
         if tier in self.tiers:
