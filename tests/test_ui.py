@@ -54,7 +54,12 @@ QUESTION = "What is the capital of Zorbia?"
 @pytest.fixture(scope="module")
 def ui_env(tmp_path_factory, engine_settings, engine):
     """An index ``zorbia`` in a temporary index_dir, the RAGCACHE_* environment the app reads, and
-    the session's engine handed to the app (``ui.state.shared_engine``)."""
+    the session's engine handed to the app (``ui.state.shared_engine``).
+
+    Streamlit's script runner installs a module of its own as ``sys.modules["__main__"]`` for each
+    AppTest run and leaves it there; the real one is put back afterwards, else a process started
+    later by spawn (vLLM's AsyncLLM engine core, in tests/test_server.py) re-runs the app script as
+    its ``__main__`` and dies (NameError: name '__args' is not defined)."""
     from ragcache.config import Settings
     from ragcache.pipeline import RAGPipeline
     from ui import state
@@ -80,7 +85,9 @@ def ui_env(tmp_path_factory, engine_settings, engine):
     report = RAGPipeline(settings, root / "indexes" / INDEX, engine).ingest([docs])
     assert report.total_chunks == len(DOCS), report.summary()
     state.shared_engine(settings, engine)  # the app's st.cache_resource now holds this engine
+    main_module = sys.modules["__main__"]
     yield {"root": root, "env": env, "settings": settings}
+    sys.modules["__main__"] = main_module
     state.shared_engine.clear()
     mp.undo()
 
