@@ -79,6 +79,7 @@ def test_rope_scaling_and_the_smallest_length_key_are_read_as_vllm_reads_them(tm
     ({"RAGCACHE_BLEND__CHECK_LAYER": "30"}, "blend.check_layer = 30, but the model has 30 layers (0 .. 29)"),
 ])
 def test_ask_refuses_them_in_one_line_before_vllm_is_imported(tmp_path, env, words):
+    section = next(iter(env)).split("__")[0].removeprefix("RAGCACHE_").lower()  # the error names the setting
     index = tmp_path / "idx"
     index.mkdir()
     build = {"chunk_size": 512, "chunk_overlap": 0, "llm": "smollm2-135m-instruct", "llm_fingerprint": "x",
@@ -91,4 +92,4 @@ def test_ask_refuses_them_in_one_line_before_vllm_is_imported(tmp_path, env, wor
                        env={**os.environ, "PYTHONPATH": str(REPO), **env})
     assert r.stdout.split()[-3:] == ["EXIT", "2", "False"], r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("ragcache: error: ") and words in errors[0], errors
+    assert len(errors) == 1 and errors[0].startswith(f"ragcache: error: {section}.") and words in errors[0], errors
