@@ -99,8 +99,13 @@ def open_pipeline(args: argparse.Namespace):
 
 
 def format_answer(answer) -> str:
+    """An :class:`~ragcache.pipeline.Answer` for the terminal: the text, a blank line, a note when the
+    answer was cut at ``max_tokens``, the sources in prompt order, and one line of metrics."""
     m = answer.metrics
-    lines = [answer.text or "(empty answer)", "", "Sources:"]
+    lines = [answer.text or "(empty answer)", ""]
+    if getattr(answer, "finish_reason", None) == "length":
+        lines.append(f"(cut at {m.output_tokens} tokens, the max_tokens limit: --max-tokens N for a longer answer)")
+    lines.append("Sources (in prompt order):")
     for i, s in enumerate(answer.sources, 1):
         snippet = " ".join(s.text.split())[:90]
         title = f"{s.title}: " if s.title else ""
@@ -108,7 +113,7 @@ def format_answer(answer) -> str:
     hits = ", ".join(f"{t} {n}" for t, n in sorted(m.tier_hits.items())) or "-"
     lines.append("")
     depth = f" ({m.recompute_note})" if m.recompute_note else ""
-    mode = m.mode if m.recompute_ratio is None else f"{m.mode} (ratio {m.recompute_ratio:g}, {m.ratio_source or 'set'})"
+    mode = f"{m.mode} ({m.ratio_text})" if m.ratio_text else m.mode
     lines.append(f"mode {mode} | TTFT {m.ttft_s:.3f} s | retrieval {m.retrieval_s:.3f} s | total {m.total_s:.2f} s | "
                  f"prompt {m.prompt_tokens} tok | reused {m.reused_tokens} | recomputed {m.recomputed_tokens}{depth} | "
                  f"tier hits: {hits}")

@@ -61,11 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-#: why the blend used its ratio, by RequestMetrics.ratio_source
-RATIO_SOURCES = {"settings": "set in blend.recompute_ratio", "calibration": "calibrated for this index",
-                 "fallback": "blend.fallback_ratio: the index has no calibrated ratio", "request": "asked per request"}
-
-
 #: the demo's calibration: a few probe questions, three ratios around the default (~40 s on 2 cores)
 CALIBRATION_PROBES = 3
 CALIBRATION_RATIOS = (0.1, 0.15, 0.2)
@@ -161,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         med = statistics.median(r["speedup"] for r in rows)
         loops = sum(r["loop_blend"] for r in rows)
+        from ragcache.engine.messages import RATIO_SOURCES
+
         source = RATIO_SOURCES.get(rows[0]["ratio_source"], rows[0]["ratio_source"])
         cal = rag.calibration()
         if rows[0]["ratio_source"] == "fallback" and cal is not None and cal.recommendation == "full":

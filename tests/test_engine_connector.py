@@ -123,6 +123,23 @@ def test_an_answer_says_when_its_recomputed_tokens_stopped_before_the_last_layer
     assert "recomputed 170 |" in format_answer(SimpleNamespace(text="Velmora.", sources=[], metrics=missing))
 
 
+def test_the_answer_line_says_where_the_ratio_came_from_and_when_max_tokens_cut_the_answer():
+    from app.ask_cmd import format_answer
+
+    m = RequestMetrics(mode="blend", recompute_ratio=0.15, ratio_source="settings", output_tokens=64)
+    assert m.ratio_text == "ratio 0.15, set in blend.recompute_ratio"
+    assert dataclasses.replace(m, ratio_source="").ratio_text == "ratio 0.15, as set"
+    assert RequestMetrics(mode="full").ratio_text == ""
+    cut = format_answer(SimpleNamespace(text="Velmora is", sources=[], metrics=m, finish_reason="length"))
+    text, rest = cut.split("\n\n", 1)  # what chat prints after the streamed text starts with the cut note
+    assert text == "Velmora is"
+    assert rest.startswith("(cut at 64 tokens, the max_tokens limit: --max-tokens N for a longer answer)\n"
+                           "Sources (in prompt order):")
+    assert "mode blend (ratio 0.15, set in blend.recompute_ratio) |" in cut
+    whole = format_answer(SimpleNamespace(text="Velmora.", sources=[], metrics=m, finish_reason="stop"))
+    assert "cut at" not in whole and whole.split("\n\n", 1)[1].startswith("Sources (in prompt order):")
+
+
 def test_a_failed_context_load_is_said_beside_the_answer_and_zeroes_the_cached_count():
     from app.ask_cmd import note_line
 

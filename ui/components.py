@@ -59,7 +59,7 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
         parts[1:1] = [f"KV load {seconds(m.load_s)}", f"context ready in {seconds(m.worker_s)}"]
     if m.recompute_ratio is not None:
         depth = f", recomputed {m.recompute_note}" if m.recompute_note else ""
-        parts.insert(0, f"recompute ratio {m.recompute_ratio:g} ({m.ratio_source or 'set'}){depth}")
+        parts.insert(0, f"recompute {m.ratio_text}{depth}")
     st.caption(" · ".join(parts))
     if m.load_error:  # the worker could not serve the cached context: vLLM prefilled it in full
         st.caption(f":material/warning: the cached context could not be served ({_escape(m.load_error)}); "

@@ -486,6 +486,12 @@ class ContextStats:
         return cls(**_pick(cls, data))
 
 
+#: why a blend ran at its ratio, by :attr:`RequestMetrics.ratio_source`, in the words the CLI, the UI and the
+#: demo show
+RATIO_SOURCES = {"settings": "set in blend.recompute_ratio", "calibration": "calibrated for this index",
+                 "fallback": "blend.fallback_ratio: the index has no calibrated ratio", "request": "asked per request"}
+
+
 @dataclass(kw_only=True)
 class RequestMetrics(ContextStats):
     """Everything measured for one request: the worker's :class:`ContextStats` plus the driver's numbers.
@@ -552,6 +558,14 @@ class RequestMetrics(ContextStats):
     def from_dict(cls, data: Mapping[str, Any]) -> "RequestMetrics":
         """Inverse of :meth:`to_dict` (derived and unknown keys are ignored)."""
         return cls(**_pick(cls, data))
+
+    @property
+    def ratio_text(self) -> str:
+        """``"ratio 0.15, set in blend.recompute_ratio"``: the blend's ratio and where it came from
+        (:data:`RATIO_SOURCES`; "as set" when no pipeline said), or "" outside blend mode."""
+        if self.recompute_ratio is None:
+            return ""
+        return f"ratio {self.recompute_ratio:g}, {RATIO_SOURCES.get(self.ratio_source, 'as set')}"
 
     @property
     def recompute_note(self) -> str:
