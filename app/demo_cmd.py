@@ -114,6 +114,7 @@ def _cut(text: str, n: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ragcache.config import Settings
+    from ragcache.engine.messages import RATIO_SOURCES
     from ragcache.index import resolve_index_path
     from ragcache.pipeline import RAGPipeline
 
@@ -156,8 +157,6 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         med = statistics.median(r["speedup"] for r in rows)
         loops = sum(r["loop_blend"] for r in rows)
-        from ragcache.engine.messages import RATIO_SOURCES
-
         source = RATIO_SOURCES.get(rows[0]["ratio_source"], rows[0]["ratio_source"])
         cal = rag.calibration()
         if rows[0]["ratio_source"] == "fallback" and cal is not None and cal.recommendation == "full":

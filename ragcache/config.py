@@ -255,7 +255,8 @@ class BlendSettings(_Section):
                 raise ConfigError(f"{what}, but the model has {num_layers} layers (0 .. {num_layers - 1}); set "
                                   f"blend.check_layer below {num_layers}")
         warnings = []
-        last = min(num_layers, max(1, math.ceil(round(self.recompute_depth * num_layers, 9))))  # blend's recompute_layers
+        # the formula of blend.forward.recompute_layers at check layer 0 (config does not import blend/)
+        last = min(num_layers, max(1, math.ceil(round(self.recompute_depth * num_layers, 9))))
         if self.candidates > 1 and self.refine_layer >= last:
             warnings.append(f"blend.refine_layer = {self.refine_layer} is at or past the last layer the recomputed "
                             f"tokens go through ({last} of the model's {num_layers}): no cut is made there, the "

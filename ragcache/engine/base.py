@@ -26,7 +26,7 @@ from ragcache import lifeline, logs
 from ragcache.chunks import KV_LAYOUT_VERSION
 from ragcache.config import Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
-from ragcache.engine.limits import check_engine_limits, read_kv_shape
+from ragcache.engine.limits import check_engine_limits
 from ragcache.engine.messages import (
     CONNECTOR_MODES, TRANSFER_KEY, BlendParams, PrecomputeItem, PrecomputeReport, RequestMetrics, SegmentRef,
     WorkerReady,
@@ -171,8 +171,8 @@ class EngineBase:
         self.settings = settings
         self.llm_info = llm or resolve_llm(settings.models.model, settings.models.cache_dir)
         self.dtype = resolve_dtype(settings.engine.dtype)
-        check_engine_limits(settings.engine, self.llm_info.path, self.dtype.dtype)
-        for warning in settings.blend.check_model_layers(read_kv_shape(self.llm_info.path).num_layers):
+        shape = check_engine_limits(settings.engine, self.llm_info.path, self.dtype.dtype)
+        for warning in settings.blend.check_model_layers(shape.num_layers):
             log.warning("%s", warning)
         set_engine_environment(in_process=in_process)
 

@@ -103,8 +103,9 @@ def default_block_size() -> int:
         return CPU_BLOCK_SIZE
 
 
-def check_engine_limits(engine: EngineSettings, model_dir: Path, dtype: str, block_size: int | None = None) -> None:
-    """Refuse engine settings vLLM would refuse for the model in ``model_dir``.
+def check_engine_limits(engine: EngineSettings, model_dir: Path, dtype: str, block_size: int | None = None) -> KVShape:
+    """Refuse engine settings vLLM would refuse for the model in ``model_dir``; return the model's
+    :class:`KVShape` (read once, for the caller's other checks).
 
     Args:
         engine: the ``[engine]`` settings.
@@ -136,3 +137,4 @@ def check_engine_limits(engine: EngineSettings, model_dir: Path, dtype: str, blo
             f"layers x 2 (K, V) x {shape.num_kv_heads} KV heads x {shape.head_dim} x {DTYPE_BYTES[dtype]} bytes "
             f"({dtype}) x {math.ceil(n / block) + 1} blocks of {block} tokens); set engine.kv_cache_memory_bytes "
             f">= {need} or {longest}")
+    return shape
