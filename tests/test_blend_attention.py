@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragcache.blend import causal_attention, expand_kv_heads
+from ragcache.blend import causal_attention, causal_plan, expand_kv_heads, torch_attention
 
 HQ, HKV, D = 4, 2, 16
 
@@ -119,3 +119,37 @@ def test_no_queries_give_an_empty_result():
     _, k, v = random_qkv(1, 10)
     out = causal_attention(torch.empty(0, HQ, D), torch.empty(0, dtype=torch.long), k, v)
     assert out.shape == (0, HQ, D)
+
+
+def test_a_plan_made_once_serves_every_call_with_the_same_positions():
+    num_keys = 300
+    positions = torch.arange(500, 500 + num_keys)
+    selected = torch.sort(torch.randperm(num_keys, generator=torch.Generator().manual_seed(5))[:70]).values
+    plan = causal_plan(positions[selected], positions, block_size=16)
+    assert not plan.prefill and plan.order is None and len(plan.blocks) == math.ceil(70 / 16)
+    assert causal_plan(positions, positions).prefill
+    for seed in range(3):  # three "layers": other q/k/v, the same positions
+        q_all, k, v = random_qkv(num_keys, num_keys, seed=seed)
+        out = causal_attention(q_all[selected], positions[selected], k, v, positions, plan=plan)
+        expected = reference_attention(q_all[selected], positions[selected], k, v, positions)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="plan is for 70 queries over 300 keys"):
+        causal_attention(q_all[:60], positions[:60], k, v, positions, plan=plan)
+
+
+def test_torch_attention_plans_once_per_query_set(monkeypatch):
+    import ragcache.blend.attention as attention
+
+    made = []
+    monkeypatch.setattr(attention, "causal_plan", lambda *a, **kw: made.append(a) or causal_plan(*a, **kw))
+    num_keys = 200
+    positions = torch.arange(num_keys)
+    attend = torch_attention(positions, D**-0.5)
+    first = torch.tensor([3, 4, 5, 90, 150, 199])
+    second = torch.tensor([10, 11, 120])
+    q_all, k, v = random_qkv(num_keys, num_keys, seed=7)
+    for index in (first, first, first, second, second):  # layers: the query set changes once (a refine layer)
+        out = attend(0, q_all[index], index, k, v)
+        torch.testing.assert_close(out, reference_attention(q_all[index], positions[index], k, v, positions),
+                                   atol=1e-5, rtol=1e-5)
+    assert len(made) == 2

@@ -7,7 +7,7 @@ Must not import vLLM or transformers, nor anything above it in ragcache: an engi
 implements ``DecoderOps`` and hands tensors and callables in.
 """
 
-from ragcache.blend.attention import Attention, causal_attention, expand_kv_heads, torch_attention
+from ragcache.blend.attention import Attention, CausalPlan, causal_attention, causal_plan, expand_kv_heads, torch_attention
 from ragcache.blend.forward import BlendResult, LoadLayer, OnLayer, WriteRows, blend_kv, compute_kv, reuse_kv
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
@@ -39,7 +39,9 @@ __all__ = [
     "OnLayer",
     "WriteRows",
     "blend_kv",
+    "CausalPlan",
     "causal_attention",
+    "causal_plan",
     "compute_kv",
     "expand_kv_heads",
     "hkvd_budget",
