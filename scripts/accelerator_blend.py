@@ -1,0 +1,174 @@
+"""blend/'s torch path on an accelerator, against a full prefill there: time, stages, host waits.
+
+No vLLM: the model is a randomly initialised Llama of a chosen shape behind ``tests/hf_ops.HFLlamaOps``
+(transformers' own modules), in bfloat16 on the accelerator torch sees (default CUDA). Per context
+length (a 20-token lead-in and chunks of 300 tokens, a 30-token question tail) it times, median of
+``--reps`` after two warm-ups, synchronising the device around each:
+
+  hf_prefill   transformers' forward over context + tail (SDPA): what a transformers user runs
+  compute_kv   ragcache's own layer-wise full prefill of the context (blend/ at ratio 1's math)
+  blend        ``blend_kv`` at the ``[blend]`` defaults (question selection, ratio 0.15, the floor)
+  reuse        ``reuse_kv`` (moves the cached K only)
+
+and, with ``--syncs``, counts where one blend makes the host wait for the device (torch's sync
+debug mode, by ragcache source line). Prints a table and writes JSON. Needs transformers and
+pydantic-settings beside torch; measured on an NVIDIA H200 (docs/benchmarks.md, "GPU").
+
+Run from the repository root:
+    python scripts/accelerator_blend.py --shape smollm2 --chunks 5,20 --syncs --out results/accel_smollm2.json
+    python scripts/accelerator_blend.py --shape llama8b --layers 8 --chunks 5,20 --out results/accel_llama8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+from hf_ops import HFLlamaOps, cached_context  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv  # noqa: E402
+from ragcache.config import BlendSettings  # noqa: E402
+
+SHAPES = {
+    # SmolLM2-135M-Instruct, the default model
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+    # Llama-3-8B's layer shape (--layers of them; a smaller vocabulary, which no timed step reads)
+    "llama8b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+
+
+def synchronize(device: torch.device) -> None:
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and backend is not None and hasattr(backend, "synchronize"):
+        backend.synchronize()
+
+
+def median_seconds(fn, device: torch.device, reps: int, warm: int = 2) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sync_sites(fn) -> collections.Counter:
+    """Host waits for the device during ``fn()``, by the innermost ragcache line (CUDA only)."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/ragcache/" in f.filename]
+        where = f"{frames[-1].filename.split('/ragcache/')[-1]}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}"
+        sites[where] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+    return sites
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
+    parser.add_argument("--chunks", default="5,20", help="chunks of 300 tokens per context, comma-separated")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--syncs", action="store_true", help="count the host waits of one blend (CUDA)")
+    parser.add_argument("--out", type=Path, default=Path("results/accelerator_blend.json"))
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dims = dict(SHAPES[args.shape])
+    if args.layers:
+        dims["num_hidden_layers"] = args.layers
+    torch.manual_seed(0)
+    config = LlamaConfig(**dims, max_position_embeddings=16384, attn_implementation="sdpa",
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+    with device:
+        model = LlamaForCausalLM(config).to(dtype=torch.bfloat16).eval()
+    ops = HFLlamaOps(model)
+    b = BlendSettings()
+    selection = Selection(b.selection, b.chunk_head_tokens, b.question_weight, b.max_chunk_share, b.granule,
+                          None if b.probe_layers < 0 else b.probe_layers, b.question_heads, b.candidates,
+                          b.refine_layer)
+    check_layer = b.check_layer_for(b.selection)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for n_chunks in (int(x) for x in args.chunks.split(",")):
+        lead = torch.randint(0, dims["vocab_size"], (20,), generator=g).tolist()
+        chunks = [torch.randint(0, dims["vocab_size"], (300,), generator=g).tolist() for _ in range(n_chunks)]
+        tail = torch.randint(0, dims["vocab_size"], (30,), generator=g)
+        ctx = cached_context(ops, lead, chunks)
+        n = ctx.token_ids.shape[0]
+        exact = torch.zeros(n, dtype=torch.bool)
+        exact[:ctx.chunk_starts[0]] = True  # the lead-in is at its own place
+        prompt = torch.cat([ctx.token_ids, tail]).to(device)
+        result = {}
+
+        def blend():
+            result["r"] = blend_kv(ops, ctx.token_ids, ctx.positions, ctx.load_layer,
+                                   recompute_ratio=b.recompute_ratio, min_recompute_tokens=b.min_recompute_tokens,
+                                   recompute_depth=b.recompute_depth, check_layer=check_layer, deviation=b.deviation,
+                                   selection=selection, segment_starts=[0, *ctx.chunk_starts], exact=exact,
+                                   tail_ids=tail, on_layer=lambda layer, k, v: None, prefetch=True)
+
+        with torch.inference_mode():
+            ms = {
+                "hf_prefill": median_seconds(lambda: model.model(input_ids=prompt[None], use_cache=True), device, args.reps),
+                "compute_kv": median_seconds(lambda: compute_kv(ops, ctx.token_ids, ctx.positions), device, args.reps),
+                "blend": median_seconds(blend, device, args.reps),
+                "reuse": median_seconds(lambda: reuse_kv(ops, ctx.positions, ctx.load_layer, lambda *a: None),
+                                        device, args.reps),
+            }
+            sites = sync_sites(blend) if args.syncs and device.type == "cuda" else None
+        row = {"context_tokens": n, **{k: round(v * 1e3, 2) for k, v in ms.items()},
+               "recomputed": int(result["r"].num_recomputed),
+               "blend_vs_hf_prefill": round(ms["hf_prefill"] / ms["blend"], 2),
+               "blend_stages_ms": {k: round(v * 1e3, 2) for k, v in result["r"].stages.items()}}
+        if sites is not None:
+            row["host_waits"] = sum(sites.values())
+            row["host_wait_sites"] = dict(sites.most_common(12))
+        rows.append(row)
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
+    print(f"{name}, torch {torch.__version__}, bf16, shape {args.shape} ({dims['num_hidden_layers']} layers), "
+          f"blend at the [blend] defaults ({b.selection}, ratio {b.recompute_ratio}, floor {b.min_recompute_tokens})")
+    print("| context tokens | hf prefill ms | compute_kv ms | blend ms | reuse ms | recomputed | blend vs prefill | host waits |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context_tokens']} | {r['hf_prefill']} | {r['compute_kv']} | {r['blend']} | {r['reuse']} | "
+              f"{r['recomputed']} | {r['blend_vs_hf_prefill']}x | {r.get('host_waits', '-')} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "dtype": "bfloat16",
+                                    "shape": args.shape, "dims": dims, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
