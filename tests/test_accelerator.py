@@ -37,11 +37,13 @@ pytestmark = pytest.mark.skipif(ACCEL is None, reason="torch sees no accelerator
 @pytest.fixture(scope="module")
 def models():
     """The tiny Llama on the CPU and a copy on the accelerator (float32): ``(cpu, accel)`` pairs of (model, ops)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 here: compare to 1e-5
     torch.backends.cudnn.allow_tf32 = False
     cpu = tiny_llama()
     accel = tiny_llama().to(ACCEL)
-    return (cpu, HFLlamaOps(cpu)), (accel, HFLlamaOps(accel))
+    yield (cpu, HFLlamaOps(cpu)), (accel, HFLlamaOps(accel))
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def _context(ops, seed=11):

@@ -66,7 +66,8 @@ class CausalPlan:
     Making it reads positions on the host (on an accelerator each read waits for the device);
     running it does not. The blend's selective layers attend with the same queries over the same
     keys in every layer, so :func:`torch_attention` makes one plan per query set and reuses it:
-    on an NVIDIA H200 this took a blend of SmolLM2's 30 layers from ~300 host waits to a few.
+    on an NVIDIA H200 this took a blend of SmolLM2's 30 layers from 309 host waits to 65 (the rest
+    are the selection's, once per request).
 
     Attributes:
         num_queries: ``n``, the queries it was made for.
@@ -222,7 +223,8 @@ def torch_attention(positions: torch.LongTensor, scaling: float) -> Attention:
 
     The :class:`CausalPlan` of the last query set is kept while the same ``index`` tensor comes
     back (the blend's selective layers pass one per request), so only the first layer reads
-    positions on the host.
+    positions on the host. An ``index`` is therefore read once: do not change one in place between
+    calls (pass a new tensor).
 
     Args:
         positions: ``[N]`` int64 absolute positions of the context tokens (ascending).
