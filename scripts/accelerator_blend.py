@@ -10,8 +10,10 @@ length (a 20-token lead-in and chunks of 300 tokens, a 30-token question tail) i
   blend        ``blend_kv`` at the ``[blend]`` defaults (question selection, ratio 0.15, the floor)
   reuse        ``reuse_kv`` (moves the cached K only)
 
-and, with ``--syncs``, counts where one blend makes the host wait for the device (torch's sync
-debug mode, by ragcache source line). Prints a table and writes JSON. Needs transformers and
+the aten ops one blend dispatches (each a kernel launch on a GPU, views aside), split into
+blend/'s own and the adapter's (transformers' modules: its RoPE recomputes cos/sin per call, where
+vLLM's rotary module reads a cache), and, with ``--syncs``, where one blend makes the host wait for
+the device (torch's sync debug mode, by ragcache source line). Prints a table and writes JSON. Needs transformers and
 pydantic-settings beside torch; measured on an NVIDIA H200 (docs/benchmarks.md, "GPU").
 
 Run from the repository root:
@@ -92,6 +94,29 @@ def sync_sites(fn) -> collections.Counter:
     return sites
 
 
+def op_counts(fn) -> collections.Counter:
+    """aten ops dispatched during ``fn()`` (each a kernel launch or a view on a GPU), by who asked:
+    ``adapter`` (tests/hf_ops.py: transformers' modules) or ``blend`` (ragcache/blend)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: collections.Counter = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for frame in reversed(traceback.extract_stack(limit=16)):
+                if frame.filename.endswith("hf_ops.py"):
+                    counts["adapter"] += 1
+                    break
+                if "/ragcache/" in frame.filename:
+                    counts["blend"] += 1
+                    break
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -147,10 +172,12 @@ def main() -> None:
                                         device, args.reps),
             }
             sites = sync_sites(blend) if args.syncs and device.type == "cuda" else None
+            ops_by = op_counts(blend)
         row = {"context_tokens": n, **{k: round(v * 1e3, 2) for k, v in ms.items()},
                "recomputed": int(result["r"].num_recomputed),
                "blend_vs_hf_prefill": round(ms["hf_prefill"] / ms["blend"], 2),
                "blend_stages_ms": {k: round(v * 1e3, 2) for k, v in result["r"].stages.items()}}
+        row["aten_ops_per_blend"] = dict(ops_by)
         if sites is not None:
             row["host_waits"] = sum(sites.values())
             row["host_wait_sites"] = dict(sites.most_common(12))
@@ -159,11 +186,13 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
     print(f"{name}, torch {torch.__version__}, bf16, shape {args.shape} ({dims['num_hidden_layers']} layers), "
           f"blend at the [blend] defaults ({b.selection}, ratio {b.recompute_ratio}, floor {b.min_recompute_tokens})")
-    print("| context tokens | hf prefill ms | compute_kv ms | blend ms | reuse ms | recomputed | blend vs prefill | host waits |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context tokens | hf prefill ms | compute_kv ms | blend ms | reuse ms | recomputed | blend vs prefill | host waits "
+          "| aten ops (blend/ + adapter) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context_tokens']} | {r['hf_prefill']} | {r['compute_kv']} | {r['blend']} | {r['reuse']} | "
-              f"{r['recomputed']} | {r['blend_vs_hf_prefill']}x | {r.get('host_waits', '-')} |")
+              f"{r['recomputed']} | {r['blend_vs_hf_prefill']}x | {r.get('host_waits', '-')} | "
+              f"{r['aten_ops_per_blend'].get('blend', 0)} + {r['aten_ops_per_blend'].get('adapter', 0)} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "dtype": "bfloat16",
                                     "shape": args.shape, "dims": dims, "rows": rows}, indent=1))

@@ -425,10 +425,9 @@ def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts
             break
         runs.append(r)
         left -= count_l[r]
-    picked = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    for r in runs:
-        picked[bounds_l[r]:bounds_l[r + 1]] = True
-    picked &= open_
+    chosen_runs = torch.zeros(num_runs, dtype=torch.bool, device=device)
+    chosen_runs[torch.tensor(runs, dtype=torch.long, device=device)] = True
+    picked = chosen_runs[run_of] & open_  # [N]: a few kernels, not one per run (on a GPU each is a launch)
     if left < 0:  # the last run overshot: drop its worst tokens
         last = runs[-1]
         lo, hi = bounds_l[last], bounds_l[last + 1]
