@@ -211,3 +211,25 @@ class LayerCollector:
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer] = k.clone()
         self.v[layer] = v.clone()
+
+
+#: a question tail after :func:`tiny_context`
+TINY_TAIL = torch.tensor([5, 77, 130, 9, 201])
+
+
+def tiny_context(ops: HFLlamaOps) -> CachedContext:
+    """A 6-token lead-in and three chunks of 40, 25 and 33 random ids (seed 11) for the tiny model,
+    each chunk's KV computed alone after the lead-in (:func:`cached_context`) on ``ops.device``."""
+    g = torch.Generator().manual_seed(11)
+    lead_in = torch.randint(0, 256, (6,), generator=g).tolist()
+    chunks = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 25, 33)]
+    return cached_context(ops, lead_in, chunks)
+
+
+def context_layout(context: CachedContext) -> tuple[list[int], torch.Tensor]:
+    """``segment_starts`` and the ``exact`` mask ``[N]`` bool (the lead-in and the first chunk, which
+    sit where their KV was computed) of a :class:`CachedContext`."""
+    starts = [0] + list(context.chunk_starts)
+    exact = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
+    exact[:context.chunk_starts[1]] = True
+    return starts, exact

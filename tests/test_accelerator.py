@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_ops import HFLlamaOps, LayerCollector, cached_context, hf_layer_kv, tiny_llama
+from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, context_layout, hf_layer_kv, tiny_context, tiny_llama
 
 from ragcache.blend import Selection, blend_kv, compute_kv, hkvd_budget, move_keys
 from ragcache.config import StoreSettings
@@ -46,28 +46,11 @@ def models():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def _context(ops, seed=11):
-    g = torch.Generator().manual_seed(seed)
-    lead_in = torch.randint(0, 256, (6,), generator=g).tolist()
-    chunks = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 25, 33)]
-    return cached_context(ops, lead_in, chunks)
-
-
-TAIL = torch.tensor([5, 77, 130, 9, 201])
-
-
-def _layout(context):
-    starts = [0] + list(context.chunk_starts)
-    exact = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
-    exact[:context.chunk_starts[1]] = True
-    return starts, exact
-
-
 def _blend(ops, context, **kwargs):
     got = LayerCollector(ops.num_layers)
-    starts, exact = _layout(context)
+    starts, exact = context_layout(context)
     result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, on_layer=got,
-                      tail_ids=TAIL, segment_starts=starts, exact=exact, **kwargs)
+                      tail_ids=TINY_TAIL, segment_starts=starts, exact=exact, **kwargs)
     return result, got
 
 
@@ -96,7 +79,7 @@ def test_compute_kv_on_the_accelerator_equals_transformers_there_and_the_cpu(mod
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_blend_at_ratio_one_on_the_accelerator_is_full_prefill(models, strategy, prefetch):
     _, (_, ops) = models
-    context = _context(ops)
+    context = tiny_context(ops)
     result, got = _blend(ops, context, recompute_ratio=1.0, check_layer=1, deviation="value",
                          selection=Selection(strategy), prefetch=prefetch)
     n = context.token_ids.shape[0]
@@ -112,7 +95,7 @@ def test_blend_at_ratio_one_on_the_accelerator_is_full_prefill(models, strategy,
 @pytest.mark.parametrize("strategy", ["deviation", "question", "hybrid"])
 def test_a_partial_blend_on_the_accelerator_picks_and_computes_what_it_does_on_the_cpu(models, strategy):
     (_, cpu_ops), (_, ops) = models
-    cpu_context, context = _context(cpu_ops), _context(ops)
+    cpu_context, context = tiny_context(cpu_ops), tiny_context(ops)
     kwargs = dict(recompute_ratio=0.2, check_layer=1, deviation="value",
                   selection=Selection(strategy, chunk_head_tokens=2))
     cpu_result, cpu_got = _blend(cpu_ops, cpu_context, **kwargs)
@@ -130,7 +113,7 @@ def test_bfloat16_blend_at_ratio_one_on_the_accelerator_tracks_its_own_full_pref
     # orders, so they agree to bf16's resolution (8 bits of mantissa: 2**-8 relative), not bit for bit
     model = tiny_llama().to(device=ACCEL, dtype=torch.bfloat16)
     ops = HFLlamaOps(model)
-    context = _context(ops)
+    context = tiny_context(ops)
     _, got = _blend(ops, context, recompute_ratio=1.0, check_layer=1, deviation="value",
                     selection=Selection("question"))
     k_pre, v = compute_kv(ops, context.token_ids, context.positions)

@@ -4,7 +4,8 @@ import threading
 
 import pytest
 import torch
-from hf_ops import HFLlamaOps, LayerCollector, cached_context, hf_layer_kv, smollm2, tiny_llama
+from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, cached_context, context_layout, hf_layer_kv, smollm2, tiny_llama
+from hf_ops import tiny_context as hf_tiny_context
 
 from ragcache.blend import DecoderOps, Selection, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv, torch_attention
 from ragcache.config import BlendSettings
@@ -19,11 +20,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def tiny_context(tiny):
     """A lead-in and three chunks of the tiny model, each chunk's KV computed alone after the lead-in."""
-    _, ops = tiny
-    g = torch.Generator().manual_seed(11)
-    lead_in = torch.randint(0, 256, (6,), generator=g).tolist()
-    chunks = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 25, 33)]
-    return cached_context(ops, lead_in, chunks)
+    return hf_tiny_context(tiny[1])
 
 
 @pytest.fixture(scope="module")
@@ -138,15 +135,7 @@ def test_blend_at_ratio_one_reproduces_full_prefill_multi_chunk_smollm2(smol):
     assert_full_prefill(ops, context, got, tol=1e-4)
 
 
-TAIL = torch.tensor([5, 77, 130, 9, 201])  # a question tail after the tiny context
-
-
-def context_layout(context):
-    """segment_starts and the exact mask (lead-in and first chunk) of a cached_context."""
-    starts = [0] + list(context.chunk_starts)
-    exact = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
-    exact[:context.chunk_starts[1]] = True
-    return starts, exact
+TAIL = TINY_TAIL  # a question tail after the tiny context
 
 
 @pytest.mark.parametrize("strategy", ["question", "hybrid"])
