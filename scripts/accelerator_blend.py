@@ -41,6 +41,7 @@ from hf_ops import HFLlamaOps, cached_context  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv  # noqa: E402
+from ragcache.blend.forward import _synchronize as synchronize  # noqa: E402  (the blend's own stage clock uses it)
 from ragcache.config import BlendSettings  # noqa: E402
 
 SHAPES = {
@@ -51,12 +52,6 @@ SHAPES = {
     "llama8b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
 }
-
-
-def synchronize(device: torch.device) -> None:
-    backend = getattr(torch, device.type, None)
-    if device.type != "cpu" and backend is not None and hasattr(backend, "synchronize"):
-        backend.synchronize()
 
 
 def median_seconds(fn, device: torch.device, reps: int, warm: int = 2) -> float:
