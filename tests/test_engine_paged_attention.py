@@ -151,3 +151,24 @@ def test_auto_measures_the_two_paths_alternately(monkeypatch):
     kernel_ms, torch_ms = pa.measure_attention([layer], num_heads=9, num_kv_heads=3, head_dim=64,
                                                dtype=torch.float32, scaling=0.125, num_tokens=256, repeats=4)
     assert calls == ["kernel", "torch"] * 5 and kernel_ms > 0 and torch_ms > 0  # one untimed pair, then 4
+
+
+def test_an_engine_whose_blend_runs_torch_on_an_accelerator_warns_at_start(caplog):
+    # the worker's reply to INIT on a GPU host today: vLLM's CUDA backend is not the CPU kernel
+    from ragcache.engine.base import EngineBase, accelerator_blend_warning
+
+    engine = object.__new__(EngineBase)
+    with caplog.at_level("WARNING", logger="ragcache.engine.base"):
+        engine._worker_ready({"device": "cuda:0", "attention": "torch",
+                              "attention_reason": "torch SDPA (vLLM runs attention through FlashAttentionImpl, "
+                                                  "not its CPU kernel)"})
+    assert engine.device == "cuda:0"
+    [record] = [r for r in caplog.records if r.name == "ragcache.engine.base"]
+    assert record.getMessage().startswith("blend on cuda:0 runs ragcache's own layer-wise forward with torch SDPA")
+    assert "ragcache bench ttft --modes full,blend" in record.getMessage()
+    assert accelerator_blend_warning("cpu", "torch") is None  # the CPU's own choice, said in the start line
+    assert accelerator_blend_warning("cuda:0", "kernel") is None
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ragcache.engine.base"):
+        object.__new__(EngineBase)._worker_ready({"device": "cpu", "attention": "kernel", "attention_reason": ""})
+    assert not [r for r in caplog.records if r.name == "ragcache.engine.base"]

@@ -44,6 +44,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def accelerator_blend_warning(device: str, attention: str) -> str | None:
+    """The start-up warning for a blend that runs ragcache's torch path on an accelerator, or None.
+
+    On an accelerator the blend's layer-wise forward calls torch SDPA (vLLM's CUDA attention
+    backends are not called) and issues many small kernels per layer: on an NVIDIA H200 it ran at
+    0.13-0.36x the speed of a full prefill for SmolLM2-size layers and 0.87-1.24x for
+    Llama-3-8B-size layers on 6k tokens (docs/benchmarks.md, "GPU"), so a user there is told to
+    measure before relying on it.
+
+    Args:
+        device: the engine's device (``str(torch.device)``), e.g. ``"cuda:0"``.
+        attention: the blend's attention path, ``"kernel"`` or ``"torch"``.
+    """
+    if device.split(":")[0] == "cpu" or attention != "torch":
+        return None
+    return (f"blend on {device} runs ragcache's own layer-wise forward with torch SDPA (vLLM's attention backend "
+            "is not called there yet); on an NVIDIA H200 it was slower than a full prefill for a 135M model and "
+            "about even for 8B-size layers at 6k tokens (docs/benchmarks.md, \"GPU\"): compare "
+            "`ragcache bench ttft --modes full,blend` on your model before relying on blend here")
+
+
 @dataclass
 class Generation:
     """An answer: text, token ids and metrics.
@@ -210,9 +231,13 @@ class EngineBase:
                 self.settings.blend.attention)
 
     def _worker_ready(self, reply: Any) -> None:
-        """Take the worker's reply to ``Rpc.INIT`` (:class:`~ragcache.engine.messages.WorkerReady`)."""
+        """Take the worker's reply to ``Rpc.INIT`` (:class:`~ragcache.engine.messages.WorkerReady`);
+        warn when the blend will run its torch path on an accelerator (:func:`accelerator_blend_warning`)."""
         self.worker = WorkerReady.from_dict(reply)
         self.device = self.worker.device
+        warning = accelerator_blend_warning(self.device, self.worker.attention)
+        if warning:
+            log.warning("%s", warning)
 
     def ready_line(self) -> str:
         """One line for logs and the CLI: device, start-up seconds, dtype and blend attention, with reasons."""
