@@ -16,6 +16,12 @@ vLLM's rotary module reads a cache), and, with ``--syncs``, where one blend make
 the device (torch's sync debug mode, by ragcache source line). Prints a table and writes JSON. Needs transformers and
 pydantic-settings beside torch; measured on an NVIDIA H200 (docs/benchmarks.md, "GPU").
 
+Columns: times in milliseconds; "blend vs prefill" is the prefill's time over the blend's (above
+1: blend is sooner); "host waits" needs ``--syncs`` on CUDA. On a CPU (``--device cpu``) the run is
+a smoke test of the script, not a measurement: the CPU product path is vLLM's engine (use
+``ragcache bench ttft``), and below ``blend.min_recompute_tokens`` (384) of context, e.g.
+``--chunks 1``, the blend recomputes every token.
+
 Run from the repository root:
     python scripts/accelerator_blend.py --shape smollm2 --chunks 5,20 --syncs --out results/accel_smollm2.json
     python scripts/accelerator_blend.py --shape llama8b --layers 8 --chunks 5,20 --out results/accel_llama8b.json
@@ -113,19 +119,23 @@ def op_counts(fn) -> collections.Counter:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    parser.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="layer shape of the random model")
+    parser.add_argument("--layers", type=int, default=argparse.SUPPRESS, help="layers (default: all of the shape's)")
     parser.add_argument("--chunks", default="5,20", help="chunks of 300 tokens per context, comma-separated")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--device", default="cuda", help="torch device (cpu: a smoke test of the script only)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per step (the median is kept)")
     parser.add_argument("--syncs", action="store_true", help="count the host waits of one blend (CUDA)")
-    parser.add_argument("--out", type=Path, default=Path("results/accelerator_blend.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/accelerator_blend.json"), help="result JSON")
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"torch {torch.__version__} sees no CUDA device: run this on a GPU host, or pass --device cpu "
+                     "for a smoke test of the script")
     dims = dict(SHAPES[args.shape])
-    if args.layers:
+    if getattr(args, "layers", None):
         dims["num_hidden_layers"] = args.layers
     torch.manual_seed(0)
     config = LlamaConfig(**dims, max_position_embeddings=16384, attn_implementation="sdpa",
@@ -159,19 +169,20 @@ def main() -> None:
                                    tail_ids=tail, on_layer=lambda layer, k, v: None, prefetch=True)
 
         with torch.inference_mode():
-            ms = {
-                "hf_prefill": median_seconds(lambda: model.model(input_ids=prompt[None], use_cache=True), device, args.reps),
-                "compute_kv": median_seconds(lambda: compute_kv(ops, ctx.token_ids, ctx.positions), device, args.reps),
-                "blend": median_seconds(blend, device, args.reps),
-                "reuse": median_seconds(lambda: reuse_kv(ops, ctx.positions, ctx.load_layer, lambda *a: None),
-                                        device, args.reps),
-            }
+            ms = {"hf_prefill": median_seconds(lambda: model.model(input_ids=prompt[None], use_cache=True), device,
+                                               args.reps),
+                  "compute_kv": median_seconds(lambda: compute_kv(ops, ctx.token_ids, ctx.positions), device, args.reps),
+                  "blend": median_seconds(blend, device, args.reps)}
+            stages = result["r"].stages  # of the last timed blend (the counting runs below are slower)
+            recomputed = int(result["r"].num_recomputed)
+            ms["reuse"] = median_seconds(lambda: reuse_kv(ops, ctx.positions, ctx.load_layer, lambda *a: None), device,
+                                         args.reps)
             sites = sync_sites(blend) if args.syncs and device.type == "cuda" else None
             ops_by = op_counts(blend)
-        row = {"context_tokens": n, **{k: round(v * 1e3, 2) for k, v in ms.items()},
-               "recomputed": int(result["r"].num_recomputed),
+        row = {"context_tokens": n, **{f"{k}_ms": round(v * 1e3, 2) for k, v in ms.items()},
+               "recomputed": recomputed,
                "blend_vs_hf_prefill": round(ms["hf_prefill"] / ms["blend"], 2),
-               "blend_stages_ms": {k: round(v * 1e3, 2) for k, v in result["r"].stages.items()}}
+               "blend_stages_ms": {k.removesuffix("_s"): round(v * 1e3, 2) for k, v in stages.items()}}
         row["aten_ops_per_blend"] = dict(ops_by)
         if sites is not None:
             row["host_waits"] = sum(sites.values())
@@ -185,7 +196,7 @@ def main() -> None:
           "| aten ops (blend/ + adapter) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context_tokens']} | {r['hf_prefill']} | {r['compute_kv']} | {r['blend']} | {r['reuse']} | "
+        print(f"| {r['context_tokens']} | {r['hf_prefill_ms']} | {r['compute_kv_ms']} | {r['blend_ms']} | {r['reuse_ms']} | "
               f"{r['recomputed']} | {r['blend_vs_hf_prefill']}x | {r.get('host_waits', '-')} | "
               f"{r['aten_ops_per_blend'].get('blend', 0)} + {r['aten_ops_per_blend'].get('adapter', 0)} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)

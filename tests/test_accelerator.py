@@ -31,7 +31,9 @@ def _accelerator() -> torch.device | None:
 
 
 ACCEL = _accelerator()
-pytestmark = pytest.mark.skipif(ACCEL is None, reason="torch sees no accelerator on this machine")
+_CPU_BUILD = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+pytestmark = pytest.mark.skipif(ACCEL is None, reason=f"torch {torch.__version__} sees no accelerator on this machine"
+                                + (" (a CPU-only build of torch)" if _CPU_BUILD else ""))
 
 
 @pytest.fixture(scope="module")
