@@ -99,7 +99,7 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
     # ratio-1 sweep point (not asked for here)
     assert set(res["targets"]) == {"blend_ttft_speedup", "blend_ttft_speedup_vs_best", "blend_nll_within",
                                    "blend_kl_vs_reuse", "blend_agree_rouge_l", "blend_loops", "full_vs_plain",
-                                   "blend_worker_vs_floor"}
+                                   "blend_worker_vs_floor", "question_probe_share"}
     assert "ratio_one_vs_plain" not in res["targets"]
     for ex in res["examples"]:
         assert set(ex["results"]) == {"full", "plain", "prefix", "reuse", "blend@0", "blend@0.15"}

@@ -71,3 +71,35 @@ def test_the_stage_table_has_a_ratio_one_column_only_when_the_run_had_ratio_one(
     title, header, rows = tables({**result, "stages": one})[-1]
     assert header == ["stage", "blend:question@0.15", "ratio 1", "reuse"] and "vs ratio 1 vs reuse" in title
     assert ["question_probe_s", 0.2, 0.3, None] in rows and ["worker total", 1.0, 4.4, 0.1] in rows
+
+
+def test_targets_are_the_issues_speed_by_prompt_length_nll_one_sided_probe_share():
+    from ragcache.bench.common import TARGETS
+
+    def modes(prompt_tokens, blend_rel, blend_loops=0.0, full_loops=0.0):
+        m = {"full": _summary("full", "full", None, 10.0, 1.0, 0.0, 2.0, 0.0),
+             "reuse": _summary("reuse", "reuse", None, 1.0, 10.0, 0.4, 2.2, 0.1),
+             "blend": _summary("blend@0.15", "blend", 0.15, 3.0, 3.0, 0.05, 2.0 * (1 + blend_rel), blend_rel)}
+        m["blend"]["prompt_tokens_mean"] = prompt_tokens
+        m["blend"]["loop_share"], m["full"]["loop_share"] = blend_loops, full_loops
+        return m
+
+    # a 3x blend meets the short prompts' 2.5x (HotpotQA, ~1.5k tokens) but not the long ones' 4x (MuSiQue, ~6k)
+    short, long_ = ttft_targets(modes(1500.0, 0.0)), ttft_targets(modes(6100.0, 0.0))
+    assert short["blend_ttft_speedup"]["min"] == TARGETS["blend_ttft_speedup_short_min"] == 2.5
+    assert short["blend_ttft_speedup"]["met"] is True and "under 4000 tokens" in short["blend_ttft_speedup"]["note"]
+    assert long_["blend_ttft_speedup"]["min"] == 4.0 and long_["blend_ttft_speedup"]["met"] is False
+    # gold NLL: below full's is fine however far; above, at most 5%
+    assert ttft_targets(modes(1500.0, -0.08))["blend_nll_within"]["met"] is True
+    assert ttft_targets(modes(1500.0, 0.04))["blend_nll_within"]["met"] is True
+    assert ttft_targets(modes(1500.0, 0.06))["blend_nll_within"]["met"] is False
+    # KL 0.05 / 0.4 = 0.125 of reuse's: within 0.15
+    assert short["blend_kl_vs_reuse"]["met"] is True and short["blend_kl_vs_reuse"]["max"] == 0.15
+    # the loop target names full prefill's share on the same prompts
+    loops = ttft_targets(modes(1500.0, 0.0, blend_loops=0.1, full_loops=0.2))["blend_loops"]
+    assert loops["met"] is False and "full prefill's share on the same prompts: 0.20" in loops["note"]
+    # the probe's share of blend's TTFT needs the stage table: 0.2 s of 3.0 s is 6.7% > 5%
+    assert "question_probe_share" not in short
+    probe = ttft_targets(modes(1500.0, 0.0), {"stages_s": {"question_probe_s": 0.2}})["question_probe_share"]
+    assert probe["value"] == pytest.approx(0.2 / 3.0, abs=1e-4) and probe["met"] is False
+    assert ttft_targets(modes(1500.0, 0.0), {"stages_s": {"question_probe_s": 0.12}})["question_probe_share"]["met"]

@@ -30,16 +30,20 @@ Checkpoint = Callable[[dict[str, Any]], None]
 #: question of the untimed warm-up requests that fill vLLM's prefix cache for ``prefix`` mode
 WARMUP_QUESTION = "What are these documents about?"
 
-#: the targets results are judged by (KL(full || mode) of ``reuse`` is the yardstick of blend's KL)
+#: the targets results are judged by, as issues 21 (speed) and 22 (quality) set them (KL(full || mode)
+#: of ``reuse`` is the yardstick of blend's KL)
 TARGETS = {
-    "blend_ttft_speedup_min": 4.0,      # blend (default ratio) TTFT >= 4x lower than full and plain vLLM
+    "blend_ttft_speedup_min": 4.0,      # blend (default ratio) TTFT >= 4x lower than full and plain vLLM ...
+    "blend_ttft_speedup_short_min": 2.5,  # ... on ~6k-token prompts; >= 2.5x on short ones (HotpotQA, ~1.5k)
+    "long_prompt_tokens": 4000,         # mean prompt length from which the 4x target applies
     "full_vs_plain_max": 1.05,          # the connector costs full prefill at most 5%
     "blend_worker_vs_floor_max": 1.2,   # blend worker time <= 1.2x its compute floor (against plain vLLM)
     "ratio_one_vs_plain_max": 1.1,      # the own layer-wise path at ratio 1 costs <= 1.1x plain vLLM's prefill
+    "question_probe_share_max": 0.05,   # the question probe takes <= 5% of blend's TTFT
     "blend_loop_share_max": 0.0,        # no blend answer with a repetition loop
-    "blend_kl_vs_reuse_max": 0.3,       # blend first-token KL <= 0.3 of reuse's
-    "blend_nll_rel_max": 0.03,          # blend gold NLL within 3% of full's
-    "blend_agree_rouge_l_min": 0.8,     # blend's answer agrees with full's (Rouge-L)
+    "blend_kl_vs_reuse_max": 0.15,      # blend first-token KL <= 0.15 of reuse's
+    "blend_nll_rel_max": 0.05,          # blend gold NLL at most 5% above full's (below is better)
+    "blend_agree_rouge_l_min": 0.7,     # blend's answer agrees with full's (Rouge-L)
     "hotset_last_vs_first_min": 0.9,    # speedup of the last 10 questions >= 90% of the first 10
     "disk_vs_cpu_ttft_max": 1.2,        # disk-tier blend TTFT <= 1.2x cpu-tier, pipeline_overlap on
 }
