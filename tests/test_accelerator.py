@@ -13,13 +13,15 @@ Skipped where torch sees no accelerator (CI's CPU machines); run them on a GPU h
 
 from __future__ import annotations
 
+import kv_fixtures
 import pytest
 import torch
 from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, context_layout, hf_layer_kv, tiny_context, tiny_llama
+from kv_fixtures import SPEC, make_kv
 
 from ragcache.blend import Selection, blend_kv, compute_kv, hkvd_budget, move_keys
 from ragcache.config import StoreSettings
-from ragcache.kvstore import CpuTier, KVSpec, TieredStore
+from ragcache.kvstore import CpuTier, TieredStore
 from ragcache.kvstore.configure import tiers_from_settings
 
 
@@ -128,16 +130,7 @@ def test_bfloat16_blend_at_ratio_one_on_the_accelerator_tracks_its_own_full_pref
 
 # --- the KV tiers with an accelerator engine -----------------------------------------------
 
-SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
-              head_dim=8, dtype=torch.float32)
-TOKENS = 6
-ENTRY = 2 * SPEC.num_layers * TOKENS * SPEC.num_kv_heads * SPEC.head_dim * 4  # bytes (float32)
-
-
-def _kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+ENTRY = kv_fixtures.entry_bytes()  # bytes of one make_kv() entry (float32)
 
 
 def _store(tmp_path, entry_bytes: int = ENTRY, **store) -> tuple[TieredStore, CpuTier]:
@@ -153,7 +146,7 @@ def _store(tmp_path, entry_bytes: int = ENTRY, **store) -> tuple[TieredStore, Cp
 def test_an_accelerator_store_has_a_device_tier_a_pinned_cpu_tier_and_demotes_down_them(tmp_path):
     store, cpu_tier = _store(tmp_path)
     assert store.tier_names == ["device", "cpu", "disk"]
-    originals = {key: _kv(seed) for seed, key in enumerate("abc")}
+    originals = {key: make_kv(seed) for seed, key in enumerate("abc")}
     for key, (k, v) in originals.items():  # put on the accelerator, as the engine does
         assert store.put(key, k.to(ACCEL), v.to(ACCEL), 0)[0] == "device"
     assert [store.contains(key) for key in "abc"] == ["disk", "cpu", "device"]
@@ -170,7 +163,7 @@ def test_an_accelerator_store_has_a_device_tier_a_pinned_cpu_tier_and_demotes_do
 def test_layers_read_through_handles_arrive_on_the_accelerator_intact_from_every_tier(tmp_path, kv_dtype):
     stored = torch.float32 if kv_dtype == "model" else torch.float16
     store, _ = _store(tmp_path, ENTRY * stored.itemsize // 4, kv_dtype=kv_dtype)
-    originals = {key: _kv(seed) for seed, key in enumerate("abc")}
+    originals = {key: make_kv(seed) for seed, key in enumerate("abc")}
     for key, (k, v) in originals.items():
         store.put(key, k.to(ACCEL), v.to(ACCEL), 0)
     for key, tier in zip("cba", ["device", "cpu", "disk"]):  # each read from below is promoted

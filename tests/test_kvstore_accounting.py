@@ -7,21 +7,12 @@ import multiprocessing as mp
 import os
 
 import pytest
-import torch
+from kv_fixtures import SPEC, make_kv
 
 from ragcache.bench.fixtures import free_port
 from ragcache.config import StoreSettings
-from ragcache.kvstore import CorruptEntryError, CpuTier, DiskTier, KVSpec, RedisTier, TieredStore
+from ragcache.kvstore import CorruptEntryError, CpuTier, DiskTier, RedisTier, TieredStore
 from ragcache.kvstore.ledger import COUNTER_FILE, CounterFile
-
-SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
-              head_dim=8, dtype=torch.float32)
-
-
-def make_kv(seed: int = 0, tokens: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, tokens, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
 def assert_adds_up(store: TieredStore) -> None:

@@ -9,25 +9,23 @@ from __future__ import annotations
 import logging
 import time
 
+import kv_fixtures
 import pytest
 import redis
 import torch
+from kv_fixtures import SPEC
 
 from ragcache.config import ConfigError, Settings
-from ragcache.kvstore import CpuTier, KVSpec, RedisTier, TieredStore
+from ragcache.kvstore import CpuTier, RedisTier, TieredStore
 from tests.services import start_redis_cluster
 
 pytestmark = pytest.mark.slow
 
-SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
-              head_dim=8, dtype=torch.float32)
 N = 30
 
 
 def make_kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, 5 + seed % 4, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return kv_fixtures.make_kv(seed, tokens=5 + seed % 4)  # entries of several sizes
 
 
 def key(i: int) -> str:

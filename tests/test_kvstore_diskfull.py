@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import logging
 
+import kv_fixtures
 import pytest
 import torch
+from kv_fixtures import SPEC
 from small_fs import fill, free_bytes, small_fs
 
 from ragcache.config import StoreSettings
-from ragcache.kvstore import CpuTier, DiskTier, KVSpec, TieredStore
+from ragcache.kvstore import CpuTier, DiskTier, TieredStore
 
-SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
-              head_dim=8, dtype=torch.float32)
 TOKENS = 800  # 409,600 bytes of K/V per entry: a 2 MiB filesystem holds four or five
 MiB = 1 << 20
 
 
 def make_kv(seed: int = 0, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, tokens, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return kv_fixtures.make_kv(seed, tokens)
 
 
 @pytest.fixture

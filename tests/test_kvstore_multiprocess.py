@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
+import kv_fixtures
 import pytest
 import torch
 from redis_server import NO_REDIS, start_redis
@@ -17,9 +18,7 @@ ROUNDS = 15
 
 
 def make_kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, 64, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return kv_fixtures.make_kv(seed, tokens=64, spec=SPEC)  # bigger entries: longer writes to race
 
 
 def _writer(folder: str | None, url: str | None, seed: int, go, errors) -> None:

@@ -12,21 +12,14 @@ import time
 import pytest
 import redis
 import torch
+from kv_fixtures import SPEC, entry_bytes, make_kv
 from redis_server import start_redis
 
 from ragcache.bench.fixtures import free_port
 from ragcache.config import StoreSettings
-from ragcache.kvstore import CpuTier, DiskTier, KVSpec, RedisTier, TieredStore, TierUnavailableError
+from ragcache.kvstore import CpuTier, DiskTier, RedisTier, TieredStore, TierUnavailableError
 
-SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
-              head_dim=8, dtype=torch.float32)
-ENTRY = 2 * 4 * 6 * 2 * 8 * 4
-
-
-def make_kv(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, 6, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+ENTRY = entry_bytes()  # bytes of one make_kv() entry in memory (fp32)
 
 
 @pytest.fixture

@@ -9,20 +9,13 @@ import time
 
 import pytest
 import torch
+from kv_fixtures import SPEC, entry_bytes, make_kv
 
 from ragcache.config import StoreSettings
-from ragcache.kvstore import CpuTier, DeviceTier, DiskTier, KVSpec, TieredStore
+from ragcache.kvstore import CpuTier, DeviceTier, DiskTier, TieredStore
 
-SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
-              head_dim=8, dtype=torch.float32)
 TOKENS = 6
-ENTRY = 2 * SPEC.num_layers * TOKENS * SPEC.num_kv_heads * SPEC.head_dim * 4  # bytes in memory (fp32)
-
-
-def make_kv(seed: int = 0, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SPEC.num_layers, tokens, SPEC.num_kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+ENTRY = entry_bytes(TOKENS)  # bytes in memory (fp32)
 
 
 def put(store: TieredStore, key: str, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+from kv_fixtures import SPEC, make_kv
 
 from ragcache.kvstore import (
     CorruptEntryError,
@@ -18,15 +19,6 @@ from ragcache.kvstore import (
     TierUsage,
 )
 from ragcache.kvstore.format import FileEntryReader
-
-SPEC = KVSpec(model_fingerprint="b179c9523d0e6a0f", layout_version=1, num_layers=4, num_kv_heads=2,
-              head_dim=8, dtype=torch.float32)
-
-
-def make_kv(tokens: int = 6, seed: int = 0, spec: KVSpec = SPEC) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (spec.num_layers, tokens, spec.num_kv_heads, spec.head_dim)
-    return torch.randn(shape, generator=g).to(spec.dtype), torch.randn(shape, generator=g).to(spec.dtype)
 
 
 def disk_store(path, spec: KVSpec = SPEC, **kw) -> TieredStore:
