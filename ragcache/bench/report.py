@@ -95,6 +95,8 @@ def _stage_table(st: Mapping[str, Any]) -> Table:
     if st.get("floor_s") is not None:
         depth = st.get("depth_layers") or st["num_layers"]
         where = f"c={st['check_layer']}, L={st['num_layers']}" + (f", D={depth}" if depth != st["num_layers"] else "")
+        share = st.get("recomputed_frac") or st.get("ratio")
+        where += "" if share is None else f", r={share:.2f}"
         rows.append(line(f"compute floor vs plain ({where})", st["floor_s"],
                          None, None))
         rows.append(line("worker / floor", st["worker_vs_floor"], None, None))
