@@ -54,9 +54,9 @@ class BenchConfigError(ValueError):
 
 
 def target(value: float | None, limit: float, kind: str, note: str) -> dict[str, Any]:
-    """A target record: ``kind`` is ``min`` (value >= limit), ``max`` (value <= limit) or
-    ``max_abs`` (|value| <= limit); ``met`` is None when the value could not be measured."""
-    checks = {"min": lambda v: v >= limit, "max": lambda v: v <= limit, "max_abs": lambda v: abs(v) <= limit}
+    """A target record: ``kind`` is ``min`` (value >= limit) or ``max`` (value <= limit); ``met`` is
+    None when the value could not be measured."""
+    checks = {"min": lambda v: v >= limit, "max": lambda v: v <= limit}
     return {"value": rounded(value, 4), kind: limit, "met": None if value is None else checks[kind](value),
             "note": note}
 

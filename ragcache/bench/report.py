@@ -260,6 +260,7 @@ def targets_table(result: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]
     t = result.get("targets") or {}
     if not t:
         return None
+    # max_abs (|value| <= limit): the gold-NLL target of results written before 2026-12-04 (docs/bench/)
     limit = {"min": "\u2265 {}", "max": "\u2264 {}", "max_abs": "|x| \u2264 {}"}
     rows = [[k, v["value"], next(limit[kind].format(_fmt(v[kind])) for kind in limit if kind in v), v["met"], v["note"]]
             for k, v in t.items()]

@@ -341,11 +341,11 @@ def speedup_target(prompt_tokens: float | None) -> tuple[float, str]:
     long_from = TARGETS["long_prompt_tokens"]
     mean = "" if prompt_tokens is None else f"; mean prompt here {prompt_tokens:.0f} tokens"
     if prompt_tokens is not None and prompt_tokens < long_from:
-        return TARGETS["blend_ttft_speedup_short_min"], (
-            f"{TARGETS['blend_ttft_speedup_short_min']}x for prompts under {long_from} tokens{mean} (issue 21: the "
-            "probe and blend.min_recompute_tokens weigh more on short prompts)")
-    return TARGETS["blend_ttft_speedup_min"], f"{TARGETS['blend_ttft_speedup_min']}x for prompts of {long_from} " \
-        f"tokens and more{mean}"
+        limit = TARGETS["blend_ttft_speedup_short_min"]
+        return limit, (f"{limit}x for prompts under {long_from} tokens{mean} (issue 21: the probe and "
+                       "blend.min_recompute_tokens weigh more on short prompts)")
+    limit = TARGETS["blend_ttft_speedup_min"]
+    return limit, f"{limit}x for prompts of {long_from} tokens and more{mean}"
 
 
 #: the quality fields of a variant's summary that ``eval`` reports
