@@ -18,7 +18,7 @@ ROUNDS = 15
 
 
 def make_kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return kv_fixtures.make_kv(seed, tokens=64, spec=SPEC)  # bigger entries: longer writes to race
+    return kv_fixtures.make_kv(seed, tokens=64, spec=SPEC)
 
 
 def _writer(folder: str | None, url: str | None, seed: int, go, errors) -> None:
