@@ -305,6 +305,9 @@ class StoreSettings(_Section):
     remote_cluster: bool = Field(
         False, description="remote_url names node(s) of a Redis Cluster (or Valkey cluster): entries spread "
         "over its hash slots")
+    remote_timeout_s: float = Field(
+        2.0, gt=0.0, le=60.0, description="seconds the remote tier waits to connect and for each reply; a Redis "
+        "that does not answer in time is marked down (the local tiers answer; retried after a back-off)")
     namespace: str = Field(
         "default", description="KV namespace: part of every chunk key and Redis key; stores in different "
         "namespaces never share or see each other's KV")
