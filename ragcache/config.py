@@ -405,8 +405,12 @@ class ServeSettings(_Section):
         "engine.mode needs it: refuse to start, or serve in full or prefix mode")
     max_header_bytes: int = Field(
         65536, ge=1024, le=16 * 1024 * 1024,
-        description="largest request line plus headers a client may send (bytes); more closes the connection "
-        "with HTTP 400")
+        description="largest request line plus headers a client may send (bytes), however they arrive; more "
+        "gets HTTP 431 and the connection is closed")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024,
+        description="largest request body a client may send (bytes); more gets HTTP 413 before the body is "
+        "parsed")
 
 
 class UISettings(_Section):

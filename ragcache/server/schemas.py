@@ -42,15 +42,17 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
     Args:
-        status: HTTP status (400 bad request, 401 key, 404 unknown model/index, 429 too many in
-            flight, 500 server error, 503 not ready).
+        status: HTTP status (400 bad request, 401 key, 403 index not allowed, 404 unknown
+            model/index, 413 body too large, 429 too many in flight, 431 request line and headers
+            too large, 500 server error, 503 not ready).
         message: what is wrong and how to fix it.
         param: the request field at fault (``"temperature"``, ``"messages[1].role"``), if any.
         code: a stable machine-readable code (``"model_not_found"``, ``"context_length_exceeded"``...).
     """
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-             404: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+             404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             431: "invalid_request_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
