@@ -416,8 +416,10 @@ def test_a_client_that_leaves_before_its_answer_has_its_engine_request_aborted(s
                    if n == "ragcache_requests_total" and ("outcome", "aborted") in ls and ("tenant", "default") in ls)
 
     before = aborted()
+    # a minute or more of decoding unless aborted; in full mode (no chunk KV looked up: an aborted
+    # request's lookups reach the store's counters but not /metrics, which the last test compares)
     body = json.dumps({"model": "acme", "messages": user("Tell me everything about Zorbia."), "max_tokens": 3000,
-                       "ignore_eos": True}).encode()  # a minute or more of decoding unless aborted
+                       "ignore_eos": True, "ragcache": {"mode": "full"}}).encode()
     port = int(smol.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer shared-key\r\n"
