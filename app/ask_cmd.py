@@ -123,6 +123,8 @@ def format_answer(answer) -> str:
     lines.append(f"mode {mode} | TTFT {m.ttft_s:.3f} s | retrieval {m.retrieval_s:.3f} s | total {m.total_s:.2f} s | "
                  f"prompt {m.prompt_tokens} tok | reused {m.reused_tokens} | recomputed {m.recomputed_tokens}{depth} | "
                  f"tier hits: {hits}")
+    if m.budget_reason.startswith("adaptive"):  # the recompute budget this question got, and why
+        lines.append(f"budget {m.budget_reason}")
     return "\n".join(lines)
 
 
