@@ -152,6 +152,10 @@ def check_inputs(args: argparse.Namespace, settings: "Settings") -> None:
         PgCatalog(settings).name(args.index)  # a valid name and a pg_url (the database is reached later)
     else:
         check_index_folder(resolve_index_path(args.index, settings.ingest.index_dir))
+    if args.actors is not None:
+        from ragcache.config import check_value
+
+        check_value("ingest", "ray_actors", args.actors, "--actors")
     check_inputs_exist(args.paths)
 
 
@@ -193,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     elif executor == "ray" and want_kv and report.chunks_added:
         t = ingestor.kv_totals
         where = ", ".join(f"{tier} {n}" for tier, n in t.stored.items()) or "no tier"
-        print(f"KV precompute: {t.computed} entries computed ({t.tokens} tokens, on Ray), "
+        print(f"KV precompute: {t.computed} entries computed ({t.tokens} tokens, on Ray: "
+              f"{ingestor.kv_actors_used} KV actors), "
               f"{report.chunks_added - t.computed} already stored; stored on {where}")
     elif not want_kv and report.chunks_added:
         print("KV lazy: nothing computed now; each chunk's KV is computed at its first retrieval and stored then "

@@ -363,6 +363,8 @@ class IngestSettings(_Section):
         "local", description="run read/split/embed/KV precompute in this process (local) or as Ray Data stages (ray)")
     ray_address: str = Field("", description="Ray cluster for executor = ray (ray://host:10001 or host:6379); "
                              "empty = a local Ray started for the ingest")
+    ray_actors: int = Field(0, ge=0, le=4096, description="executor = ray: actors per pool (split-and-embed, KV "
+                            "precompute); 0 = sized from the cluster: one KV actor per GPU, else per node")
 
     @model_validator(mode="before")
     @classmethod
