@@ -186,8 +186,9 @@ def _rows(batch: Any) -> list[dict[str, Any]]:
     return [{k: batch[k][i] for k in keys} for i in range(n)]
 
 
-def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    return {k: [r[k] for r in rows] for k in (rows[0] if rows else {})}
+def _columns(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, list[Any]]:
+    """Rows as a batch of the columns ``keys`` (empty columns for no rows: a document without text)."""
+    return {k: [r[k] for r in rows] for k in keys}
 
 
 def _block_rows(blocks: Iterable[Any]) -> list[dict[str, Any]]:
@@ -227,7 +228,7 @@ class _SplitEmbed:
         vectors = self.model.get_text_embedding_batch([n.get_content(metadata_mode=MetadataMode.EMBED) for n in nodes])
         for r, v in zip(rows, vectors):
             r["embedding"] = [float(x) for x in v]
-        return _columns(rows)
+        return _columns(rows, ROW_COLUMNS)
 
 
 class _KVPrecompute:
@@ -248,7 +249,7 @@ class _KVPrecompute:
                              "seconds": out.seconds, "stored": out.stored, "actor": self.actor})
         for i, r in enumerate(rows):  # the batch's report rides on its first row to the write task
             r["kv_report"] = report if i == 0 else ""
-        return _columns(rows)
+        return _columns(rows, (*ROW_COLUMNS, "kv_report"))
 
 
 def _read_one(row: dict[str, Any]) -> list[dict[str, Any]]:
