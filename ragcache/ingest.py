@@ -115,7 +115,8 @@ class IngestReport:
             that is not JSON), each as the file and ``"line N: reason"``.
         chunks_added / chunks_removed: chunk nodes written / deleted. tokens_added: LLM tokens over
         the added chunks. total_chunks: chunks in the index afterwards. seconds: wall time.
-        written: whether a new index version was published. new_chunks: the added chunks.
+        written: whether a new index version was published. new_chunks: the added chunks, where this
+        process holds them (empty after a Ray ingest into pgvector, whose rows stay in the database).
         namespace: the index's own KV namespace ("" = none). location: where the index lives when
         it is not the folder ``index_path`` (a pgvector index: its name and database).
     """

@@ -325,7 +325,8 @@ def copy_nodes(conn: "psycopg.Connection", table: str, nodes: Sequence["TextNode
             copy.write_row(_node_row(node))
 
 
-def _staging_tables(conn: "psycopg.Connection", name: str) -> list[str]:
+def staging_tables(conn: "psycopg.Connection", name: str) -> list[str]:
+    """The staging tables of index ``name`` that exist now (:func:`create_staging`)."""
     prefix = staging_prefix(name).replace("_", r"\_")
     return [r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE %s",
                                        (prefix + "%",)).fetchall()]
@@ -348,7 +349,7 @@ def create_staging(settings: "Settings", name: str) -> str:
     table = staging_prefix(name) + secrets.token_hex(4)
 
     def make(conn: "psycopg.Connection") -> None:
-        for stale in _staging_tables(conn, name):
+        for stale in staging_tables(conn, name):
             conn.execute(f"DROP TABLE IF EXISTS {stale}")
         conn.execute(f"CREATE TABLE {table} (node_id text NOT NULL, doc_id text NOT NULL, title text NOT NULL, "
                      "position integer NOT NULL, chunk_id text NOT NULL, token_ids integer[] NOT NULL, "

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ragcache.config import Settings
-from ragcache.ingest import Ingestor
+from ragcache.ingest import Ingestor, KVPrecomputeError
 from tests.conftest import ZORBIA_DOCS, clear_ragcache_env
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -66,6 +66,16 @@ def test_ray_ingest_equals_the_local_ingest_and_survives_a_killed_worker(tmp_pat
     (docs / "island-00.txt").write_text("Island 0 was renamed Kelmar in 1901.")  # incremental, as the local path
     again = RayIngestor(settings, "ray", precompute_kv=False, show_progress=False).ingest([docs])
     assert (again.files_ingested, again.files_unchanged, again.chunks_added, again.chunks_removed) == (1, 14, 1, 1)
+
+    # a stage that fails (the KV actors' engine refuses its settings) publishes nothing and leaves no staging
+    before = cat.read_chunks("ray")
+    (docs / "island-01.txt").write_text("Island 1 was sold to Velmora in 1888.")
+    broken = settings.model_copy(deep=True)
+    broken.engine.max_model_len = 10**6  # above the model's maximum: the engine refuses to start
+    with pytest.raises(KVPrecomputeError, match="the Ray ingest failed .* the index is unchanged"):
+        RayIngestor(broken, "ray", show_progress=False).ingest([docs])
+    assert cat.read_chunks("ray") == before
+    assert not list((tmp_path / "indexes").glob(".ray.staging-*"))
 
 
 
@@ -156,7 +166,7 @@ def test_ray_ingest_with_two_actors_writes_the_local_rows_and_kv_keys(tmp_path):
 @pytest.mark.slow
 @needs_ray
 def test_ray_ingest_into_pgvector_writes_the_local_rows_from_the_workers(tmp_path):
-    from ragcache.pgindex import PgDatabase, chunks_table, create_staging, staging_prefix
+    from ragcache.pgindex import PgDatabase, chunks_table, create_staging, staging_tables
     from ragcache.ray_ingest import RayIngestor
     from tests.services import start_postgres
 
@@ -179,9 +189,7 @@ def test_ray_ingest_into_pgvector_writes_the_local_rows_from_the_workers(tmp_pat
         got = {r[0]: (r[1], r[2], r[3], r[4], r[5], tuple(r[6]), r[7], np.array(json.loads(r[8]), dtype=np.float32))
                for r in rows}
         assert_same_rows(got, want)
-        left = db.run(lambda c: c.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE %s",
-                                          (staging_prefix("rows").replace("_", r"\_") + "%",)).fetchall())
-        assert left == [] and dead  # the dead ingest's table and this ingest's own are gone
+        assert dead and db.run(lambda c: staging_tables(c, "rows")) == []  # the dead ingest's table, and its own
         from ragcache.catalog import catalog
 
         assert catalog(pg).read_chunks("rows")[0].docs == catalog(faiss).read_chunks("local")[0].docs
