@@ -170,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
     check_inputs(args, settings)
     want_kv = (args.kv or settings.ingest.kv) == "eager"
     executor = args.executor or settings.ingest.executor
+    if args.actors is not None and executor != "ray":
+        from ragcache.config import ConfigError
+
+        raise ConfigError(f"--actors {args.actors} sizes the pools of --executor ray; add --executor ray or drop "
+                          "--actors")
     if executor == "ray":
         from ragcache.ray_ingest import RayIngestor
 

@@ -139,10 +139,15 @@ def plan_pools(nodes: list[dict[str, float]], actors: int = 0, *, kv: bool = Tru
 
 
 def precompute_engine_settings(settings: "Settings") -> "Settings":
-    """The settings of a KV actor's engine: those given, with vLLM's paged KV cache cut to the least it
-    accepts (one request of ``engine.max_model_len``; :func:`ragcache.engine.limits.kv_bytes_per_request`).
-    The precompute computes chunk KV in ragcache's own layer-wise forward, never in the paged cache,
-    so every actor would otherwise hold ``engine.kv_cache_memory_bytes`` it does not use."""
+    """The settings of a KV actor's engine: those given, with the memory it would hold for nothing cut.
+
+    - vLLM's paged KV cache: the least vLLM accepts (one request of ``engine.max_model_len``;
+      :func:`ragcache.engine.limits.kv_bytes_per_request`). The precompute computes chunk KV in
+      ragcache's own layer-wise forward, never in the paged cache.
+    - the memory tiers (``store.cpu_kv_pool_gb``, ``store.gpu_kv_pool_gb``) off where a persistent tier
+      (disk, remote) takes the KV: they would die with the actor, and every actor would hold up to
+      their size in copies no question ever reads.
+    """
     from ragcache.engine.dtype import resolve_dtype
     from ragcache.engine.limits import default_block_size, kv_bytes_per_request, read_kv_shape
     from ragcache.models import resolve_llm
@@ -150,10 +155,10 @@ def precompute_engine_settings(settings: "Settings") -> "Settings":
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)
     least = kv_bytes_per_request(read_kv_shape(llm.path), settings.engine.max_model_len,
                                  resolve_dtype(settings.engine.dtype).dtype, default_block_size())
-    if least >= settings.engine.kv_cache_memory_bytes:
-        return settings
     out = settings.model_copy(deep=True)
-    out.engine.kv_cache_memory_bytes = least
+    out.engine.kv_cache_memory_bytes = min(least, settings.engine.kv_cache_memory_bytes)
+    if settings.store.ssd_cache_max_gb > 0 or settings.store.remote_url:
+        out.store.cpu_kv_pool_gb = out.store.gpu_kv_pool_gb = 0.0
     return out
 
 
@@ -232,8 +237,8 @@ class _SplitEmbed:
 
 
 class _KVPrecompute:
-    """Ray actor: computes and stores each chunk's KV with its own vLLM engine (started once; its
-    paged cache cut to the least vLLM accepts: :func:`precompute_engine_settings`)."""
+    """Ray actor: computes and stores each chunk's KV with its own vLLM engine (started once; without
+    the memory it would hold for nothing: :func:`precompute_engine_settings`)."""
 
     def __init__(self, settings: "Settings", namespace: str) -> None:
         from ragcache.engine import BlendEngine
@@ -518,8 +523,10 @@ class RayIngestor(Ingestor):
                             compute=ray.data.ActorPoolStrategy(size=plan.embed_actors), runtime_env=threads)
         if self.precompute_kv:
             ds = ds.map_batches(_KVPrecompute, fn_constructor_args=(s, self._namespace), batch_size=None,
-                                compute=ray.data.ActorPoolStrategy(size=plan.kv_actors), num_cpus=plan.kv_cpus,
-                                num_gpus=plan.kv_gpus or None, runtime_env=threads)
+                                # one block at a time per engine: the pool's last blocks go to whichever is free
+                                compute=ray.data.ActorPoolStrategy(size=plan.kv_actors,
+                                                                   max_tasks_in_flight_per_actor=1),
+                                num_cpus=plan.kv_cpus, num_gpus=plan.kv_gpus or None, runtime_env=threads)
         shards: Path | None = None
         if pg:
             from ragcache.pgindex import create_staging, require_url
