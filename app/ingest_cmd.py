@@ -32,13 +32,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the index's own KV namespace, set at its first ingest: its chunk KV is never shared "
                    "with (nor visible to) other namespaces (default: none, i.e. store.namespace alone)")
     p.add_argument("--prune", action="store_true", help="remove chunks of indexed files that no longer exist")
-    p.add_argument("--no-kv", action="store_true", help="skip the KV precompute of new chunks")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv", choices=("eager", "lazy"), default=None,
+                    help="eager: compute and store each new chunk's KV now; lazy: index only, each chunk's KV is "
+                    "computed at its first retrieval and stored then (default: ingest.kv, eager)")
+    kv.add_argument("--no-kv", dest="kv", action="store_const", const="lazy", help="the same as --kv lazy")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--executor", choices=("local", "ray"), default=None,
                    help="local: this process; ray: read, split, embed and KV precompute as Ray Data stages "
                    "(default: ingest.executor, local)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="Ray cluster for --executor ray (default: ingest.ray_address; empty = a local Ray)")
+    p.add_argument("--actors", type=int, default=None, metavar="N",
+                   help="--executor ray: actors per stage for embedding and KV precompute (default: ingest.ray_actors; "
+                   "0 = sized from the cluster's resources)")
     p.set_defaults(func=run)
 
 
@@ -145,6 +152,10 @@ def check_inputs(args: argparse.Namespace, settings: "Settings") -> None:
         PgCatalog(settings).name(args.index)  # a valid name and a pg_url (the database is reached later)
     else:
         check_index_folder(resolve_index_path(args.index, settings.ingest.index_dir))
+    if args.actors is not None:
+        from ragcache.config import check_value
+
+        check_value("ingest", "ray_actors", args.actors, "--actors")
     check_inputs_exist(args.paths)
 
 
@@ -157,15 +168,20 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
     settings = Settings.load(args.settings)
     check_inputs(args, settings)
-    want_kv = settings.ingest.precompute_kv and not args.no_kv
+    want_kv = (args.kv or settings.ingest.kv) == "eager"
     executor = args.executor or settings.ingest.executor
+    if args.actors is not None and executor != "ray":
+        from ragcache.config import ConfigError
+
+        raise ConfigError(f"--actors {args.actors} sizes the pools of --executor ray; add --executor ray or drop "
+                          "--actors")
     if executor == "ray":
         from ragcache.ray_ingest import RayIngestor
 
         address = settings.ingest.ray_address if args.ray_address is None else args.ray_address
         kv_hook = None
         ingestor = RayIngestor(settings, args.index, precompute_kv=want_kv, ray_address=address,
-                               show_progress=not args.quiet, namespace=args.namespace)
+                               actors=args.actors, show_progress=not args.quiet, namespace=args.namespace)
     else:
         kv_hook = make_kv_hook(settings, not args.quiet) if want_kv else None
         ingestor = Ingestor(settings, args.index, kv_hook=kv_hook, show_progress=not args.quiet,
@@ -186,10 +202,12 @@ def run(args: argparse.Namespace) -> int:
     elif executor == "ray" and want_kv and report.chunks_added:
         t = ingestor.kv_totals
         where = ", ".join(f"{tier} {n}" for tier, n in t.stored.items()) or "no tier"
-        print(f"KV precompute: {t.computed} entries computed ({t.tokens} tokens, on Ray), "
+        print(f"KV precompute: {t.computed} entries computed ({t.tokens} tokens, on Ray: "
+              f"{ingestor.kv_actors_used} KV actors), "
               f"{report.chunks_added - t.computed} already stored; stored on {where}")
-    elif not want_kv:
-        print("KV precompute skipped (--no-kv): chunk KV is computed on first use instead")
+    elif not want_kv and report.chunks_added:
+        print("KV lazy: nothing computed now; each chunk's KV is computed at its first retrieval and stored then "
+              "(--kv eager computes it at ingest)")
     if report.nothing_usable or report.total_chunks == 0:
         print(f"ragcache: error: nothing could be ingested into {report.index_path} from the given paths; "
               "check the skipped files above", file=sys.stderr)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -382,7 +382,9 @@ class IngestSettings(_Section):
     chunk_size: int = Field(512, ge=16, le=8192, description="chunk size in LLM tokens")
     chunk_overlap: int = Field(0, ge=0, description="tokens shared by neighbouring chunks")
     max_file_mb: float = Field(50.0, gt=0.0, description="files larger than this are skipped (MB)")
-    precompute_kv: bool = Field(True, description="compute chunk KV at ingest")
+    kv: Literal["eager", "lazy"] = Field(
+        "eager", description="chunk KV: eager = computed and stored at ingest; lazy = computed at a chunk's first "
+        "retrieval and stored then (corpora whose KV does not fit the tiers)")
     vector_store: Literal["faiss", "pgvector"] = Field(
         "faiss", description="where indexes live: faiss (folders under index_dir) or pgvector (PostgreSQL at pg_url, "
         "shared by every replica)")
@@ -393,6 +395,28 @@ class IngestSettings(_Section):
         "local", description="run read/split/embed/KV precompute in this process (local) or as Ray Data stages (ray)")
     ray_address: str = Field("", description="Ray cluster for executor = ray (ray://host:10001 or host:6379); "
                              "empty = a local Ray started for the ingest")
+    ray_actors: int = Field(0, ge=0, le=4096, description="executor = ray: actors per pool (split-and-embed, KV "
+                            "precompute); 0 = sized from the cluster: one KV actor per GPU, else per node")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_precompute_kv(cls, data: Any) -> Any:
+        """``precompute_kv = true|false`` (the older name, in settings files and RAGCACHE_INGEST__PRECOMPUTE_KV)
+        is read as ``kv = "eager"|"lazy"``; both set and disagreeing is refused."""
+        if not isinstance(data, dict) or "precompute_kv" not in data:
+            return data
+        data = dict(data)
+        raw = data.pop("precompute_kv")
+        try:
+            eager = TypeAdapter(bool).validate_python(raw)
+        except ValidationError:
+            raise ValueError(f"precompute_kv {raw!r} must be true or false (it is the older name of kv: "
+                             "true = \"eager\", false = \"lazy\")") from None
+        older = "eager" if eager else "lazy"
+        if data.setdefault("kv", older) != older:
+            raise ValueError(f"precompute_kv = {str(eager).lower()} (the older name of kv) and kv = {data['kv']!r} "
+                             f"disagree: set kv = {older!r} (RAGCACHE_INGEST__KV={older}) and drop precompute_kv")
+        return data
 
     @field_validator("pg_url")
     @classmethod

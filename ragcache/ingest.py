@@ -115,7 +115,8 @@ class IngestReport:
             that is not JSON), each as the file and ``"line N: reason"``.
         chunks_added / chunks_removed: chunk nodes written / deleted. tokens_added: LLM tokens over
         the added chunks. total_chunks: chunks in the index afterwards. seconds: wall time.
-        written: whether a new index version was published. new_chunks: the added chunks.
+        written: whether a new index version was published. new_chunks: the added chunks, where this
+        process holds them (empty after a Ray ingest into pgvector, whose rows stay in the database).
         namespace: the index's own KV namespace ("" = none). location: where the index lives when
         it is not the folder ``index_path`` (a pgvector index: its name and database).
     """
@@ -160,16 +161,42 @@ class IngestReport:
 # ------------------------------------------------------------------------------------ ingestor
 
 
-@dataclass
-class _Pending:
-    """A document to (re)chunk and embed in this run."""
+def content_sha256(title: str, text: str) -> str:
+    """A document's content fingerprint (title + text) in the manifest: an unchanged one keeps its chunks."""
+    return hashlib.sha256(f"{title}\x00{text}".encode()).hexdigest()
 
-    doc: Document
+
+@dataclass(frozen=True)
+class ReadDoc:
+    """A document as an ingest plans it: its id, title and content fingerprint, and its text where this
+    process holds it (``doc``; None when an executor keeps the text on its workers)."""
+
+    doc_id: str
     title: str
     content_sha256: str
+    doc: "Document | None" = None
+
+    @classmethod
+    def of(cls, doc: "Document") -> "ReadDoc":
+        title = str(doc.metadata.get("title", ""))
+        return cls(doc.id_, title, content_sha256(title, doc.text), doc)
+
+
+@dataclass
+class _Pending:
+    """A document to (re)chunk and embed in this run.
+
+    ``node_ids`` and ``tokens`` (its chunks' node ids, by position, and LLM tokens) are set by every
+    executor's ``_embed``; ``chunks`` and ``nodes`` (with embeddings) only where the rows are held in
+    this process.
+    """
+
+    ref: ReadDoc
     chunks: list[Chunk]
-    nodes: list["TextNode"]
     source: str
+    nodes: list["TextNode"] = field(default_factory=list)
+    node_ids: list[str] = field(default_factory=list)
+    tokens: int = 0
 
 
 def _sha256_file(path: Path) -> str:
@@ -455,16 +482,14 @@ class Ingestor:
                 continue
             report.left_out.extend(SkippedInput(key, part) for part in self._left_out.pop(key, ()))
             doc_ids: list[str] = []
-            for doc in docs:
-                title = str(doc.metadata.get("title", ""))
-                content = hashlib.sha256(f"{title}\x00{doc.text}".encode()).hexdigest()
-                if doc.id_ not in doc_ids:
-                    doc_ids.append(doc.id_)
-                known = manifest.docs.get(doc.id_)
-                if doc.id_ in pending or (known is not None and known.content_sha256 == content):
+            for ref in docs:
+                if ref.doc_id not in doc_ids:
+                    doc_ids.append(ref.doc_id)
+                known = manifest.docs.get(ref.doc_id)
+                if ref.doc_id in pending or (known is not None and known.content_sha256 == ref.content_sha256):
                     continue  # same content already indexed (or queued): reuse its chunks
-                chunks = self._chunks_of(doc, title)
-                pending[doc.id_] = _Pending(doc, title, content, chunks, [], key)
+                chunks = self._chunks_of(ref)
+                pending[ref.doc_id] = _Pending(ref, chunks, key)
                 n_chunks += len(chunks)
             file_updates[key] = FileEntry(size=st.st_size, mtime=st.st_mtime, sha256=sha, doc_ids=doc_ids)
             report.files_ingested += 1
@@ -485,38 +510,37 @@ class Ingestor:
         referenced = {d for entry in new_files.values() for d in entry.doc_ids}
         dropped = [d for d in manifest.docs if d not in referenced or d in pending]
         removed_nodes = [nid for d in dropped for nid in manifest.docs[d].node_ids]
-        pending_list = [p for p in pending.values() if p.doc.id_ in referenced]
+        pending_list = [p for p in pending.values() if p.ref.doc_id in referenced]
 
         self._namespace = report.namespace
         self._embed(pending_list, sum(len(p.chunks) for p in pending_list))
         new_chunks = [c for p in pending_list for c in p.chunks]
         if index is None:
-            first = next((n for p in pending_list for n in p.nodes), None)
-            if first is None:
+            dim = self._embedding_dim(pending_list)
+            if dim is None:
                 return  # nothing could be ingested and there is no index: write nothing
-            index = self._create(self._build_info(dim=len(first.embedding)))
+            index = self._create(self._build_info(dim=dim))
             manifest = index.manifest
             manifest.namespace = report.namespace
         index.delete_nodes(removed_nodes)
-        index.add_nodes([n for p in pending_list for n in p.nodes])
+        self._add_new(index, pending_list)
         for d in dropped:
             del manifest.docs[d]
         for p in pending_list:
-            manifest.docs[p.doc.id_] = DocEntry(title=p.title, content_sha256=p.content_sha256,
-                                                node_ids=[n.node_id for n in p.nodes],
-                                                tokens=sum(c.num_tokens for c in p.chunks))
+            manifest.docs[p.ref.doc_id] = DocEntry(title=p.ref.title, content_sha256=p.ref.content_sha256,
+                                                   node_ids=list(p.node_ids), tokens=p.tokens)
         manifest.files = new_files
 
-        report.chunks_added = len(new_chunks)
+        report.chunks_added = sum(len(p.node_ids) for p in pending_list)
         report.chunks_removed = len(removed_nodes)
-        report.tokens_added = sum(c.num_tokens for c in new_chunks)
+        report.tokens_added = sum(p.tokens for p in pending_list)
         report.total_chunks = manifest.num_chunks
         report.new_chunks = new_chunks
         self._publish(index, new_chunks)
         report.written = True
 
     # ---- the stages an executor may run elsewhere (ragcache.ray_ingest runs them on Ray Data)
-    def _read_files(self, paths: list[Path]) -> Iterator["list[Document] | Exception"]:
+    def _read_files(self, paths: list[Path]) -> Iterator["list[ReadDoc] | Exception"]:
         """The documents of each file, in order (a :class:`~ragcache.readers.SkipFile` in place of
         a file that is skipped); read lazily, one file at a time. What was left out of a file that
         was read (a bad JSONL line) goes to ``self._left_out[str(path)]``."""
@@ -531,11 +555,11 @@ class Ingestor:
                 continue
             if left_out:
                 self._left_out[str(path)] = left_out
-            yield docs
+            yield [ReadDoc.of(d) for d in docs]
 
-    def _chunks_of(self, doc: "Document", title: str) -> list[Chunk]:
+    def _chunks_of(self, ref: ReadDoc) -> list[Chunk]:
         """The chunks of a document to (re)index, computed now (an executor may defer them to :meth:`_embed`)."""
-        return self.chunk_document(doc, title)
+        return self.chunk_document(ref.doc, ref.title)
 
     def _check_namespace(self, recorded: str) -> None:
         if self.namespace is not None and self.namespace != recorded:
@@ -561,6 +585,8 @@ class Ingestor:
         nodes = []
         for p in pending:
             p.nodes = [chunk_to_node(c, source=p.source) for c in p.chunks]
+            p.node_ids = [n.node_id for n in p.nodes]
+            p.tokens = sum(c.num_tokens for c in p.chunks)
             nodes.extend(zip(p.nodes, p.chunks))
         if not nodes:
             return
@@ -579,6 +605,15 @@ class Ingestor:
                 tokens += sum(c.num_tokens for _, c in batch)
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
+
+    def _embedding_dim(self, pending: list[_Pending]) -> int | None:
+        """Floats per embedding of this run's new chunks (for a new index), or None when there are none."""
+        first = next((n for p in pending for n in p.nodes), None)
+        return None if first is None else len(first.embedding)
+
+    def _add_new(self, index: Any, pending: list[_Pending]) -> None:
+        """Add this run's new chunk nodes (with their embeddings) to the index being built."""
+        index.add_nodes([n for p in pending for n in p.nodes])
 
     def _run_kv_hook(self, new_chunks: list[Chunk], namespace: str, where: str) -> None:
         if self.kv_hook is not None and new_chunks:

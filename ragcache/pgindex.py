@@ -106,6 +106,12 @@ def chunks_table(name: str) -> str:
     return "ragcache_chunks_" + hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
+def staging_prefix(name: str) -> str:
+    """Name prefix of the staging tables an ingest of index ``name`` fills from its workers (see
+    :func:`create_staging`)."""
+    return "ragcache_stage_" + chunks_table(name).removeprefix("ragcache_chunks_") + "_"
+
+
 def _lock_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"ragcache-ingest:{name}".encode()).digest()[:4], "big", signed=True)
 
@@ -311,6 +317,57 @@ def _node_row(node: "TextNode") -> tuple[Any, ...]:
             _vector_text(node.get_embedding()))
 
 
+def copy_nodes(conn: "psycopg.Connection", table: str, nodes: Sequence["TextNode"]) -> None:
+    """COPY ``nodes`` (which carry their embeddings) into ``table`` (a chunks or staging table), within
+    the caller's transaction."""
+    with conn.cursor().copy(f"COPY {table} ({', '.join(_COPY_COLUMNS)}) FROM STDIN") as copy:
+        for node in nodes:
+            copy.write_row(_node_row(node))
+
+
+def staging_tables(conn: "psycopg.Connection", name: str) -> list[str]:
+    """The staging tables of index ``name`` that exist now (:func:`create_staging`)."""
+    prefix = staging_prefix(name).replace("_", r"\_")
+    return [r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE %s",
+                                       (prefix + "%",)).fetchall()]
+
+
+def create_staging(settings: "Settings", name: str) -> str:
+    """A new, empty staging table for the chunks of one ingest into index ``name``, which workers
+    fill (:func:`copy_nodes`, each in its own transaction) and :meth:`PgIndex.publish` moves into the
+    index in its one transaction. Staging tables of this index left by an ingest that died are dropped
+    first, so call it only while holding the index's :func:`ingest_lock`. Readers never see them.
+
+    Returns:
+        the table's name (:func:`staging_prefix` + 8 hex digits).
+
+    Raises:
+        PgUnavailableError: the database cannot be reached.
+    """
+    import secrets
+
+    table = staging_prefix(name) + secrets.token_hex(4)
+
+    def make(conn: "psycopg.Connection") -> None:
+        for stale in staging_tables(conn, name):
+            conn.execute(f"DROP TABLE IF EXISTS {stale}")
+        conn.execute(f"CREATE TABLE {table} (node_id text NOT NULL, doc_id text NOT NULL, title text NOT NULL, "
+                     "position integer NOT NULL, chunk_id text NOT NULL, token_ids integer[] NOT NULL, "
+                     "source text NOT NULL, text text NOT NULL, embedding vector NOT NULL)")
+
+    PgDatabase.of(require_url(settings)).run(make)
+    return table
+
+
+def drop_staging(settings: "Settings", table: str) -> None:
+    """Drop a staging table of :func:`create_staging` (gone already: nothing to do).
+
+    Raises:
+        PgUnavailableError: the database cannot be reached.
+    """
+    PgDatabase.of(require_url(settings)).run(lambda conn: conn.execute(f"DROP TABLE IF EXISTS {table}"))
+
+
 def _row_chunk(row: Sequence[Any]) -> Chunk:
     # row: node_id, doc_id, title, position, chunk_id, token_ids, text[, score]
     return Chunk(chunk_id=row[4], doc_id=row[1], title=row[2] or "", position=int(row[3]), text=row[6],
@@ -350,6 +407,7 @@ class PgIndex:
         self.table = chunks_table(name)
         self._added: list["TextNode"] = []
         self._deleted: list[str] = []
+        self._staged: list[str] = []
         self.path = None  # no folder: see ragcache.catalog
 
     # ---- construction
@@ -450,8 +508,14 @@ class PgIndex:
         """Queue node ids to delete at the next :meth:`publish`."""
         self._deleted.extend(node_ids)
 
+    def add_staged(self, table: str) -> None:
+        """Queue the rows of a staging table (:func:`create_staging`, filled by workers) for the next
+        :meth:`publish`, which copies them into the index (one row per node id) and drops the table."""
+        self._staged.append(table)
+
     def publish(self) -> int:
-        """Write the queued deletions, additions and the manifest in one transaction.
+        """Write the queued deletions, additions (nodes, and the rows of staging tables) and the manifest
+        in one transaction; the staging tables are dropped in it.
 
         The row of the index is locked ``FOR UPDATE`` and its version compared with the one
         loaded, so two writers can never interleave; a process killed before the commit leaves
@@ -492,9 +556,12 @@ class PgIndex:
                 if self._deleted:
                     conn.execute(f"DELETE FROM {self.table} WHERE node_id = ANY(%s)", (list(self._deleted),))
                 if self._added:
-                    with conn.cursor().copy(f"COPY {self.table} ({', '.join(_COPY_COLUMNS)}) FROM STDIN") as copy:
-                        for node in self._added:
-                            copy.write_row(_node_row(node))
+                    copy_nodes(conn, self.table, self._added)
+                columns = ", ".join(_COPY_COLUMNS)
+                for staged in self._staged:  # a retried worker may have written a row twice: one per node id
+                    conn.execute(f"INSERT INTO {self.table} ({columns}) SELECT DISTINCT ON (node_id) {columns} "
+                                 f"FROM {staged} ORDER BY node_id")
+                    conn.execute(f"DROP TABLE {staged}")
                 manifest = self.manifest.to_json()
                 new = current + 1
                 conn.execute(
@@ -507,7 +574,7 @@ class PgIndex:
         finally:
             conn.close()
         self.version = new
-        self._added, self._deleted = [], []
+        self._added, self._deleted, self._staged = [], [], []
         return new
 
 

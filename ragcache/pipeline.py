@@ -37,7 +37,7 @@ import time
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 from ragcache.config import Settings
 from ragcache.conversation import Turn, check_question, retrieval_query
@@ -167,13 +167,16 @@ class RAGPipeline:
     # ---- ingest ----------------------------------------------------------------------------
 
     def ingest(self, paths: Sequence[str | Path], *, prune: bool = False,
-               precompute_kv: bool | None = None, show_progress: bool = False,
-               namespace: str | None = None) -> "IngestReport":
-        """Add documents to the index and precompute the KV of new chunks (``ingest.precompute_kv``).
+               kv: Literal["eager", "lazy"] | None = None, show_progress: bool = False,
+               namespace: str | None = None, precompute_kv: bool | None = None) -> "IngestReport":
+        """Add documents to the index; with ``kv = "eager"`` compute and store the KV of every new chunk now,
+        with ``"lazy"`` leave it to the chunk's first retrieval (the request computes and stores it; its
+        source's tier reads ``"computed"``). Default: ``ingest.kv``.
 
         ``namespace``: the index's own KV namespace, recorded at its first ingest (None = keep it;
-        see :class:`~ragcache.ingest.Ingestor`). Returns the report; ``report.total_chunks == 0``
-        means nothing could be ingested.
+        see :class:`~ragcache.ingest.Ingestor`). ``precompute_kv``: the older spelling of ``kv``
+        (True = eager, False = lazy). Returns the report; ``report.total_chunks == 0`` means nothing
+        could be ingested.
 
         Raises:
             IngestError: the ingest failed (e.g. another ingest runs, or no path exists); the
@@ -182,12 +185,15 @@ class RAGPipeline:
         """
         from ragcache.ingest import Ingestor
 
-        kv = self.settings.ingest.precompute_kv if precompute_kv is None else precompute_kv
-        if kv and self.is_async:
+        if kv is None:
+            kv = self.settings.ingest.kv if precompute_kv is None else ("eager" if precompute_kv else "lazy")
+        if kv not in ("eager", "lazy"):
+            raise ValueError(f"kv {kv!r}: must be 'eager' or 'lazy' (the values of the setting ingest.kv)")
+        if kv == "eager" and self.is_async:
             raise TypeError("KV precompute runs on a BlendEngine: ingest with `ragcache ingest` (a running "
-                            "server picks the new index version up) or pass precompute_kv=False")
+                            "server picks the new index version up) or pass kv='lazy'")
         hook = (lambda chunks, ns: self.engine.precompute(chunks, show_progress=show_progress, namespace=ns)
-                ) if kv else None
+                ) if kv == "eager" else None
         with self._lock:
             report = Ingestor(self.settings, self.index_path, kv_hook=hook, show_progress=show_progress,
                               namespace=namespace).ingest(paths, prune=prune)

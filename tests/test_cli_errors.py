@@ -83,6 +83,12 @@ CASES = [
     ("chunk_overlap not below chunk_size", ["ingest", "doc.txt", "--no-kv"],
      {"RAGCACHE_INGEST__CHUNK_SIZE": "64", "RAGCACHE_INGEST__CHUNK_OVERLAP": "64"},
      "ingest.chunk_overlap = 64: must be smaller than ingest.chunk_size (64)"),
+    ("--actors below 0", ["ingest", "doc.txt", "--executor", "ray", "--actors", "-1"], {},
+     "--actors -1: must be in [0, 4096] (the range of the setting ingest.ray_actors)"),
+    ("--actors without the Ray executor", ["ingest", "doc.txt", "--actors", "2"], {},
+     "--actors 2 sizes the pools of --executor ray"),
+    ("the older precompute_kv against ingest.kv", ["ingest", "doc.txt"],
+     {"RAGCACHE_INGEST__PRECOMPUTE_KV": "false", "RAGCACHE_INGEST__KV": "eager"}, "disagree: set kv = 'lazy'"),
 ]
 
 

@@ -117,6 +117,21 @@ def test_pipeline_overlap_rejects_other_words(monkeypatch):
         Settings.load()
 
 
+def test_older_precompute_kv_is_read_as_ingest_kv_and_a_contradiction_is_refused(tmp_path, monkeypatch):
+    assert Settings.load().ingest.kv == "eager"
+    (tmp_path / "settings.toml").write_text("[ingest]\nprecompute_kv = false\n")  # a settings file of before
+    assert Settings.load().ingest.kv == "lazy"
+    monkeypatch.setenv("RAGCACHE_INGEST__PRECOMPUTE_KV", "true")
+    (tmp_path / "settings.toml").write_text("[ingest]\nkv = \"eager\"\n")
+    assert Settings.load().ingest.kv == "eager"
+    monkeypatch.setenv("RAGCACHE_INGEST__PRECOMPUTE_KV", "0")
+    with pytest.raises(ConfigError, match=r"precompute_kv = false .* and kv = 'eager' disagree: set kv = 'lazy'"):
+        Settings.load()
+    monkeypatch.setenv("RAGCACHE_INGEST__PRECOMPUTE_KV", "sometimes")
+    with pytest.raises(ConfigError, match="must be true or false"):
+        Settings.load()
+
+
 def test_unreadable_toml_names_file(tmp_path):
     path = write(tmp_path, "[store\ncpu_kv_pool_gb = ")
     with pytest.raises(ConfigError, match="cannot read settings file .*s.toml"):

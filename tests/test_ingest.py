@@ -406,11 +406,13 @@ def test_cli_ingest_prints_summary_and_exits_nonzero_only_when_nothing_was_inges
     (tmp_path / "corpus" / "empty.txt").write_text("")
     index = str(tmp_path / "cli-index")
 
-    # the KV precompute through the engine is covered by tests/test_pipeline.py
-    assert main(["ingest", str(tmp_path / "corpus"), "--index", index, "--quiet", "--no-kv"]) == 0
+    # the KV precompute through the engine (eager) and the lazy path's first question are covered by
+    # tests/test_pipeline.py; --kv lazy starts no engine
+    assert main(["ingest", str(tmp_path / "corpus"), "--index", index, "--quiet", "--kv", "lazy"]) == 0
     out, err = capsys.readouterr()
     assert "3 files ingested, 0 unchanged, 1 skipped" in out
-    assert "KV precompute skipped (--no-kv)" in out and "empty.txt: empty file" in err
+    assert "KV lazy: nothing computed now" in out and "empty.txt: empty file" in err
+    assert "starting the engine" not in err
 
     assert main(["ingest", str(tmp_path / "corpus"), "--index", index, "--quiet", "--no-kv"]) == 0
     out, err = capsys.readouterr()
@@ -424,9 +426,14 @@ def test_cli_ingest_prints_summary_and_exits_nonzero_only_when_nothing_was_inges
     _, err = capsys.readouterr()
     assert "nothing could be ingested" in err
 
-    # a name without a separator resolves under ingest.index_dir (here ./indexes in tmp_path)
+    # a name without a separator resolves under ingest.index_dir (here ./indexes in tmp_path); --no-kv,
+    # the older flag, is --kv lazy
     assert main(["ingest", str(tmp_path / "corpus" / "notes.txt"), "--index", "named", "--quiet", "--no-kv"]) == 0
     assert (tmp_path / "indexes" / "named" / "manifest.json").is_file()
+    assert "KV lazy: nothing computed now" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:  # both flags at once: argparse refuses
+        main(["ingest", str(tmp_path / "corpus"), "--index", "named", "--kv", "eager", "--no-kv"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_bare_index_name_never_means_a_folder_of_the_working_directory(tmp_path, monkeypatch):

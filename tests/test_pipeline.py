@@ -58,6 +58,36 @@ def test_query_returns_sources_and_metrics_with_reuse(rag):
     assert [s.chunk_id for s in again.sources] == [s.chunk_id for s in answer.sources]
 
 
+def test_lazy_ingest_computes_kv_at_first_retrieval_stores_it_and_serves_it_from_a_tier_after(
+        engine, engine_settings, corpus, tmp_path):
+    """``kv = "lazy"``: the ingest stores no KV; the first blend computes each retrieved chunk's KV in
+    the request (tier "computed") and stores it; the same question again is served from a tier,
+    with the same answer (float32: the stored KV is the KV that was computed)."""
+    from ragcache.pipeline import RAGPipeline
+
+    settings = engine_settings.model_copy(deep=True)
+    settings.ingest.index_dir = tmp_path / "indexes"
+    pipe = RAGPipeline(settings, "lazy", engine)
+    # an index namespace of its own: no other test's stored KV (the same texts) can serve these chunks
+    report = pipe.ingest([corpus], kv="lazy", namespace="lazy-kv")
+    assert report.chunks_added == len(DOCS)
+    question = "What is the capital of Zorbia?"
+    chunks = [r.chunk for r in pipe.retrieve(question, top_k=2)]
+    assert engine.stored_tiers(chunks, "lazy-kv") == [None, None]  # nothing computed at ingest
+
+    first = pipe.query(question, mode="blend", top_k=2)
+    assert [s.chunk_id for s in first.sources] == [c.chunk_id for c in chunks]
+    assert [s.tier for s in first.sources] == ["computed", "computed"] and first.text.strip()
+    m = first.metrics
+    assert m.tier_hits == {"computed": 2} and m.head_tier == "computed"  # the prompt head's KV too
+    assert m.missing_computed_tokens >= sum(c.num_tokens for c in chunks) and m.reused_tokens > 0
+    assert all(t in ("cpu", "disk") for t in engine.stored_tiers(chunks, "lazy-kv"))  # stored by the request
+
+    second = pipe.query(question, mode="blend", top_k=2)
+    assert all(s.tier in ("cpu", "disk") for s in second.sources)
+    assert "computed" not in second.metrics.tier_hits and second.metrics.missing_computed_tokens == 0
+    assert second.text == first.text
+
 def test_full_mode_reuses_nothing(rag):
     answer = rag.query("What is kelmet?", mode="full", top_k=2)
     assert answer.metrics.reused_tokens == 0 and all(s.tier == "" for s in answer.sources)
