@@ -112,7 +112,8 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
     m.observe("docs", _answer("blend", ["cpu", "disk", "computed"]))
     m.count_outcome("docs", "blend", "aborted")
     failed = _answer("blend", [])
-    failed.metrics.load_error = "ValueError: check_layer must be in [0, 30), got 99"  # full prefill answered
+    # full prefill answered: the worker could not serve the context
+    failed.metrics = failed.metrics.replace(load_error="ValueError: check_layer must be in [0, 30), got 99")
     m.observe("docs", failed)
     stats = StoreStats.from_dict({"cpu": {"occupancy_bytes": 123, "evictions": 2}, "disk": {"occupancy_bytes": 0}})
     text = m.render(stats).decode()
