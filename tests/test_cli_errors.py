@@ -61,6 +61,8 @@ CASES = [
      "--selection granule 0: must be in [1, 256]"),
     ("unknown command", ["frob"], {}, "invalid choice: 'frob'"),
     ("missing index", ["ask", "q?", "--index", "nope"], {}, "run `ragcache ingest PATH --index nope` first"),
+    ("calibrate of a missing index", ["calibrate", "--index", "nope", "--selection", "question"], {},
+     "run `ragcache ingest PATH --index nope` first"),
     ("empty index name", ["ask", "q?", "--index", ""], {}, "is not an index name"),
     ("index name ..", ["ask", "q?", "--index", ".."], {}, "is not an index name"),
     ("damaged manifest", ["ask", "q?", "--index", "./notjson"], {}, "the index is damaged: delete notjson"),

@@ -181,7 +181,7 @@ def test_metrics_travel_over_http_as_the_one_record_both_ways():
     answer = Answer("q", "An answer.", [Source("d", "t", "text", 0.5, "c", "cpu"), Source("e", "u", "x", 0.4, "f",
                                                                                           "computed")], m, "stop")
     wire = ChatCompletionResponse.of("chatcmpl-1", "docs", answer,
-                                     RagcacheResult.of("docs", RagcacheOptions(), answer=answer)).model_dump_json()
+                                     RagcacheResult.of("docs", answer=answer)).model_dump_json()
     body = ChatCompletionResponse.model_validate_json(wire)  # as the client reads it
     back = answer_from("q", body.choices[0].message.content, "stop", body.ragcache)
     assert back.metrics == m and back.metrics.ratio_source == "calibration"  # nothing lost, nothing rounded

@@ -92,7 +92,7 @@ def test_responses_carry_usage_cached_tokens_sources_and_metrics():
     blend = _answer("blend", ["cpu", "disk"])
     assert cached_tokens(blend) == 200 and cached_tokens(_answer("full", [])) == 0
     assert cached_tokens(_answer("prefix", [])) == 250  # vLLM's prefix-cache hits
-    extra = RagcacheResult.of("docs", RagcacheOptions(), answer=blend)
+    extra = RagcacheResult.of("docs", answer=blend)
     body = json.loads(ChatCompletionResponse.of("chatcmpl-1", "docs", blend, extra).model_dump_json())
     assert list(body) == ["id", "object", "created", "model", "choices", "usage", "ragcache"]
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "An answer."},
@@ -105,10 +105,10 @@ def test_responses_carry_usage_cached_tokens_sources_and_metrics():
                                               "tier": "cpu", "snippet": "some chunk text"}
     assert body["ragcache"]["metrics"] == blend.metrics.to_dict()
     assert body["ragcache"]["metrics"]["tier_hits"] == {"cpu": 1, "disk": 1}
-    first = RagcacheResult.of("docs", RagcacheOptions(), sources=blend.sources).model_dump()
+    first = RagcacheResult.of("docs", sources=blend.sources).model_dump()
     assert [s["tier"] for s in first["sources"]] == [None, None] and "metrics" not in first
-    assert "sources" not in RagcacheResult.of("docs", RagcacheOptions(return_sources=False), answer=blend).model_dump()
-    asked = RagcacheResult.of("docs", RagcacheOptions(return_prompt=True), answer=blend, prompt_text="P")
+    assert "sources" not in RagcacheResult.of("docs", answer=blend, with_sources=False).model_dump()
+    asked = RagcacheResult.of("docs", answer=blend, prompt="P")
     assert asked.model_dump()["prompt"] == "P"
 
 
@@ -119,7 +119,7 @@ def test_stream_chunks_carry_a_delta_or_the_usage_and_leave_out_what_they_do_not
         return json.loads(chunk.model_dump_json())
 
     first = wire(ChatCompletionChunk.of("c", "docs", 1, delta=Delta(role="assistant", content=""),
-                                        extra=RagcacheResult.of("docs", RagcacheOptions(), sources=blend.sources)))
+                                        extra=RagcacheResult.of("docs", sources=blend.sources)))
     assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                  "logprobs": None}]
     assert list(first) == ["id", "object", "created", "model", "choices", "ragcache"]  # no usage key
@@ -129,7 +129,7 @@ def test_stream_chunks_carry_a_delta_or_the_usage_and_leave_out_what_they_do_not
     finish = wire(ChatCompletionChunk.of("c", "docs", 1, finish="stop"))
     assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "stop"
     usage = wire(ChatCompletionChunk.of("c", "docs", 1, usage=Usage.of(blend),
-                                        extra=RagcacheResult.of("docs", RagcacheOptions(), answer=blend)))
+                                        extra=RagcacheResult.of("docs", answer=blend)))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 307 and "metrics" in usage["ragcache"]
     error = APIError(429, "too many", code="too_many_requests").response().model_dump()
     assert error == {"error": {"message": "too many", "type": "rate_limit_error", "param": None,

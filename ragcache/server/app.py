@@ -370,8 +370,8 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
     cid, created = completion_id(), int(time.time())
     outcome = "error"
     try:
-        yield _sse(ChatCompletionChunk.of(cid, model, created, delta=Delta(role="assistant", content=""),
-                                          extra=RagcacheResult.of(index, opts, sources=r.sources)))
+        first = RagcacheResult.of(index, sources=r.sources, with_sources=opts.return_sources)
+        yield _sse(ChatCompletionChunk.of(cid, model, created, delta=Delta(role="assistant", content=""), extra=first))
         answer = None
         async with aclosing(pipe.astream_answer(r)) as items:
             async for item in items:
@@ -381,7 +381,8 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
                     answer = item
         state.answered(index, answer, tenant)  # before the last lines: a client done reading sees it counted
         outcome = "completed"
-        extra = RagcacheResult.of(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
+        extra = RagcacheResult.of(index, answer=answer, prompt=_prompt_text(state, answer, opts),
+                                  with_sources=opts.return_sources)
         if include_usage:  # OpenAI sends the usage chunk only when asked
             yield _sse(ChatCompletionChunk.of(cid, model, created, finish=finish_reason(answer)))
             yield _sse(ChatCompletionChunk.of(cid, model, created, usage=Usage.of(answer), extra=extra))
@@ -560,7 +561,8 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
                 return response
             answer = await _unless_disconnected(request, pipe.aanswer(r))
             state.answered(index, answer, tenant)
-            extra = RagcacheResult.of(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
+            extra = RagcacheResult.of(index, answer=answer, prompt=_prompt_text(state, answer, opts),
+                                      with_sources=opts.return_sources)
             return JSONResponse(ChatCompletionResponse.of(completion_id(), body.model, answer, extra).model_dump())
         except _ClientGone:
             state.metrics.count_outcome(index, mode, "aborted", tenant)

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from ragcache.engine.messages import TierStats
 from ragcache.pipeline import Answer, Source
-
-if TYPE_CHECKING:
-    from ragcache.server.schemas import RagcacheOptions
 
 #: characters of a source's text returned as its ``snippet``
 SNIPPET_CHARS = 240
@@ -110,15 +107,16 @@ class RagcacheResult(BaseModel):
     prompt: str | None = _omitted_when_none()
 
     @classmethod
-    def of(cls, index: str, opts: RagcacheOptions, *, sources: list[Source] | None = None,
-           answer: Answer | None = None, prompt_text: str | None = None) -> "RagcacheResult":
-        """Before the answer (``sources``: tiers not known yet) or with it (``answer``)."""
+    def of(cls, index: str, *, sources: list[Source] | None = None, answer: Answer | None = None,
+           prompt: str | None = None, with_sources: bool = True) -> "RagcacheResult":
+        """Before the answer (``sources``: their tiers not known yet) or with it (``answer``);
+        ``with_sources``: the request's ``return_sources``; ``prompt``: given when it asked for it."""
         listed = None
-        if opts.return_sources:
+        if with_sources:
             srcs = answer.sources if answer is not None else sources or []
             listed = [SourceInfo.of(s, (s.tier or None) if answer is not None else None) for s in srcs]
         return cls(index=index, sources=listed, metrics=None if answer is None else answer.metrics.to_dict(),
-                   prompt=prompt_text if opts.return_prompt else None)
+                   prompt=prompt)
 
 
 class PromptTokensDetails(BaseModel):
