@@ -26,8 +26,8 @@ pipeline, the server, the UI and the tests can use these types without starting 
 
 from __future__ import annotations
 
-from collections import Counter
 import dataclasses
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
