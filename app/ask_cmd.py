@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic.fields import FieldInfo
 
 from app.help import HelpFormatter
-from ragcache.config import MODES
+from ragcache.options import QueryOptions
 
 
 def _ratio(text: str) -> float | str:
@@ -20,20 +24,47 @@ def _ratio(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number in [0, 1] or 'auto'") from None
 
 
+#: the query flags, by the QueryOptions field they set: every option but sampling and history
+#: (``top_k`` -> ``--top-k``), declared once in :class:`~ragcache.options.RequestOptions` / QueryOptions
+QUERY_FLAGS = {name: "--" + name.replace("_", "-") for name in QueryOptions.model_fields
+               if name not in ("sampling", "history")}
+
+#: what a flag takes beyond its option's field: ``--recompute-ratio auto`` (the index's calibrated ratio)
+FLAG_EXTRAS: dict[str, dict[str, Any]] = {
+    "recompute_ratio": {"type": _ratio, "help": "share of context tokens recomputed in blend mode, or auto (the "
+                        "index's calibrated ratio, `ragcache calibrate`) (default blend.recompute_ratio)"},
+}
+
+
+def _plain(annotation: Any) -> Any:
+    """The type under ``X | None`` and ``Annotated[X, ...]``: ``Optional[Annotated[int, ...]]`` -> int."""
+    while True:
+        if get_origin(annotation) in (Union, types.UnionType):
+            annotation = next(a for a in get_args(annotation) if a is not type(None))
+        elif get_origin(annotation) is Annotated:
+            annotation = get_args(annotation)[0]
+        else:
+            return annotation
+
+
+def flag_kwargs(info: FieldInfo) -> dict[str, Any]:
+    """``add_argument`` keywords for an option's field: a Literal's values as choices, int and float
+    as the type (the range is checked with the other flags by :func:`query_options`), anything else a
+    string the options parse (``question/16``); the field's description as the help."""
+    kind = _plain(info.annotation)
+    if get_origin(kind) is Literal:
+        typed: dict[str, Any] = {"choices": get_args(kind)}
+    elif kind in (int, float):
+        typed = {"type": kind}
+    else:
+        typed = {}
+    return {"default": None, "help": info.description, **typed}
+
+
 def _add_query_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default="default", help="index name under ingest.index_dir, or a folder")
-    p.add_argument("--mode", choices=MODES, default=None, help="query mode (default: engine.mode, blend)")
-    p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default: retrieval.top_k)")
-    p.add_argument("--recompute-ratio", type=_ratio, default=None,
-                   help="share of context tokens recomputed in blend mode, or auto (the index's calibrated ratio, "
-                   "`ragcache calibrate`; default: blend.recompute_ratio)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to decode (default: engine.max_tokens)")
-    p.add_argument("--budget", choices=("adaptive", "fixed"), default=None,
-                   help="blend's recompute budget: adaptive (each question's attention sets it) or fixed (the ratio "
-                   "alone) (default: blend.budget)")
-    p.add_argument("--mass-left", type=float, default=None,
-                   help="adaptive budget: share of the question's attention that may stay on reused KV, in (0, 1) "
-                   "(default: blend.mass_left)")
+    for name, flag in QUERY_FLAGS.items():
+        p.add_argument(flag, **{**flag_kwargs(QueryOptions.model_fields[name]), **FLAG_EXTRAS.get(name, {})})
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,12 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_chat)
 
 
-#: the query flags, by the QueryOptions field they set
-QUERY_FLAGS = {"mode": "--mode", "top_k": "--top-k", "max_tokens": "--max-tokens",
-               "recompute_ratio": "--recompute-ratio", "budget": "--budget", "mass_left": "--mass-left"}
-
-
-def query_options(args: argparse.Namespace):
+def query_options(args: argparse.Namespace) -> QueryOptions:
     """The flags as one :class:`~ragcache.options.QueryOptions`, validated here, before the engine
     starts (the same ranges as the settings they override).
 
@@ -65,8 +91,6 @@ def query_options(args: argparse.Namespace):
         QueryOptionsError: a flag out of range, e.g. ``--top-k 0: must be in [1, 100] (the range of
             the setting retrieval.top_k)``.
     """
-    from ragcache.options import QueryOptions
-
     values = {field: getattr(args, field) for field in QUERY_FLAGS}
     if values["recompute_ratio"] == "auto":  # the setting's value, not a per-request ratio: see open_pipeline
         values["recompute_ratio"] = None
@@ -89,16 +113,27 @@ def run_settings(args: argparse.Namespace):
 
 
 def open_pipeline(args: argparse.Namespace):
-    """Settings from --settings, then the pipeline over --index; every check that needs no model
-    (flags, the question, settings, the index) runs before the engine starts. Sets
+    """The query flags and the question checked, then :func:`open_index`; every check that needs no
+    model (flags, the question, settings, the index) runs before the engine starts. Sets
     ``args.options`` (the query flags as QueryOptions) and, for ``ask``, ``args.question`` (checked)."""
-    from ragcache.catalog import catalog
     from ragcache.conversation import check_question
-    from ragcache.pipeline import RAGPipeline
 
     args.options = query_options(args)
     if getattr(args, "question", None) is not None:
         args.question = check_question(args.question)  # checked once: the pipeline takes it as checked
+    return open_index(args)
+
+
+def open_index(args: argparse.Namespace):
+    """Settings from --settings (:func:`run_settings`), then the pipeline over --index, whose manifest
+    is checked before the engine starts.
+
+    Raises:
+        ConfigError: invalid settings. IndexNotFoundError / IndexMismatchError: --index is no usable index.
+    """
+    from ragcache.catalog import catalog
+    from ragcache.pipeline import RAGPipeline
+
     settings = run_settings(args)
     catalog(settings).manifest(args.index)  # exists, readable, same embedding model
     return RAGPipeline.open(settings, index=args.index)

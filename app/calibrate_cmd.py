@@ -103,7 +103,7 @@ def read_questions(path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.ask_cmd import QUERY_FLAGS, open_pipeline
+    from app.ask_cmd import open_index
     from ragcache.calibrate import calibrate, probe_questions, write_calibration
     from ragcache.progress import progress
     from ragcache.config import ConfigError, Settings
@@ -114,9 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("ragcache calibrate writes calibration.json into a FAISS index folder; pgvector indexes "
                           "are not calibrated yet: set blend.recompute_ratio to a number")
     questions = read_questions(args.questions)[: args.n] if args.questions else None
-    for flag in QUERY_FLAGS:  # open_pipeline reads the query flags, which calibrate does not take
-        setattr(args, flag, None)
-    rag = open_pipeline(args)
+    rag = open_index(args)
     source = "questions"
     if questions is None:
         questions = probe_questions(list(rag.retriever.index.chunks()), args.n, args.seed)

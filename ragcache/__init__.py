@@ -24,13 +24,17 @@ from ragcache.options import QueryOptions, QueryOptionsError, SamplingOptions  #
 
 __version__ = "0.1.0"
 __all__ = ["Settings", "ConfigError", "QueryOptions", "QueryOptionsError", "SamplingOptions", "RAGPipeline", "Answer",
-           "Source", "QueryMetrics", "__version__"]
+           "Source", "RequestMetrics", "__version__"]
 
 
 def __getattr__(name: str):
     # heavy parts load on first use: `import ragcache` stays light (no torch, no vLLM)
-    if name in ("RAGPipeline", "Answer", "Source", "QueryMetrics"):
+    if name in ("RAGPipeline", "Answer", "Source"):
         from ragcache import pipeline
 
         return getattr(pipeline, name)
+    if name == "RequestMetrics":
+        from ragcache.engine.messages import RequestMetrics
+
+        return RequestMetrics
     raise AttributeError(f"module 'ragcache' has no attribute {name!r}")

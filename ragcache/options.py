@@ -1,6 +1,7 @@
 """Per-request options: one typed object from where a request enters down to the engine.
 
-Owns :class:`QueryOptions` (mode, top_k, max_tokens, recompute_ratio, selection, sampling,
+Owns :class:`RequestOptions` (the options a request names one by one: mode, top_k, recompute_ratio,
+selection, budget, mass_left), :class:`QueryOptions` (those, plus max_tokens, sampling and
 history), :class:`SamplingOptions`, :class:`SelectionSpec`, the ranges they share with the settings
 (:data:`~ragcache.config.Ratio`, :data:`~ragcache.config.TopK`, :data:`~ragcache.config.MaxTokens`,
 :data:`~ragcache.config.Granule`, defined once in :mod:`ragcache.config`) and
@@ -12,9 +13,15 @@ A request's options are validated once, where the request enters:
   (or takes a ``QueryOptions`` its caller built, which pydantic validated then);
 - the CLI: ``ragcache ask --top-k 3`` builds them with :meth:`QueryOptions.parse`, naming the flags
   in its one-line errors, before the engine starts;
-- HTTP: the request schema (:mod:`ragcache.server.schemas`) declares its fields with these same
-  types, so FastAPI validates them while it parses the body; ``query_options()`` then assembles
-  the object without checking anything again.
+- HTTP: the request's ``ragcache`` object (:mod:`ragcache.server.schemas`) is a
+  :class:`RequestOptions`, so FastAPI validates it while it parses the body; ``query_options()``
+  then assembles the object without checking anything again.
+
+Each option is declared once, as a field of :class:`RequestOptions` (its range type, its
+description, :data:`BLEND_ONLY` where only a blend reads it): the HTTP ``ragcache`` object, the
+body :class:`~ragcache.server.client.RemotePipeline` sends (:meth:`RequestOptions.given`) and the
+CLI's query flags (app/ask_cmd.py) are derived from these fields, so a new option is one field
+here, plus the engine code that reads it.
 
 From there the object travels unchanged: the pipeline reads ``top_k`` and ``history``, the engine
 ``mode``, ``max_tokens``, ``recompute_ratio``, ``selection`` and ``sampling`` (into the connector's
@@ -28,8 +35,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Mapping
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
 
 from ragcache.config import BudgetMode, Granule, MassLeft, MaxTokens, Mode, Ratio, SelectionName, TopK, range_text
 from ragcache.conversation import Turn
@@ -134,8 +141,9 @@ def _selection(v: Any) -> Any:
     return SelectionSpec.parse(v) if isinstance(v, str) else v
 
 
-#: a selection field: a :class:`SelectionSpec`, or its string form ("question/16")
-Selection = Annotated[SelectionSpec, BeforeValidator(_selection)]
+#: a selection field: a :class:`SelectionSpec`, or its string form ("question/16"), which is also
+#: what it is written as in JSON
+_Selection = Annotated[SelectionSpec, BeforeValidator(_selection), PlainSerializer(str, when_used="json")]
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
@@ -149,14 +157,10 @@ def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
         raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
 
 
-#: the options that only a blend reads
-BLEND_ONLY = ("recompute_ratio", "selection", "budget", "mass_left")
-
-
 def check_blend_only(value: Any, info: ValidationInfo) -> Any:
-    """Refuse a blend-only option (``recompute_ratio``, ``selection``, ``budget``, ``mass_left``) on a request whose mode is
-    set to another mode, where it would be ignored without a word. For pydantic field validators of
-    models that declare ``mode`` before these fields (its validated value is in ``info.data``).
+    """Refuse a blend-only option on a request whose mode is set to another mode, where it would be
+    ignored without a word (the validator of :data:`BLEND_ONLY`; the request's ``mode``, declared
+    before these fields, is in ``info.data``).
 
     Raises:
         ValueError: the option is set and the request's mode is full, prefix or reuse.
@@ -166,6 +170,10 @@ def check_blend_only(value: Any, info: ValidationInfo) -> Any:
         raise ValueError(f"applies in blend mode only, and the request's mode is {mode!r}: drop it, or ask in blend "
                          f"mode")
     return value
+
+
+#: marks an option that only a blend reads (``Annotated[X | None, BLEND_ONLY]``): refused with another mode
+BLEND_ONLY = AfterValidator(check_blend_only)
 
 
 class QueryOptionsError(ValueError):
@@ -188,24 +196,65 @@ SETTING_OF = {"top_k": "retrieval.top_k", "max_tokens": "engine.max_tokens",
               "recompute_ratio": "blend.recompute_ratio", "mass_left": "blend.mass_left"}
 
 
-class QueryOptions(BaseModel):
-    """How to answer one question; every field unset means "the settings' default".
+class RequestOptions(BaseModel):
+    """The options a request names one by one; every field unset means "the settings' default".
+
+    The one declaration of each option: the fields of HTTP's ``ragcache`` object
+    (:class:`ragcache.server.schemas.RagcacheOptions` adds ``index`` and what to return), of the
+    body a :class:`~ragcache.server.client.RemotePipeline` sends (:meth:`given`) and, with
+    :class:`QueryOptions`' ``max_tokens``, of the CLI's query flags (``top_k`` -> ``--top-k``, the
+    description as its help).
 
     Attributes:
         mode: full, prefix, reuse or blend (default ``engine.mode``).
         top_k: chunks retrieved (default ``retrieval.top_k``), in [1, 100].
-        max_tokens: tokens decoded (default ``engine.max_tokens``), >= 1.
         recompute_ratio: blend's share of context tokens recomputed, in [0, 1] (default: the
-            pipeline's, see ``RAGPipeline.recompute_ratio``); refused with another ``mode`` set.
+            pipeline's, see ``RAGPipeline.recompute_ratio``).
         selection: blend's token selection (default ``blend.selection`` / ``blend.granule``); a
-            string such as ``"question/16"`` is read by :meth:`SelectionSpec.parse`; refused with
-            another ``mode`` set.
+            string such as ``"question/16"`` is read by :meth:`SelectionSpec.parse` (and written so
+            in JSON).
         budget: blend's recompute budget, ``"adaptive"`` (from the question's attention) or
-            ``"fixed"`` (the ratio alone) (default ``blend.budget``); refused with another ``mode`` set.
+            ``"fixed"`` (the ratio alone) (default ``blend.budget``).
         mass_left: the adaptive budget's share of the question's attention that may stay on reused
             KV, in (0, 1) (default ``blend.mass_left``, or the index's calibration with
             ``recompute_ratio = "auto"``); setting it asks for the adaptive budget (unless ``budget``
-            says otherwise); refused with another ``mode`` set.
+            says otherwise).
+
+    The options marked :data:`BLEND_ONLY` (recompute_ratio, selection, budget, mass_left) are
+    refused on a request whose ``mode`` is another.
+
+    Raises (on construction):
+        pydantic.ValidationError: a value out of range, or a blend-only option with another mode.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Mode | None = Field(None, description="full, prefix, reuse or blend (default engine.mode)")
+    top_k: TopK | None = Field(None, description="chunks retrieved (default retrieval.top_k)")
+    recompute_ratio: Annotated[Ratio | None, BLEND_ONLY] = Field(
+        None, description="share of context tokens recomputed in blend mode (default blend.recompute_ratio)")
+    selection: Annotated[_Selection | None, BLEND_ONLY] = Field(
+        None, description="blend's token selection, e.g. question or question/16 (default blend.selection)")
+    budget: Annotated[BudgetMode | None, BLEND_ONLY] = Field(
+        None, description="blend's recompute budget: adaptive (from the question's attention) or fixed (the ratio) "
+        "(default blend.budget)")
+    mass_left: Annotated[MassLeft | None, BLEND_ONLY] = Field(
+        None, description="adaptive budget: share of the question's attention that may stay on reused KV, in (0, 1) "
+        "(default blend.mass_left)")
+
+    def given(self) -> dict[str, Any]:
+        """The :class:`RequestOptions` fields set (not None) as JSON data, a selection in its string
+        form: the ``ragcache`` object of a request body."""
+        return self.model_dump(mode="json", include=set(RequestOptions.model_fields), exclude_none=True)
+
+
+class QueryOptions(RequestOptions):
+    """How to answer one question: the :class:`RequestOptions`, the answer's length, its sampling
+    and the conversation so far; every field unset means "the settings' default".
+
+    Attributes:
+        mode, top_k, recompute_ratio, selection, budget, mass_left: see :class:`RequestOptions`.
+        max_tokens: tokens decoded (default ``engine.max_tokens``), >= 1.
         sampling: temperature, top_p, stop strings, seed (default greedy).
         history: earlier turns of the conversation, oldest first.
 
@@ -214,19 +263,9 @@ class QueryOptions(BaseModel):
             (use :meth:`parse` for one-line errors).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    mode: Mode | None = None
-    top_k: TopK | None = None
-    max_tokens: MaxTokens | None = None
-    recompute_ratio: Ratio | None = None
-    selection: Selection | None = None
-    budget: BudgetMode | None = None
-    mass_left: MassLeft | None = None
+    max_tokens: MaxTokens | None = Field(None, description="tokens to decode (default engine.max_tokens)")
     sampling: SamplingOptions = GREEDY
     history: tuple[Turn, ...] = ()
-
-    _blend_only = field_validator(*BLEND_ONLY)(check_blend_only)
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> "QueryOptions":
@@ -270,7 +309,11 @@ def options_error(exc: ValidationError, names: Mapping[str, str]) -> QueryOption
     (the field named as ``names`` says, its range stated as the settings state theirs)."""
     err = exc.errors()[0]
     path = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int))
-    name = names.get(path) or names.get(path.partition(".")[0]) or path or "options"
+    head, _, rest = path.partition(".")
+    if path not in names and head in names:  # a part of a named option: "--selection granule"
+        name = f"{names[head]} {rest}".strip()
+    else:
+        name = names.get(path) or path or "options"
     value = err.get("input")
     rule = None
     if path in RANGES and err.get("type", "").startswith(("greater_than", "less_than")):

@@ -1,8 +1,9 @@
 """RAGPipeline: the SDK's front door: ingest documents, ask questions, get answers with metrics.
 
 Owns: wiring settings, index (ingest + retrieval) and the BlendEngine together, and the
-:class:`Answer` / :class:`Source` / :class:`QueryMetrics` objects returned to apps. Data flows one
-way: app/ui -> pipeline -> (ingest, retrieval, engine). Must not import app/ or ui/.
+:class:`Answer` / :class:`Source` objects returned to apps (``Answer.metrics`` is a
+:class:`~ragcache.engine.messages.RequestMetrics`). Data flows one way: app/ui -> pipeline ->
+(ingest, retrieval, engine). Must not import app/ or ui/.
 
 Example::
 
@@ -74,10 +75,6 @@ class Source:
     score: float
     chunk_id: str
     tier: str = ""
-
-
-#: the SDK's name for the per-request metrics (one definition: :class:`ragcache.engine.messages.RequestMetrics`)
-QueryMetrics = RequestMetrics
 
 
 @dataclass
@@ -280,15 +277,17 @@ class RAGPipeline:
         return await asyncio.to_thread(self.prepare, question, options)
 
     def _answer(self, r: Retrieval, gen: "Generation", ratio_source: str) -> Answer:
+        """The answer to ``r``: the sources with the tiers that served them, and the engine's metrics
+        record finished with the pipeline's numbers (retrieval, the whole call, the ratio's source and note)."""
         m = gen.metrics
         tiers = m.chunk_tiers or [""] * len(r.found)
         sources = [Source(x.chunk.doc_id, x.chunk.title, x.chunk.text, x.score, x.chunk.chunk_id, tier)
                    for x, tier in zip(r.found, tiers)]
-        m.retrieval_s = r.retrieval_s
-        m.total_s = time.perf_counter() - r.t0
-        m.ratio_source = ratio_source if m.mode == "blend" else ""
-        m.ratio_note = self.ratio_note(m.ratio_source, m.recompute_ratio) if m.mode == "blend" else ""
-        return Answer(r.question, gen.text.strip(), sources, m, gen.finish_reason, r.prompt)
+        blend = m.mode == "blend"
+        metrics = m.replace(retrieval_s=r.retrieval_s, total_s=time.perf_counter() - r.t0,
+                            ratio_source=ratio_source if blend else "",
+                            ratio_note=self.ratio_note(ratio_source, m.recompute_ratio) if blend else "")
+        return Answer(r.question, gen.text.strip(), sources, metrics, gen.finish_reason, r.prompt)
 
     # ---- recompute ratio ---------------------------------------------------------------------
 

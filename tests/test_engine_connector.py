@@ -100,6 +100,23 @@ def test_metrics_round_trip_and_read_the_worker_stats_from_the_output():
     assert RequestMetrics.from_dict(m.to_dict()) == m
     full = RequestMetrics.from_output(mode="full", prompt_tokens=60, output=None, total_s=1.0, recompute_ratio=0.15)
     assert full.recompute_ratio is None and full.reused_tokens == 0 and full.chunk_tiers == []
+    # a DELTA stream's last output holds its last piece only: the whole answer's ids are given
+    streamed = RequestMetrics.from_output(mode="blend", prompt_tokens=60, output=out, total_s=1.0,
+                                          token_ids=[7, 8, 7, 8, 7, 8, 9])
+    assert streamed.output_tokens == 7 and streamed.repetition_loop and not m.repetition_loop
+
+
+def test_the_metrics_record_is_frozen_and_a_later_layer_adds_to_a_copy():
+    m = RequestMetrics(mode="blend", ttft_s=0.5, total_s=0.6, chunk_tiers=["cpu"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.total_s = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ContextStats().load_error = "x"
+    done = m.replace(retrieval_s=0.1, total_s=0.8, ratio_source="settings")
+    assert (done.retrieval_s, done.total_s, done.ratio_source, done.ttft_s) == (0.1, 0.8, "settings", 0.5)
+    assert (m.retrieval_s, m.total_s, m.ratio_source) == (0.0, 0.6, "")  # the engine's record is unchanged
+    with pytest.raises(TypeError):
+        m.replace(retrieval=0.1)
 
 
 def test_an_answer_says_when_its_recomputed_tokens_stopped_before_the_last_layer():
@@ -148,7 +165,7 @@ def test_a_failed_context_load_is_said_beside_the_answer_and_zeroes_the_cached_c
                              kv_transfer_params={TRANSFER_KEY: stats.to_dict()})
     m = RequestMetrics.from_output(mode="blend", prompt_tokens=130, output=output, total_s=1.0, recompute_ratio=0.15)
     assert m.load_error == stats.load_error and m.num_cached_tokens == 0  # vLLM prefilled it all
-    m.ratio_note = "the index x is calibrated to ratio 0.3"
+    m = m.replace(ratio_note="the index x is calibrated to ratio 0.3")
     assert note_line(m) == ("note: the cached context could not be served (ValueError: check_layer must be in "
                             "[0, 30), got 99); full prefill answered (the engine's log has the traceback)\n"
                             "note: the index x is calibrated to ratio 0.3")

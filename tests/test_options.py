@@ -18,7 +18,8 @@ from ragcache.options import (
 )
 from ragcache.prompt import AssembledPrompt, Segment
 from ragcache.server.client import answer_from
-from ragcache.server.schemas import ChatCompletionRequest, RagcacheOptions, completion_body, ragcache_body
+from ragcache.server.responses import ChatCompletionResponse, RagcacheResult
+from ragcache.server.schemas import ChatCompletionRequest, RagcacheOptions
 
 USER = [{"role": "user", "content": "What is kelmet?"}]
 
@@ -62,6 +63,35 @@ def test_blend_only_options_are_refused_with_another_mode_not_ignored():
                                               "ragcache": {"mode": "prefix", "recompute_ratio": 0.2}})
     err = http.value.errors()[0]
     assert err["loc"] == ("ragcache", "recompute_ratio") and "blend mode only" in err["msg"]
+
+
+def test_each_option_is_declared_once_and_the_http_object_the_client_body_and_the_cli_flags_follow():
+    """RequestOptions' fields are the HTTP ragcache object's (plus index and what to return), the
+    client's ragcache body and, with max_tokens, the CLI's query flags; a body the client writes
+    comes back through the server's schema as the same QueryOptions."""
+    from app.ask_cmd import QUERY_FLAGS, query_options
+    from app.cli import build_parser
+    from ragcache.options import RequestOptions
+    from ragcache.server.client import RemotePipeline
+
+    declared = set(RequestOptions.model_fields)
+    assert declared == {"mode", "top_k", "recompute_ratio", "selection", "budget", "mass_left"}
+    assert set(RagcacheOptions.model_fields) == declared | {"index", "return_sources", "return_prompt"}
+    assert set(QUERY_FLAGS) == declared | {"max_tokens"} and QUERY_FLAGS["mass_left"] == "--mass-left"
+
+    options = QueryOptions(mode="blend", top_k=2, selection="question/16", budget="adaptive", mass_left=0.1,
+                           max_tokens=9, sampling=SamplingOptions(temperature=0.5, stop=("\n",), seed=3),
+                           history=(Turn("user", "hi"), Turn("assistant", "Hello.")))
+    body = RemotePipeline("http://127.0.0.1:1", "docs")._body("What is kelmet?", options, stream=False)
+    assert body["ragcache"] == {"mode": "blend", "top_k": 2, "selection": "question/16", "budget": "adaptive",
+                                "mass_left": 0.1}
+    request = ChatCompletionRequest.model_validate(json.loads(json.dumps(body)))
+    question, history = request.conversation()
+    assert question == "What is kelmet?" and request.query_options(history) == options
+
+    args = build_parser().parse_args(["ask", "q?", "--mode", "blend", "--top-k", "2", "--selection", "question/16",
+                                      "--budget", "adaptive", "--mass-left", "0.1", "--max-tokens", "9"])
+    assert query_options(args) == options.model_copy(update={"sampling": SamplingOptions(), "history": ()})
 
 
 def test_a_selection_is_typed_once_from_its_string_form():
@@ -150,9 +180,10 @@ def test_metrics_travel_over_http_as_the_one_record_both_ways():
                        recompute_ratio=0.15, ratio_source="calibration", repetition_loop=True)
     answer = Answer("q", "An answer.", [Source("d", "t", "text", 0.5, "c", "cpu"), Source("e", "u", "x", 0.4, "f",
                                                                                           "computed")], m, "stop")
-    body = json.loads(json.dumps(completion_body("chatcmpl-1", "docs", answer,
-                                                 ragcache_body("docs", RagcacheOptions(), answer=answer))))
-    back = answer_from("q", body["choices"][0]["message"]["content"], "stop", body["ragcache"])
+    wire = ChatCompletionResponse.of("chatcmpl-1", "docs", answer,
+                                     RagcacheResult.of("docs", answer=answer)).model_dump_json()
+    body = ChatCompletionResponse.model_validate_json(wire)  # as the client reads it
+    back = answer_from("q", body.choices[0].message.content, "stop", body.ragcache)
     assert back.metrics == m and back.metrics.ratio_source == "calibration"  # nothing lost, nothing rounded
     assert [s.tier for s in back.sources] == ["cpu", "computed"]
 

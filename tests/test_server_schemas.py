@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -13,16 +14,15 @@ from ragcache.engine.messages import RequestMetrics, StoreStats
 from ragcache.pipeline import Answer, Source
 from ragcache.server.metrics import ServerMetrics
 from ragcache.server.run import check_serve_settings, is_loopback
-from ragcache.server.schemas import (
-    APIError,
-    ChatCompletionRequest,
-    RagcacheOptions,
+from ragcache.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    Delta,
+    RagcacheResult,
+    Usage,
     cached_tokens,
-    chunk_body,
-    completion_body,
-    ragcache_body,
-    validation_error,
 )
+from ragcache.server.schemas import APIError, ChatCompletionRequest, RagcacheOptions, validation_error
 
 USER = [{"role": "user", "content": "What is kelmet?"}]
 
@@ -48,7 +48,7 @@ def test_a_bad_field_is_a_400_naming_the_field_and_the_rule(fields, param, words
         request(**fields)
     err = validation_error(e.value)
     assert err.status == 400 and err.param == param and words in err.message and err.message.startswith(param)
-    assert err.body()["error"]["type"] == "invalid_request_error"
+    assert err.response().model_dump()["error"]["type"] == "invalid_request_error"
 
 
 def test_missing_model_and_other_openai_fields_are_handled():
@@ -92,19 +92,48 @@ def test_responses_carry_usage_cached_tokens_sources_and_metrics():
     blend = _answer("blend", ["cpu", "disk"])
     assert cached_tokens(blend) == 200 and cached_tokens(_answer("full", [])) == 0
     assert cached_tokens(_answer("prefix", [])) == 250  # vLLM's prefix-cache hits
-    extra = ragcache_body("docs", RagcacheOptions(), answer=blend)
-    body = completion_body("chatcmpl-1", "docs", blend, extra)
-    assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"] == "An answer."
+    extra = RagcacheResult.of("docs", answer=blend)
+    body = json.loads(ChatCompletionResponse.of("chatcmpl-1", "docs", blend, extra).model_dump_json())
+    assert list(body) == ["id", "object", "created", "model", "choices", "usage", "ragcache"]
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "An answer."},
+                                "finish_reason": "length", "logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 300, "completion_tokens": 7, "total_tokens": 307,
                              "prompt_tokens_details": {"cached_tokens": 200}}
+    assert list(body["ragcache"]) == ["index", "sources", "metrics"]  # no prompt unless asked: left out, not null
     assert [s["tier"] for s in body["ragcache"]["sources"]] == ["cpu", "disk"]
-    assert body["ragcache"]["sources"][0]["snippet"] == "some chunk text"
+    assert body["ragcache"]["sources"][0] == {"doc_id": "d0", "title": "t0", "chunk_id": "c0", "score": 0.5,
+                                              "tier": "cpu", "snippet": "some chunk text"}
+    assert body["ragcache"]["metrics"] == blend.metrics.to_dict()
     assert body["ragcache"]["metrics"]["tier_hits"] == {"cpu": 1, "disk": 1}
-    first = ragcache_body("docs", RagcacheOptions(), sources=blend.sources)
+    first = RagcacheResult.of("docs", sources=blend.sources).model_dump()
     assert [s["tier"] for s in first["sources"]] == [None, None] and "metrics" not in first
-    assert "sources" not in ragcache_body("docs", RagcacheOptions(return_sources=False), answer=blend)
-    usage = chunk_body("c", "docs", 1, usage={"prompt_tokens": 1})
-    assert usage["choices"] == [] and usage["object"] == "chat.completion.chunk"
+    assert "sources" not in RagcacheResult.of("docs", answer=blend, with_sources=False).model_dump()
+    asked = RagcacheResult.of("docs", answer=blend, prompt="P")
+    assert asked.model_dump()["prompt"] == "P"
+
+
+def test_stream_chunks_carry_a_delta_or_the_usage_and_leave_out_what_they_do_not_carry():
+    blend = _answer("blend", ["cpu", "disk"])
+
+    def wire(chunk: ChatCompletionChunk) -> dict:
+        return json.loads(chunk.model_dump_json())
+
+    first = wire(ChatCompletionChunk.of("c", "docs", 1, delta=Delta(role="assistant", content=""),
+                                        extra=RagcacheResult.of("docs", sources=blend.sources)))
+    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                 "logprobs": None}]
+    assert list(first) == ["id", "object", "created", "model", "choices", "ragcache"]  # no usage key
+    piece = wire(ChatCompletionChunk.of("c", "docs", 1, delta=Delta(content="Vel")))
+    assert piece == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "docs",
+                     "choices": [{"index": 0, "delta": {"content": "Vel"}, "finish_reason": None, "logprobs": None}]}
+    finish = wire(ChatCompletionChunk.of("c", "docs", 1, finish="stop"))
+    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "stop"
+    usage = wire(ChatCompletionChunk.of("c", "docs", 1, usage=Usage.of(blend),
+                                        extra=RagcacheResult.of("docs", answer=blend)))
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 307 and "metrics" in usage["ragcache"]
+    error = APIError(429, "too many", code="too_many_requests").response().model_dump()
+    assert error == {"error": {"message": "too many", "type": "rate_limit_error", "param": None,
+                               "code": "too_many_requests"}}
 
 
 def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks():
@@ -112,7 +141,8 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
     m.observe("docs", _answer("blend", ["cpu", "disk", "computed"]))
     m.count_outcome("docs", "blend", "aborted")
     failed = _answer("blend", [])
-    failed.metrics.load_error = "ValueError: check_layer must be in [0, 30), got 99"  # full prefill answered
+    # full prefill answered: the worker could not serve the context
+    failed.metrics = failed.metrics.replace(load_error="ValueError: check_layer must be in [0, 30), got 99")
     m.observe("docs", failed)
     stats = StoreStats.from_dict({"cpu": {"occupancy_bytes": 123, "evictions": 2}, "disk": {"occupancy_bytes": 0}})
     text = m.render(stats).decode()

@@ -119,8 +119,10 @@ def test_chat_streams_an_answer_and_shows_its_metrics_and_sources(ui_env):
     assert not at.exception
     assert not at.error, [e.value for e in at.error]
     record = at.session_state["messages"][-1]
-    answer = record["answer"]
-    assert answer.text.strip()
+    answer = record.answer
+    assert record.role == "assistant" and record.index == INDEX and not record.error and answer.text.strip()
+    asked = at.session_state["messages"][-2]
+    assert (asked.role, asked.question) == ("user", QUESTION)
     shown = " ".join(md.value for md in at.chat_message[-1].markdown)
     assert answer.text.strip() in shown
 
@@ -148,7 +150,7 @@ def test_compare_with_full_prefill_shows_the_speedup_and_a_series_per_mode(ui_en
     at.chat_input[0].set_value("Who founded Velmora?").run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     record = at.session_state["messages"][-1]
-    blend, full = record["answer"], record["full"]
+    blend, full = record.answer, record.full
     assert full.metrics.mode == "full" and full.metrics.reused_tokens == 0
     m = metrics_of(at)
     assert m["Speedup vs full"] == f"{full.metrics.ttft_s / blend.metrics.ttft_s:.1f}×"
@@ -180,6 +182,8 @@ def test_empty_and_too_long_questions_show_an_error_with_the_fix(ui_env):
     at.chat_input[0].set_value("   ").run()
     assert not at.exception
     assert "question is empty" in at.error[-1].value
+    failed = at.session_state["messages"][-1]
+    assert failed.answer is None and "question is empty" in failed.error
 
     at.chat_input[0].set_value("Zorbia " * 9000).run()
     assert not at.exception
@@ -217,7 +221,7 @@ def test_ingest_page_uploads_files_into_a_new_index_and_reports_skipped_ones(ui_
     at.switch_page("chat_page.py").run()
     at.chat_input[0].set_value("When do Zorbian children learn the harp?").run()
     assert not at.exception and not at.error, [e.value for e in at.error]
-    answer = at.session_state["messages"][-1]["answer"]
+    answer = at.session_state["messages"][-1].answer
     assert answer.sources[0].title == "harps" and answer.metrics.reused_tokens > 0
 
 

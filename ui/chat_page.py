@@ -2,16 +2,16 @@
 
 A page script of ui/app.py's st.navigation (run as ``__main__``); importable for its parts.
 
-Session state owned here: ``messages`` (the conversation: user questions and assistant records
-holding the SDK's Answer objects or an error message) and ``ttft_log`` (one row per generation:
-query number, mode, TTFT).
+Session state owned here: ``messages`` (the conversation: :class:`ui.state.ChatRecord` entries,
+user questions and assistant records holding the SDK's Answer objects or an error message) and
+``ttft_log`` (one row per generation: query number, mode, TTFT).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import streamlit as st
 
@@ -19,6 +19,7 @@ from ragcache.config import MODES, Settings
 from ragcache.conversation import Turn
 from ragcache.options import QueryOptions
 from ui import components, state
+from ui.state import ChatRecord
 
 if TYPE_CHECKING:
     from ragcache.pipeline import Answer, RAGPipeline
@@ -91,9 +92,9 @@ def render(settings: Settings, index: str | None) -> None:
     cache_slot.caption("Shown once the engine runs" + ("." if index else " (ingest an index first)."))
 
     for record in st.session_state[MESSAGES]:
-        with st.chat_message(record["role"]):
-            if record["role"] == "user":
-                st.text(record["content"])
+        with st.chat_message(record.role):
+            if record.role == "user":
+                st.text(record.question)
             else:
                 show_answer(record)
 
@@ -127,27 +128,26 @@ def render(settings: Settings, index: str | None) -> None:
                 st.caption(f"Cache stats unavailable: {type(exc).__name__}: {exc}")
 
 
-def show_answer(record: dict[str, Any], streamed: bool = False) -> None:
+def show_answer(record: ChatRecord, streamed: bool = False) -> None:
     """One assistant turn: the text (unless it was just streamed), metrics, comparison, sources."""
-    if "error" in record:
-        st.error(record["error"], icon=":material/error:")
+    answer = record.answer
+    if record.error or answer is None:
+        st.error(record.error, icon=":material/error:")
         return
-    answer: Answer = record["answer"]
     if not streamed:
         st.markdown(answer.text or "_(empty answer)_")
     elif not answer.text:
         st.markdown("_(empty answer)_")
-    full = record.get("full")
-    components.metrics_strip(answer, full)
-    if "compare_error" in record:
-        st.warning(f"No comparison with full prefill: {record['compare_error']}")
-    if full is not None:
-        components.comparison_expander(full)
+    components.metrics_strip(answer, record.full)
+    if record.compare_error:
+        st.warning(f"No comparison with full prefill: {record.compare_error}")
+    if record.full is not None:
+        components.comparison_expander(record.full)
     components.sources_expander(answer.sources)
 
 
-def _text_pieces(stream: Iterator["str | Answer"], holder: dict[str, Any]) -> Iterator[str]:
-    """The text pieces of ``pipeline.stream``; the final Answer goes into ``holder["answer"]``.
+def _text_pieces(stream: Iterator["str | Answer"], record: ChatRecord) -> Iterator[str]:
+    """The text pieces of ``pipeline.stream``; the final Answer goes into ``record.answer``.
 
     If the page is rerun mid-answer (another widget changed), closing this generator drains the
     rest of the stream, so the engine finishes the request and the answer still reaches the history.
@@ -157,23 +157,23 @@ def _text_pieces(stream: Iterator["str | Answer"], holder: dict[str, Any]) -> It
             if isinstance(item, str):
                 yield item
             else:
-                holder["answer"] = item
+                record.answer = item
     finally:
         for item in stream:
             if not isinstance(item, str):
-                holder["answer"] = item
+                record.answer = item
 
 
-def conversation(records: list[dict[str, Any]]) -> list[Turn]:
+def conversation(records: list[ChatRecord]) -> list[Turn]:
     """The earlier turns of the chat as :class:`~ragcache.conversation.Turn` objects: each question
     with its answer (questions whose answer failed are left out)."""
     turns: list[Turn] = []
     question = None
     for record in records:
-        if record["role"] == "user":
-            question = record["content"]
-        elif "answer" in record and question is not None:
-            turns += [Turn("user", question), Turn("assistant", record["answer"].text)]
+        if record.role == "user":
+            question = record.question
+        elif record.answer is not None and question is not None:
+            turns += [Turn("user", question), Turn("assistant", record.answer.text)]
             question = None
     return turns
 
@@ -183,43 +183,40 @@ def ask(pipe: "RAGPipeline | RemotePipeline", index: str, question: str, control
     an st.error with the fix."""
     history = st.session_state[MESSAGES]
     turns = conversation(history)
-    history.append({"role": "user", "content": question})
+    history.append(ChatRecord("user", question=question))
     with st.chat_message("user"):
         st.text(question)
-    record: dict[str, Any] = {"role": "assistant", "index": index}
+    record = ChatRecord("assistant", index=index)
     with st.chat_message("assistant"):
         try:
             if not question.strip():
                 raise ValueError("the question is empty: type a question in the box below")
-            holder: dict[str, Any] = {}
             options = controls.options.model_copy(update={"history": tuple(turns)})
-            pieces = _text_pieces(pipe.stream(question, options), holder)
+            pieces = _text_pieces(pipe.stream(question, options), record)
             try:
                 st.write_stream(pieces)
             finally:
                 pieces.close()
-                if "answer" in holder:
-                    record["answer"] = holder["answer"]
             if controls.compare:
                 try:
                     with st.spinner("Running the same question with full prefill…"):
-                        record["full"] = pipe.query(question, options.model_copy(
+                        record.full = pipe.query(question, options.model_copy(
                             update={"mode": "full", "recompute_ratio": None}))
                 except Exception as exc:
                     log.warning("full-prefill comparison failed: %s", exc)
-                    record["compare_error"] = state.describe_error(exc, index)
+                    record.compare_error = state.describe_error(exc, index)
             show_answer(record, streamed=True)
         except Exception as exc:  # ScriptControlException (rerun/stop) is a BaseException: not caught
             log.warning("question failed: %s: %s", type(exc).__name__, exc, exc_info=not isinstance(exc, ValueError))
-            record.pop("answer", None)
-            record["error"] = state.describe_error(exc, index)
-            st.error(record["error"], icon=":material/error:")
+            record.answer = None
+            record.error = state.describe_error(exc, index)
+            st.error(record.error, icon=":material/error:")
         finally:
-            if "answer" not in record and "error" not in record:
-                record["error"] = "Stopped before the answer came back (the page was rerun). Ask again."
+            if record.answer is None and not record.error:
+                record.error = "Stopped before the answer came back (the page was rerun). Ask again."
             history.append(record)
-            if "answer" in record:
-                _log_ttft(record["answer"], record.get("full"))
+            if record.answer is not None:
+                _log_ttft(record.answer, record.full)
 
 
 def _log_ttft(answer: "Answer", full: "Answer | None") -> None:

@@ -1,6 +1,6 @@
 """Pieces of the chat page: an answer's metrics strip and sources, the TTFT chart, the cache panel.
 
-Pure rendering from SDK result objects (Answer, QueryMetrics, StoreStats); no engine calls.
+Pure rendering from SDK result objects (Answer, RequestMetrics, StoreStats); no engine calls.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import streamlit as st
 
 if TYPE_CHECKING:
-    from ragcache.engine.messages import StoreStats
-    from ragcache.pipeline import Answer, QueryMetrics, Source
+    from ragcache.engine.messages import RequestMetrics, StoreStats
+    from ragcache.pipeline import Answer, Source
 
 #: tiers top-down, as the store names them; others are appended in the order seen
 TIER_ORDER = ("device", "cpu", "disk", "remote", "computed")
@@ -37,7 +37,7 @@ def speedup(answer: "Answer", full: "Answer | None") -> float | None:
 def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
     """TTFT, mode, reused / recomputed tokens and tier hits of one answer (plus the speedup over
     full prefill when it was compared), then a caption with the remaining numbers."""
-    m: QueryMetrics = answer.metrics
+    m: RequestMetrics = answer.metrics
     up = speedup(answer, full)
     cols = st.columns([1.1, 0.9, 1.1, 1.2, 1.4] + ([1.1] if up is not None else []))
     delta = None

@@ -1,8 +1,9 @@
 """Process-wide resources of the UI: settings, the one BlendEngine, a RAGPipeline per index.
 
 Owns: creating the engine once per server process (``st.cache_resource``, shared by every browser
-session), the pipelines over it, the list of indexes under ``ingest.index_dir``, and turning SDK
-errors into messages that say what to do. Must not render anything except spinners.
+session), the pipelines over it, the list of indexes under ``ingest.index_dir``, the session-state
+keys and records the pages share (:class:`ChatRecord`), and turning SDK errors into messages that
+say what to do. Must not render anything except spinners.
 
 Concurrency: Streamlit runs each session's script in its own thread. The engine is created under a
 lock (and st.cache_resource computes one value per key at a time); queries on one pipeline are
@@ -18,8 +19,9 @@ import logging
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import streamlit as st
 
@@ -27,7 +29,7 @@ from ragcache.config import ConfigError, Settings
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine
-    from ragcache.pipeline import RAGPipeline
+    from ragcache.pipeline import Answer, RAGPipeline
     from ragcache.server.client import RemotePipeline
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,33 @@ UPLOADS_SUFFIX = "-uploads"
 PENDING_INDEX = "_select_index"
 #: session-state key: the index chosen in the sidebar for this run (None when there is none)
 ACTIVE_INDEX = "active_index"
+
+
+@dataclass
+class ChatRecord:
+    """One entry of the chat's conversation (the chat page's session state): a question, or the
+    answer to it.
+
+    Defined here, not in the page script, which Streamlit runs again (and so defines again) on every
+    rerun, while the records live on in the session.
+
+    Attributes:
+        role: ``"user"`` (a question) or ``"assistant"`` (its answer).
+        question: the question as typed (user records).
+        index: the index that was asked (assistant records).
+        answer: the SDK's answer, or None when there is none (see ``error``).
+        full: the same question answered with full prefill, when the sidebar asked to compare.
+        error: why there is no answer, in words that say what to do; "" when there is one.
+        compare_error: why the full-prefill comparison is missing; "" when there is none to report.
+    """
+
+    role: Literal["user", "assistant"]
+    question: str = ""
+    index: str = ""
+    answer: "Answer | None" = None
+    full: "Answer | None" = None
+    error: str = ""
+    compare_error: str = ""
 
 
 def load_settings() -> Settings:

@@ -36,7 +36,6 @@ from ragcache.models import LLMInfo, resolve_llm
 from ragcache.options import QueryOptions
 from ragcache.progress import progress
 from ragcache.prompt import AssembledPrompt, PromptBuilder
-from ragcache.quality import repetition_loop
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk
@@ -149,9 +148,7 @@ class StreamState:
         req = self.req
         metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=self.last,
                                              total_s=time.perf_counter() - self.t0,
-                                             recompute_ratio=req.recompute_ratio)
-        metrics.output_tokens = len(self.token_ids)
-        metrics.repetition_loop = repetition_loop(self.token_ids)
+                                             recompute_ratio=req.recompute_ratio, token_ids=self.token_ids)
         reason = self.last.outputs[0].finish_reason if self.last is not None else None
         return Generation("".join(self.text), self.token_ids, metrics, finish_reason=reason)
 

@@ -26,6 +26,7 @@ pipeline, the server, the UI and the tests can use these types without starting 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
@@ -430,7 +431,7 @@ class LoadRequest:
     block_ids: list[int]
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ContextStats:
     """What the worker did to serve one request's context ``[0, ctx_len)``. Tokens and seconds.
 
@@ -508,13 +509,14 @@ RATIO_SOURCES = {"settings": "set in blend.recompute_ratio", "calibration": "cal
                  "fallback": "blend.fallback_ratio: the index has no calibrated ratio", "request": "asked per request"}
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestMetrics(ContextStats):
     """Everything measured for one request: the worker's :class:`ContextStats` plus the driver's numbers.
 
     The one definition of per-request metrics: returned by the engine (``Generation.metrics``), the
-    pipeline (``Answer.metrics``, which also fills ``retrieval_s`` and ``total_s``), shown by the CLI
-    and the UI, and recorded by the benchmarks (``to_dict``).
+    pipeline (``Answer.metrics``: the engine's record with ``retrieval_s``, ``total_s`` and the
+    ratio's source and note, :meth:`replace`), shown by the CLI and the UI, and recorded by the
+    benchmarks (``to_dict``). Frozen: a layer that adds what it measured makes a new record.
 
     Attributes:
         mode: full, prefix, reuse or blend.
@@ -550,11 +552,12 @@ class RequestMetrics(ContextStats):
 
     @classmethod
     def from_output(cls, *, mode: str, prompt_tokens: int, output: Any, total_s: float,
-                    recompute_ratio: float | None = None) -> "RequestMetrics":
+                    recompute_ratio: float | None = None, token_ids: Sequence[int] | None = None) -> "RequestMetrics":
         """Metrics of one finished request from vLLM's ``RequestOutput`` (None: nothing came back).
 
         The worker's stats are read from ``output.kv_transfer_params[TRANSFER_KEY]`` (present for
-        reuse/blend requests).
+        reuse/blend requests). ``token_ids``: the whole answer's token ids, where ``output`` holds
+        only the last piece (a DELTA stream); by default the output's own.
         """
         ttft, cached, ids, stats = 0.0, 0, [], {}
         if output is not None:
@@ -566,6 +569,8 @@ class RequestMetrics(ContextStats):
             stats = (getattr(output, "kv_transfer_params", None) or {}).get(TRANSFER_KEY) or {}
             if stats.get("load_error"):  # vLLM counted the connector's claim, then prefilled it all
                 cached = 0
+        if token_ids is not None:
+            ids = list(token_ids)
         return cls(mode=mode, ttft_s=ttft, total_s=total_s, prompt_tokens=prompt_tokens, output_tokens=len(ids),
                    num_cached_tokens=cached, recompute_ratio=recompute_ratio if mode == "blend" else None,
                    repetition_loop=repetition_loop(ids), **ContextStats.from_dict(stats).__dict__)
@@ -574,6 +579,14 @@ class RequestMetrics(ContextStats):
     def from_dict(cls, data: Mapping[str, Any]) -> "RequestMetrics":
         """Inverse of :meth:`to_dict` (derived and unknown keys are ignored)."""
         return cls(**_pick(cls, data))
+
+    def replace(self, **changes: Any) -> "RequestMetrics":
+        """This record with ``changes`` (field names) applied, as a new record (``dataclasses.replace``).
+
+        Raises:
+            TypeError: a name that is no field.
+        """
+        return dataclasses.replace(self, **changes)
 
     @property
     def ratio_text(self) -> str:

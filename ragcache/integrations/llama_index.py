@@ -44,7 +44,7 @@ class RagcacheQueryEngine(CustomQueryEngine):
         mode: query mode (None = ``engine.mode``). top_k: chunks per question (None = setting).
         streaming: return a ``StreamingResponse`` whose ``response_gen`` yields text pieces.
 
-    ``Response.metadata`` holds ragcache's QueryMetrics as a dict (ttft_s, reused_tokens, ...).
+    ``Response.metadata`` holds ragcache's RequestMetrics as a dict (ttft_s, reused_tokens, ...).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

@@ -32,7 +32,6 @@ request gets when it names none is the server's (:func:`serving_mode`): ``engine
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import aclosing, asynccontextmanager
@@ -43,6 +42,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragcache.config import ConfigError, Settings
@@ -51,17 +51,25 @@ from ragcache.engine.selfcheck import BlendUnavailableError
 from ragcache.server.keys import Access, KeyRing
 from ragcache.server.limits import BodyLimit
 from ragcache.server.metrics import ServerMetrics
+from ragcache.server.responses import (
+    BlendAvailability,
+    CacheReport,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    Delta,
+    Health,
+    ModelCard,
+    ModelList,
+    RagcacheResult,
+    Usage,
+    completion_id,
+    finish_reason,
+)
 from ragcache.server.schemas import (
     DEFAULT_MODEL_ALIASES,
     APIError,
     ChatCompletionRequest,
     RagcacheOptions,
-    chunk_body,
-    completion_body,
-    completion_id,
-    finish_reason,
-    ragcache_body,
-    usage_body,
     validation_error,
 )
 
@@ -344,8 +352,9 @@ class _EventStream(StreamingResponse):
                 self._slot.release()
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _sse(body: BaseModel) -> str:
+    """One server-sent event: ``data: `` and the body's JSON."""
+    return f"data: {body.model_dump_json()}\n\n"
 
 
 def _prompt_text(state: ServerState, answer: "Answer", opts: RagcacheOptions) -> str | None:
@@ -361,23 +370,24 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
     cid, created = completion_id(), int(time.time())
     outcome = "error"
     try:
-        yield _sse(chunk_body(cid, model, created, delta={"role": "assistant", "content": ""},
-                              extra=ragcache_body(index, opts, sources=r.sources)))
+        first = RagcacheResult.of(index, sources=r.sources, with_sources=opts.return_sources)
+        yield _sse(ChatCompletionChunk.of(cid, model, created, delta=Delta(role="assistant", content=""), extra=first))
         answer = None
         async with aclosing(pipe.astream_answer(r)) as items:
             async for item in items:
                 if isinstance(item, str):
-                    yield _sse(chunk_body(cid, model, created, delta={"content": item}))
+                    yield _sse(ChatCompletionChunk.of(cid, model, created, delta=Delta(content=item)))
                 else:
                     answer = item
         state.answered(index, answer, tenant)  # before the last lines: a client done reading sees it counted
         outcome = "completed"
-        extra = ragcache_body(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
+        extra = RagcacheResult.of(index, answer=answer, prompt=_prompt_text(state, answer, opts),
+                                  with_sources=opts.return_sources)
         if include_usage:  # OpenAI sends the usage chunk only when asked
-            yield _sse(chunk_body(cid, model, created, finish=finish_reason(answer)))
-            yield _sse(chunk_body(cid, model, created, usage=usage_body(answer), extra=extra))
+            yield _sse(ChatCompletionChunk.of(cid, model, created, finish=finish_reason(answer)))
+            yield _sse(ChatCompletionChunk.of(cid, model, created, usage=Usage.of(answer), extra=extra))
         else:
-            yield _sse(chunk_body(cid, model, created, finish=finish_reason(answer), extra=extra))
+            yield _sse(ChatCompletionChunk.of(cid, model, created, finish=finish_reason(answer), extra=extra))
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         if outcome != "completed":
@@ -387,7 +397,7 @@ async def _events(state: ServerState, pipe: "RAGPipeline", r: "Retrieval", *, in
     except Exception as exc:  # the status line is already sent: report the error in the stream
         err = api_error(exc)
         log.warning("stream %s ended by an error: %s", cid, err.message)
-        yield _sse(err.body())
+        yield _sse(err.response())
     finally:
         if outcome != "completed":
             state.metrics.count_outcome(index, mode, outcome, tenant)
@@ -436,19 +446,19 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if exc.status == 429 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return JSONResponse(exc.response().model_dump(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.response().model_dump(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
             msg += "; the routes are /v1/chat/completions, /v1/models, /v1/cache, /health and /metrics"
-        return JSONResponse(APIError(exc.status_code, msg).body(), status_code=exc.status_code)
+        return JSONResponse(APIError(exc.status_code, msg).response().model_dump(), status_code=exc.status_code)
 
     def authorized(request: Request) -> Access:
         """The caller's access (see :mod:`ragcache.server.keys`).
@@ -477,39 +487,38 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         return access
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Health:
         """Liveness and load: the engine, the mode requests get by default (and whether reuse/blend is
         available), requests in flight, the default index."""
         eng = state.engine
         support = eng.blend_support
-        return {"status": "ok", "device": eng.device, "startup_s": round(eng.startup_s, 2), "mode": state.mode,
-                "blend": {"available": support is None or support.available,
-                          "reason": None if support is None else support.reason},
-                "dtype": eng.dtype.dtype,
-                "in_flight": state.in_flight, "engine_unfinished_requests": eng.num_unfinished_requests,
-                "default_index": settings.serve.index, "model": settings.models.model}
+        return Health(device=eng.device, startup_s=round(eng.startup_s, 2), mode=state.mode,
+                      blend=BlendAvailability(available=support is None or support.available,
+                                              reason=None if support is None else support.reason),
+                      dtype=eng.dtype.dtype, in_flight=state.in_flight,
+                      engine_unfinished_requests=eng.num_unfinished_requests, default_index=settings.serve.index,
+                      model=settings.models.model)
 
     @app.get("/v1/models")
-    async def models(access: Access = Depends(authorized)) -> dict[str, Any]:
+    async def models(access: Access = Depends(authorized)) -> ModelList:
         """One model per index the caller may read (its name is the ``model`` to send)."""
-        return {"object": "list", "data": [_model(n) for n in state.readable_indexes(access)]}
+        return ModelList(data=[_model(n) for n in state.readable_indexes(access)])
 
     @app.get("/v1/models/{name}")
-    async def model(name: str, access: Access = Depends(authorized)) -> dict[str, Any]:
+    async def model(name: str, access: Access = Depends(authorized)) -> ModelCard:
         names = state.indexes()
         state.check_access(access, name, "model", names)
         return _model(state.resolve_index(name, None, names))
 
-    def _model(name: str) -> dict[str, Any]:
+    def _model(name: str) -> ModelCard:
         from ragcache.catalog import catalog
 
-        created = catalog(settings).created(name)
-        return {"id": name, "object": "model", "created": created, "owned_by": "ragcache"}
+        return ModelCard(id=name, created=catalog(settings).created(name))
 
     @app.get("/v1/cache", dependencies=[Depends(server_wide)])
-    async def cache() -> dict[str, Any]:
+    async def cache() -> CacheReport:
         """Per-tier KV store stats (hits, misses, hit_rate, entries, occupancy_bytes, capacity_bytes...)."""
-        return {"object": "ragcache.cache", "tiers": (await state.engine.store_stats()).to_dict()}
+        return CacheReport(tiers=(await state.engine.store_stats()).tiers)
 
     @app.get("/metrics", dependencies=[Depends(server_wide)])
     async def metrics() -> Response:
@@ -552,8 +561,9 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
                 return response
             answer = await _unless_disconnected(request, pipe.aanswer(r))
             state.answered(index, answer, tenant)
-            extra = ragcache_body(index, opts, answer=answer, prompt_text=_prompt_text(state, answer, opts))
-            return JSONResponse(completion_body(completion_id(), body.model, answer, extra))
+            extra = RagcacheResult.of(index, answer=answer, prompt=_prompt_text(state, answer, opts),
+                                      with_sources=opts.return_sources)
+            return JSONResponse(ChatCompletionResponse.of(completion_id(), body.model, answer, extra).model_dump())
         except _ClientGone:
             state.metrics.count_outcome(index, mode, "aborted", tenant)
             return Response(status_code=499)  # nobody reads it

@@ -5,7 +5,9 @@ Owns: :class:`RemotePipeline`, which has the query side of :class:`~ragcache.pip
 /v1/chat/completions and rebuilds the :class:`~ragcache.pipeline.Answer` (sources, metrics) from
 the ``ragcache`` object of the response; and :func:`server_indexes` (GET /v1/models). So an app
 (the Streamlit UI with ``ui.server_url``) can talk to one shared, batched engine instead of
-embedding its own. Sources carry the server's ``snippet`` as their text. Uses httpx; no vLLM.
+embedding its own. Sources carry the server's ``snippet`` as their text. The request body carries
+the options as :meth:`~ragcache.options.RequestOptions.given` writes them; responses are read with
+the server's own models (:mod:`ragcache.server.responses`). Uses httpx; no vLLM.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any, Iterator
 from ragcache.engine.messages import RequestMetrics, StoreStats
 from ragcache.options import QueryOptions, options_from
 from ragcache.pipeline import Answer, Source
+from ragcache.server.responses import (
+    CacheReport, ChatCompletionChunk, ChatCompletionResponse, ErrorResponse, ModelList, RagcacheResult,
+)
 
 
 class ServerError(RuntimeError):
@@ -29,8 +34,8 @@ def _headers(api_key: str) -> dict[str, str]:
 def _raise_for(resp: Any) -> None:
     if resp.status_code >= 400:
         try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
+            message = ErrorResponse.model_validate_json(resp.content).error.message
+        except ValueError:  # not an OpenAI-shaped error (pydantic's ValidationError is a ValueError)
             message = resp.text[:300]
         raise ServerError(f"{resp.status_code} from {resp.request.url}: {message}")
 
@@ -45,10 +50,10 @@ def server_indexes(base_url: str, api_key: str = "", timeout_s: float = 10.0) ->
 
     resp = httpx.get(f"{base_url}/v1/models", headers=_headers(api_key), timeout=timeout_s)
     _raise_for(resp)
-    return [m["id"] for m in resp.json()["data"]]
+    return [m.id for m in ModelList.model_validate_json(resp.content).data]
 
 
-def answer_from(question: str, text: str, finish: str | None, extra: dict[str, Any]) -> Answer:
+def answer_from(question: str, text: str, finish: str | None, extra: RagcacheResult | None) -> Answer:
     """An :class:`Answer` from a response's text, finish reason and ``ragcache`` object, whose
     ``metrics`` is the server's :class:`~ragcache.engine.messages.RequestMetrics` record, read back
     whole (``ratio_source``, ``chunk_tiers``, the worker's stages...).
@@ -56,11 +61,10 @@ def answer_from(question: str, text: str, finish: str | None, extra: dict[str, A
     Raises:
         ServerError: the response carries no metrics (not a ragcache server's answer).
     """
-    if not isinstance(extra.get("metrics"), dict):
+    if extra is None or extra.metrics is None:
         raise ServerError("the response has no ragcache.metrics object; is this a ragcache server?")
-    sources = [Source(s["doc_id"], s["title"], s.get("snippet", ""), s["score"], s["chunk_id"], s.get("tier") or "")
-               for s in extra.get("sources") or []]
-    return Answer(question, text.strip(), sources, RequestMetrics.from_dict(extra["metrics"]), finish)
+    sources = [Source(s.doc_id, s.title, s.snippet, s.score, s.chunk_id, s.tier or "") for s in extra.sources or []]
+    return Answer(question, text.strip(), sources, RequestMetrics.from_dict(extra.metrics), finish)
 
 
 class RemotePipeline:
@@ -80,13 +84,11 @@ class RemotePipeline:
         self.timeout_s = timeout_s
 
     def _body(self, question: str, o: QueryOptions, stream: bool) -> dict[str, Any]:
-        """The request body carrying ``o`` (the server validates it again at its own edge)."""
-        opts = {k: v for k, v in (("mode", o.mode), ("top_k", o.top_k), ("recompute_ratio", o.recompute_ratio),
-                                  ("selection", None if o.selection is None else str(o.selection)),
-                                  ("budget", o.budget), ("mass_left", o.mass_left)) if v is not None}
+        """The request body carrying ``o``: its request options in the ``ragcache`` object, the answer's
+        length and sampling as OpenAI's fields (the server validates them again at its own edge)."""
         s = o.sampling
         body: dict[str, Any] = {
-            "model": self.index_name, "stream": stream, "ragcache": opts,
+            "model": self.index_name, "stream": stream, "ragcache": o.given(),
             "messages": [{"role": t.role, "content": t.content} for t in o.history]
             + [{"role": "user", "content": question}],
             "temperature": s.temperature, "top_p": s.top_p, "ignore_eos": s.ignore_eos, "min_tokens": s.min_tokens}
@@ -107,7 +109,7 @@ class RemotePipeline:
 
         body = self._body(question, options_from(options, fields), stream=True)
         text: list[str] = []
-        finish, extra = None, {}
+        finish, extra = None, None
         with httpx.stream("POST", f"{self.base_url}/v1/chat/completions", json=body,
                           headers=_headers(self.api_key), timeout=self.timeout_s) as resp:
             if resp.status_code >= 400:
@@ -116,18 +118,18 @@ class RemotePipeline:
             for line in resp.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    raise ServerError(chunk["error"].get("message", "the server failed while answering"))
-                if "metrics" in (chunk.get("ragcache") or {}):  # the finish chunk: the whole ragcache object
-                    extra = chunk["ragcache"]
-                if chunk.get("choices"):
-                    choice = chunk["choices"][0]
-                    finish = choice.get("finish_reason") or finish
-                    piece = choice["delta"].get("content")
-                    if piece:
-                        text.append(piece)
-                        yield piece
+                data = json.loads(line[len("data: "):])
+                if "error" in data:
+                    raise ServerError(ErrorResponse.model_validate(data).error.message)
+                chunk = ChatCompletionChunk.model_validate(data)
+                if chunk.ragcache is not None and chunk.ragcache.metrics is not None:  # the whole ragcache object
+                    extra = chunk.ragcache
+                if chunk.choices:
+                    choice = chunk.choices[0]
+                    finish = choice.finish_reason or finish
+                    if choice.delta.content:
+                        text.append(choice.delta.content)
+                        yield choice.delta.content
         yield answer_from(question, "".join(text), finish, extra)
 
     def query(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Answer:
@@ -144,10 +146,9 @@ class RemotePipeline:
         resp = httpx.post(f"{self.base_url}/v1/chat/completions", json=body, headers=_headers(self.api_key),
                           timeout=self.timeout_s)
         _raise_for(resp)
-        data = resp.json()
-        choice = data["choices"][0]
-        return answer_from(question, choice["message"]["content"], choice.get("finish_reason"),
-                           data.get("ragcache") or {})
+        completion = ChatCompletionResponse.model_validate_json(resp.content)
+        choice = completion.choices[0]
+        return answer_from(question, choice.message.content, choice.finish_reason, completion.ragcache)
 
     def cache_stats(self) -> StoreStats:
         """The server's per-tier KV store stats (GET /v1/cache)."""
@@ -155,4 +156,4 @@ class RemotePipeline:
 
         resp = httpx.get(f"{self.base_url}/v1/cache", headers=_headers(self.api_key), timeout=30)
         _raise_for(resp)
-        return StoreStats.from_dict(resp.json()["tiers"])
+        return StoreStats(CacheReport.model_validate_json(resp.content).tiers)

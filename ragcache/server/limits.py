@@ -19,7 +19,6 @@ client could lose the answer before reading it).
 
 from __future__ import annotations
 
-import json
 import logging
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable
@@ -103,7 +102,7 @@ class HeadLimitedH11Protocol(H11Protocol):
             super().send_400_response(msg)
             return
         err = head_too_large(self.conn.limit)
-        body = json.dumps(err.body()).encode()
+        body = err.response().model_dump_json().encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
         start = h11.Response(status_code=err.status, headers=headers, reason=HTTPStatus(err.status).phrase.encode())
@@ -175,7 +174,7 @@ class BodyLimit:
 
 
 async def _answer(send: Callable[[dict], Awaitable[None]], err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
+    body = err.response().model_dump_json().encode()
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

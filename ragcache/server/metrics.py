@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ragcache.engine.messages import StoreStats
 from ragcache.pipeline import Answer
 from ragcache.server.keys import DEFAULT_TENANT
-from ragcache.server.schemas import cached_tokens
+from ragcache.server.responses import cached_tokens
 
 #: seconds; TTFT spans ~0.05 s (blend, short prompt) to ~60 s (full prefill of 6k tokens on 2 CPU cores)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)

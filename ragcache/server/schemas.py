@@ -1,38 +1,31 @@
-"""The wire format of ``ragcache serve``: OpenAI-shaped chat requests, responses, stream chunks and errors.
+"""The requests of ``ragcache serve``: OpenAI-shaped chat requests, their validation and errors.
 
-Owns: the request models (:class:`ChatCompletionRequest` with its :class:`RagcacheOptions`), the
-bodies of a ChatCompletion, of a ``chat.completion.chunk`` and of an error, and the ``ragcache``
-object added to them (sources and metrics). Shapes follow OpenAI's Chat Completions API
-(https://platform.openai.com/docs/api-reference/chat), as the ``openai`` SDK parses them; the
-``ragcache`` additions are top-level fields the SDK keeps in ``model_extra``. Imports pydantic and
-ragcache.config / conversation / options / pipeline types only; no engine, no FastAPI.
+Owns: the request models (:class:`ChatCompletionRequest` with its :class:`RagcacheOptions`),
+:class:`APIError` (an error answered in OpenAI's shape, :class:`~ragcache.server.responses.ErrorResponse`)
+and the mapping of validation errors to it. Shapes follow OpenAI's Chat Completions API
+(https://platform.openai.com/docs/api-reference/chat), as the ``openai`` SDK sends them; the
+``ragcache`` object is a top-level field the SDK merges in from ``extra_body``. The response bodies
+are in :mod:`ragcache.server.responses`. Imports pydantic and ragcache.config / conversation /
+options types only; no engine, no FastAPI.
 
-The request's options are validated once, while FastAPI parses the body: its fields are declared
-with the range types of :mod:`ragcache.options` (the same ones :class:`~ragcache.options.QueryOptions`
-and the settings use), and :meth:`ChatCompletionRequest.query_options` assembles the
-``QueryOptions`` the pipeline and the engine get, without checking anything again. The metrics of
-an answer travel as the one :class:`~ragcache.engine.messages.RequestMetrics` record
-(``to_dict()`` here, ``from_dict()`` in :mod:`ragcache.server.client`).
+The request's options are validated once, while FastAPI parses the body: the ``ragcache`` object
+is a :class:`~ragcache.options.RequestOptions` (the fields :class:`~ragcache.options.QueryOptions`
+shares, with the settings' range types), and :meth:`ChatCompletionRequest.query_options`
+assembles the ``QueryOptions`` the pipeline and the engine get, without checking anything again.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ragcache.config import BudgetMode, MassLeft, MaxTokens, Mode, Ratio, TopK
+from ragcache.config import MaxTokens
 from ragcache.conversation import Question, Turn, split_messages
 from ragcache.options import (
-    BLEND_ONLY, MinTokens, QueryOptions, SamplingOptions, Seed, Selection, Temperature, TopP, check_min_tokens,
-    check_blend_only, check_stop,
+    MinTokens, QueryOptions, RequestOptions, SamplingOptions, Seed, Temperature, TopP, check_min_tokens, check_stop,
 )
-from ragcache.pipeline import Answer, Source
-
-#: characters of a source's text returned as its ``snippet``
-SNIPPET_CHARS = 240
+from ragcache.server.responses import ErrorInfo, ErrorResponse
 
 #: ``model`` values that mean "the server's default index" (``serve.index`` / ``--index``)
 DEFAULT_MODEL_ALIASES = ("", "ragcache", "default")
@@ -61,10 +54,10 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
-        """The JSON body of the error response (also sent as an SSE ``data:`` line mid-stream)."""
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+    def response(self) -> ErrorResponse:
+        """The body of the error response (also sent as an SSE ``data:`` line mid-stream)."""
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.TYPES.get(self.status, "server_error"),
+                                             param=self.param, code=self.code))
 
 
 #: characters of an invalid value repeated in its error message
@@ -127,24 +120,15 @@ def _check_texts(value: Any) -> Any:
     return value
 
 
-class RagcacheOptions(BaseModel):
-    """The ``ragcache`` object of a request (the openai SDK's ``extra_body={"ragcache": {...}}``).
+class RagcacheOptions(RequestOptions):
+    """The ``ragcache`` object of a request (the openai SDK's ``extra_body={"ragcache": {...}}``):
+    the :class:`~ragcache.options.RequestOptions` (mode, top_k, recompute_ratio, selection, budget,
+    mass_left), the index to answer from and what to return.
 
     Every field is optional; unset ones take the server's settings.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     index: str | None = Field(None, description="index to answer from (overrides model)")
-    top_k: TopK | None = Field(None, description="chunks retrieved (default retrieval.top_k)")
-    mode: Mode | None = Field(None, description="full, prefix, reuse or blend (default engine.mode)")
-    recompute_ratio: Ratio | None = Field(None, description="share of context tokens recomputed in blend mode")
-    selection: Selection | None = Field(None, description="blend's token selection, e.g. question or "
-                                        "question/16 (default blend.selection)")
-    budget: BudgetMode | None = Field(None, description="blend's recompute budget: adaptive (from the question's "
-                                      "attention) or fixed (the ratio) (default blend.budget)")
-    mass_left: MassLeft | None = Field(None, description="adaptive budget: share of the question's attention that "
-                                       "may stay on reused KV (default blend.mass_left)")
     return_sources: bool = Field(True, description="include the retrieved chunks in the response")
     return_prompt: bool = Field(False, description="include the prompt text the model was given")
 
@@ -152,8 +136,6 @@ class RagcacheOptions(BaseModel):
     @classmethod
     def _check_index(cls, v: str | None) -> str | None:
         return v if v is None else check_text(v)
-
-    _blend_only = field_validator(*BLEND_ONLY)(check_blend_only)
 
 
 class StreamOptions(BaseModel):
@@ -289,87 +271,5 @@ class ChatCompletionRequest(BaseModel):
         here and not checked again."""
         o = self.options
         return QueryOptions.model_construct(
-            mode=o.mode, top_k=o.top_k, max_tokens=self.answer_tokens, recompute_ratio=o.recompute_ratio,
-            selection=o.selection, budget=o.budget, mass_left=o.mass_left, sampling=self.sampling(),
-            history=tuple(history))
-
-
-# ---- response -----------------------------------------------------------------------------------
-
-
-def completion_id() -> str:
-    """A fresh ``chatcmpl-...`` id."""
-    return f"chatcmpl-{uuid.uuid4().hex}"
-
-
-def source_body(s: Source, tier: str | None) -> dict[str, Any]:
-    """One source: ``{doc_id, title, chunk_id, score, tier, snippet}`` (tier None: not known yet)."""
-    return {"doc_id": s.doc_id, "title": s.title, "chunk_id": s.chunk_id, "score": round(float(s.score), 4),
-            "tier": tier, "snippet": " ".join(s.text.split())[:SNIPPET_CHARS]}
-
-
-def metrics_body(answer: Answer) -> dict[str, Any]:
-    """The answer's :class:`~ragcache.engine.messages.RequestMetrics` as ``to_dict()`` writes it (every
-    field, seconds as measured, plus the derived ``tier_hits``); ``RequestMetrics.from_dict`` reads
-    it back whole (:func:`ragcache.server.client.answer_from`)."""
-    return answer.metrics.to_dict()
-
-
-def cached_tokens(answer: Answer) -> int:
-    """Prompt tokens whose KV was not computed for this request: the reused chunk KV in reuse/blend
-    mode, vLLM's prefix-cache hits in prefix mode, 0 in full mode."""
-    m = answer.metrics
-    if m.mode in ("reuse", "blend"):
-        return m.reused_tokens
-    return m.num_cached_tokens if m.mode == "prefix" else 0
-
-
-def usage_body(answer: Answer) -> dict[str, Any]:
-    """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (see :func:`cached_tokens`)."""
-    m = answer.metrics
-    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
-            "total_tokens": m.prompt_tokens + m.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens(answer)}}
-
-
-def ragcache_body(index: str, opts: RagcacheOptions, *, sources: list[Source] | None = None,
-                  answer: Answer | None = None, prompt_text: str | None = None) -> dict[str, Any]:
-    """The response's ``ragcache`` object: index, sources (when asked), metrics (once answered), prompt."""
-    out: dict[str, Any] = {"index": index}
-    if opts.return_sources:
-        srcs = answer.sources if answer is not None else sources or []
-        out["sources"] = [source_body(s, (s.tier or None) if answer is not None else None) for s in srcs]
-    if answer is not None:
-        out["metrics"] = metrics_body(answer)
-    if opts.return_prompt and prompt_text is not None:
-        out["prompt"] = prompt_text
-    return out
-
-
-def finish_reason(answer: Answer) -> str:
-    """OpenAI's finish reason: ``"length"`` when max_tokens (or the context) ended the answer, else ``"stop"``."""
-    return "length" if answer.finish_reason == "length" else "stop"
-
-
-def completion_body(cid: str, model: str, answer: Answer, extra: dict[str, Any]) -> dict[str, Any]:
-    """A ``chat.completion`` object with usage and the ``ragcache`` object ``extra``."""
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
-                         "finish_reason": finish_reason(answer), "logprobs": None}],
-            "usage": usage_body(answer), "ragcache": extra}
-
-
-def chunk_body(cid: str, model: str, created: int, *, delta: dict[str, Any] | None = None,
-               finish: str | None = None, usage: dict[str, Any] | None = None,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A ``chat.completion.chunk``: one choice with ``delta`` (and ``finish``), or, with ``usage``, the
-    final usage chunk whose ``choices`` is empty."""
-    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-    if usage is not None:
-        body["choices"] = []
-        body["usage"] = usage
-    else:
-        body["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
-    if extra is not None:
-        body["ragcache"] = extra
-    return body
+            **{name: getattr(o, name) for name in RequestOptions.model_fields}, max_tokens=self.answer_tokens,
+            sampling=self.sampling(), history=tuple(history))
