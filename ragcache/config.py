@@ -120,7 +120,7 @@ class EngineSettings(_Section):
 
 
 #: ``blend.mass_left``'s default
-MASS_LEFT_DEFAULT = 0.05
+MASS_LEFT_DEFAULT = 0.03
 
 
 class BlendSettings(_Section):
@@ -132,7 +132,7 @@ class BlendSettings(_Section):
     budget: BudgetMode = Field(
         "fixed", description="adaptive: each request's recompute budget follows its question's attention "
         "(recompute until at most mass_left of it stays on reused KV, within [recompute_ratio / 2, "
-        "max_recompute_ratio]); fixed: every request recomputes recompute_ratio")
+        "max_recompute_ratio and max_recompute_tokens]); fixed: every request recomputes recompute_ratio")
     mass_left: MassLeft = Field(
         MASS_LEFT_DEFAULT, description="adaptive budget: the share of the question's attention that may stay on "
         "reused (not recomputed) context tokens; smaller recomputes more (recompute_ratio = 'auto' uses the index's "
@@ -140,6 +140,10 @@ class BlendSettings(_Section):
     max_recompute_ratio: Ratio = Field(
         0.5, description="adaptive budget: at most this share of the context is recomputed (never less than "
         "recompute_ratio gives): the cost one request may take")
+    max_recompute_tokens: int = Field(
+        768, ge=1, description="adaptive budget: and at most this many context tokens (never less than "
+        "recompute_ratio gives): short contexts get more than the ratio where their question reads more, long ones "
+        "keep the ratio's budget, which holds what their question reads")
     min_recompute_tokens: int = Field(
         384, ge=0, description="a blend recomputes at least this many context tokens (all of a shorter context), "
         "whatever the ratio gives: on short prompts 15% is too few for the passage an answer reads, and answers loop "
@@ -303,7 +307,7 @@ class BlendSettings(_Section):
         if selection == "question" or (selection == "hybrid" and self.question_weight > 0):
             names += ["probe_layers", "question_heads", "candidates", "refine_layer", "budget"]
         if self.adapts(selection):
-            names.append("max_recompute_ratio")
+            names += ["max_recompute_ratio", "max_recompute_tokens"]
         values = {f"blend.{name}": getattr(self, name) for name in names}
         values["blend.check_layer"] = self.check_layer_for(selection)
         return values

@@ -338,12 +338,14 @@ def test_adaptive_budget_keeps_the_floor_and_the_cap_and_counts_only_movable_tok
         movable = torch.rand(n, generator=gen) > 0.2
         ratio, floor = float(torch.rand(1, generator=gen)) * 0.4, int(torch.randint(0, 400, (1,), generator=gen))
         rule = BudgetRule(mass_left=float(torch.rand(1, generator=gen)) * 0.2 + 0.001,
-                          max_ratio=float(torch.rand(1, generator=gen)) * 0.9 + 0.1)
+                          max_ratio=float(torch.rand(1, generator=gen)) * 0.9 + 0.1,
+                          max_tokens=int(torch.randint(1, 2000, (1,), generator=gen)))
         got = adaptive_budget(scores, movable, ratio=ratio, min_tokens=floor, rule=rule)
         centre = hkvd_budget(ratio, n, floor)
         assert got.centre == centre
         assert got.tokens <= int(movable.sum())
-        assert got.tokens <= max(centre, int(rule.max_ratio * n))  # the cap (never below the ratio's own budget)
+        # the cap: max_ratio and max_tokens, never below the ratio's own budget
+        assert got.tokens <= max(centre, min(int(rule.max_ratio * n), rule.max_tokens))
         assert got.tokens >= min(min(floor, n), centre, int(movable.sum()))  # the floor
         if got.low <= got.need <= got.high and got.need <= int(movable.sum()):
             assert got.tokens == got.need and got.mass_left <= rule.mass_left + 1e-6
@@ -352,10 +354,25 @@ def test_adaptive_budget_keeps_the_floor_and_the_cap_and_counts_only_movable_tok
         assert got.mass_left == pytest.approx(float(rest), abs=1e-5)
 
 
+def test_a_long_context_keeps_the_ratios_budget_where_max_tokens_is_below_it():
+    from ragcache.blend import BudgetRule, adaptive_budget
+
+    rule = BudgetRule(mass_left=0.01, max_ratio=0.5, max_tokens=768)
+    spread = torch.full((6000,), 0.5 / 6000)  # asks for most of the context
+    long_ = adaptive_budget(spread, torch.ones(6000, dtype=torch.bool), ratio=0.15, min_tokens=384, rule=rule)
+    assert long_.tokens == long_.centre == 900 and "capped at the ratio's budget" in long_.reason
+    short = adaptive_budget(spread[:1500] * 4, torch.ones(1500, dtype=torch.bool), ratio=0.15, min_tokens=384,
+                            rule=rule)
+    assert short.centre == 384 and short.tokens == 750  # max_ratio: half of 1,500, below 768
+    mid = adaptive_budget(spread[:3000] * 2, torch.ones(3000, dtype=torch.bool), ratio=0.15, min_tokens=384,
+                          rule=rule)
+    assert mid.tokens == 768 and "max_recompute_tokens 768" in mid.reason
+
+
 def test_budget_rule_refuses_values_outside_its_ranges():
     from ragcache.blend import BudgetRule
 
     for kwargs in ({"mass_left": 0.0}, {"mass_left": 1.0}, {"mass_left": 0.1, "max_ratio": 0.0},
-                   {"mass_left": 0.1, "min_share": 1.5}):
+                   {"mass_left": 0.1, "min_share": 1.5}, {"mass_left": 0.1, "max_tokens": 0}):
         with pytest.raises(ValueError):
             BudgetRule(**kwargs)

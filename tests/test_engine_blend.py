@@ -110,7 +110,8 @@ def test_the_adaptive_budget_is_reported_and_is_what_the_worker_recomputed(engin
     assert loose.budget_reason.startswith("adaptive: ") and "target 0.2)" in loose.budget_reason
     assert "target 0.01)" in tight.budget_reason and "left on reused KV" in tight.budget_reason
     # less of the question's attention left on reused KV takes more tokens, up to max_recompute_ratio
-    cap = max(fixed.recompute_budget, int(engine.settings.blend.max_recompute_ratio * prompt.ctx_len))
+    b = engine.settings.blend
+    cap = max(fixed.recompute_budget, min(int(b.max_recompute_ratio * prompt.ctx_len), b.max_recompute_tokens))
     assert loose.recompute_budget < tight.recompute_budget <= cap
     assert loose.recompute_budget >= math.ceil(0.5 * fixed.recompute_budget)  # the floor: half the ratio's budget
 

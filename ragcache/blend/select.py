@@ -152,6 +152,9 @@ class BudgetRule:
             reused, in (0, 1): the budget grows until the rest is recomputed.
         max_ratio: the budget is at most this share of the context's tokens, in (0, 1] (never below
             the ratio's own budget): the cost a request may take.
+        max_tokens: and at most this many tokens (never below the ratio's own budget), >= 1: on a
+            long context the ratio's budget already holds what the question reads, and more would
+            cost what reuse saves; a short one may take up to ``max_ratio``.
         min_share: the budget is at least this share of the ratio's budget, in (0, 1] (and never
             below ``min_recompute_tokens``): what a request whose question reads little of the
             context still recomputes.
@@ -160,6 +163,7 @@ class BudgetRule:
     mass_left: float
     max_ratio: float = 1.0
     min_share: float = 0.5
+    max_tokens: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mass_left < 1.0:
@@ -168,6 +172,8 @@ class BudgetRule:
             raise ValueError(f"max_ratio must be in (0, 1], got {self.max_ratio}")
         if not 0.0 < self.min_share <= 1.0:
             raise ValueError(f"min_share must be in (0, 1], got {self.min_share}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
 @dataclass(frozen=True)
@@ -227,7 +233,7 @@ def adaptive_budget(question: torch.Tensor, movable: torch.Tensor, *, ratio: flo
     most ``rule.mass_left`` of it (:func:`tokens_for_mass`). A question that reads a few tokens of one
     passage gets a small budget; one whose attention is spread over many passages (multi-hop, or a
     short context where every passage counts) gets more. The ratio's budget is the centre: the
-    result stays within ``[rule.min_share x centre, max(centre, rule.max_ratio x N)]`` (and at least
+    result stays within ``[rule.min_share x centre, max(centre, min(rule.max_ratio x N, rule.max_tokens))]`` (and at least
     ``min_tokens``). Per chunk, the budget follows the attention: a chunk the question reads more
     holds more of the tokens that leave mass, so it receives more of the budget.
 
@@ -249,7 +255,7 @@ def adaptive_budget(question: torch.Tensor, movable: torch.Tensor, *, ratio: flo
     centre = hkvd_budget(ratio, n, min_tokens)
     available = int(movable.sum())
     low = min(max(min(min_tokens, n), math.ceil(rule.min_share * centre)), centre)
-    high = max(centre, math.floor(rule.max_ratio * n))
+    high = max(centre, min(math.floor(rule.max_ratio * n), rule.max_tokens))
     scores = question[movable]
     mass = float(scores.sum())
     need = tokens_for_mass(scores, rule.mass_left)
@@ -258,7 +264,8 @@ def adaptive_budget(question: torch.Tensor, movable: torch.Tensor, *, ratio: flo
     left = float(ordered[tokens:].sum()) if tokens < available else 0.0
     share = 100.0 * tokens / max(n, 1)
     if need > high:
-        why = f"capped at {rule.max_ratio:g} of the context"
+        why = ("capped at the ratio's budget" if high == centre else
+               f"capped at {high} tokens (max_recompute_ratio {rule.max_ratio:g}, max_recompute_tokens {rule.max_tokens})")
     elif need < low:
         why = "raised to its floor"
     else:

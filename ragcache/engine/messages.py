@@ -63,7 +63,8 @@ class Rpc:
 #: the [blend] settings every reuse/blend request carries
 _BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "recompute_depth", "check_layer", "deviation", "selection",
                 "chunk_head_tokens", "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads",
-                "candidates", "refine_layer", "pipeline_overlap", "budget", "mass_left", "max_recompute_ratio"}
+                "candidates", "refine_layer", "pipeline_overlap", "budget", "mass_left", "max_recompute_ratio",
+                "max_recompute_tokens"}
 
 
 def _overlap(value: Any) -> bool | str:
@@ -103,7 +104,8 @@ class BlendParams:
             the continuation they score (a gold answer) is not seen by the selection.
         recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation, selection,
             chunk_head_tokens, question_weight, max_chunk_share, granule, probe_layers, question_heads,
-            candidates, refine_layer, pipeline_overlap, budget, mass_left, max_recompute_ratio: the ``[blend]``
+            candidates, refine_layer, pipeline_overlap, budget, mass_left, max_recompute_ratio,
+            max_recompute_tokens: the ``[blend]``
             settings in force for this request (see :class:`ragcache.config.BlendSettings`); ``budget`` and
             ``mass_left`` as the request's options set them (a request's ``mass_left`` implies the adaptive
             budget unless it sets ``budget``).
@@ -132,6 +134,7 @@ class BlendParams:
     budget: str = "fixed"
     mass_left: float = 0.05
     max_recompute_ratio: float = 1.0
+    max_recompute_tokens: int = 1 << 30
 
     @classmethod
     def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
@@ -192,6 +195,7 @@ class BlendParams:
                 refine_layer=int(data.get("refine_layer", 1)), budget=str(data.get("budget", "fixed")),
                 mass_left=float(data.get("mass_left", 0.05)),
                 max_recompute_ratio=float(data.get("max_recompute_ratio", 1.0)),
+                max_recompute_tokens=int(data.get("max_recompute_tokens", 1 << 30)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None

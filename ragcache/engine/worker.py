@@ -321,7 +321,8 @@ class WorkerRuntime:
                 # with the kernel (it reads the paged cache) a probed layer is written once, then only its
                 # recomputed rows; blend_kv uses write_rows only with an attention of the engine's own
                 on_layer=write_layer, attention=attention, write_rows=write_rows, prefetch=prefetch,
-                budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio) if p.budget == "adaptive" else None,
+                budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio, max_tokens=p.max_recompute_tokens)
+                if p.budget == "adaptive" else None,
             )
         recomputed = int(result.num_recomputed)
         # blend does not load layers below the check layer; a handle promotes its entry to the top
