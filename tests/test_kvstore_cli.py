@@ -16,7 +16,8 @@ from ragcache.models import folder_fingerprint
 
 @pytest.fixture
 def setup(tmp_path):
-    """A fake HF model folder (config.json only), a settings file pointing at it, two models' entries."""
+    """A fake HF model folder (config.json only), a settings file pointing at it, two models' entries
+    (in the default stored form, int8)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(
@@ -31,7 +32,7 @@ def setup(tmp_path):
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 8)
     other = KVSpec("someothermodel00", 1, 2, 2, 8)
     for s, keys in ((spec, ("a", "b", "c")), (other, ("x",))):
-        store = TieredStore(s, [(DiskTier(kv_dir), 10**9)])
+        store = TieredStore(s, [(DiskTier(kv_dir), 10**9)], kv_compression="int8")
         for key in keys:
             store.put(key, torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8), 0)
     return settings, DiskTier(kv_dir)

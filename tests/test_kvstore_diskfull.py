@@ -31,7 +31,7 @@ def fs(tmp_path):
 
 def test_capacity_is_what_the_filesystem_can_hold_not_the_setting(fs):
     store = TieredStore.from_settings(StoreSettings(ssd_cache_dir=fs / "kv", ssd_cache_max_gb=20.0,
-                                                    cpu_kv_pool_gb=0.0), spec=SPEC)
+                                                    cpu_kv_pool_gb=0.0, kv_compression="none"), spec=SPEC)
     row = store.stats()["disk"]
     assert row["configured_capacity_bytes"] == 20 * 10**9
     assert 1.5 * MiB < row["capacity_bytes"] <= 2 * MiB and row["free_bytes"] <= 2 * MiB
