@@ -139,7 +139,8 @@ chunk_size = 64
         llm = resolve_llm(settings.models.model, settings.models.cache_dir)
         dtype = next(line for line in r.stderr.splitlines() if "engine ready" in line).split("dtype ")[1].split()[0]
         builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
-                                store_namespace=settings.store.namespace, compute_dtype=dtype)
+                                store_namespace=settings.store.namespace, compute_dtype=dtype,
+                                kv_compression=settings.store.kv_compression)
         disk = DiskTier(fs / "kv")
         on_disk = sum(disk.path(builder.key(c)).exists() for c in chunks)
         assert 0 < on_disk < 16

@@ -354,3 +354,20 @@ class BytesEntryReader:
 
     def close(self) -> None:
         self._data = memoryview(b"")
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, compression: str, dtype: str = "float32",
+                    tokens: int = 512) -> float:
+    """Stored bytes per token of a ``tokens``-token entry (header, values and scales) for a model of
+    that KV shape, in form ``compression`` (``dtype``: the float dtype of ``none``; ignored by the
+    quantised forms, whose scales are float16). What a corpus costs: tokens x this.
+
+    Raises:
+        ValueError: an unknown form or dtype, or int4 with an odd ``head_dim``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    meta = KVMeta("0" * 16, 1, dtype if compression == "none" else "float16", num_layers, tokens, num_kv_heads,
+                  head_dim, 0, compression=compression)
+    meta = KVMeta(**{**meta.__dict__, "checksums": (0,) * (len(meta.parts) * num_layers)})
+    return (len(encode_header("default:" + "0" * 32, meta)) + meta.nbytes) / tokens

@@ -438,6 +438,45 @@ class TieredStore:
                 counts[ns] = counts.get(ns, 0) + 1
         return out
 
+    def footprint(self, sample: int = 1000) -> dict[str, dict[str, Any]]:
+        """What the entries of each tier that is up cost per token, from their headers.
+
+        Reads the header (not the tensors) of at most ``sample`` entries per tier, spread evenly
+        over the tier's listing (a memory tier: its entries as they are).
+
+        Returns:
+            ``{tier: {"entries", "bytes", "sampled", "tokens", "bytes_per_token", "forms"}}``:
+            ``entries``/``bytes`` as the tier holds them now; ``sampled`` entries whose header could
+            be read, with ``tokens`` in them and ``bytes_per_token`` = their bytes (header, values
+            and scales) / their tokens (None without any); ``forms``: sampled entries per stored
+            form (``{"int8": 70, "none": 7}``).
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for slot in self._slots:
+            if not slot.guard.available():
+                continue
+            try:
+                listed = slot.guard.call(slot.tier.scan) if not slot.tier.memory else slot.tier.scan()
+            except (TierDown, TierError, OSError):
+                continue
+            picked = listed[:: max(1, -(-len(listed) // sample))] if sample > 0 else []
+            sampled = tokens = nbytes = 0
+            forms: dict[str, int] = {}
+            for stat in picked:
+                try:
+                    meta = slot.guard.call(slot.tier.head, stat.key) if not slot.tier.memory \
+                        else slot.tier.head(stat.key)
+                except (TierDown, TierError, OSError):
+                    continue
+                if meta is None:
+                    continue
+                sampled, tokens, nbytes = sampled + 1, tokens + meta.num_tokens, nbytes + stat.size
+                forms[meta.compression] = forms.get(meta.compression, 0) + 1
+            out[slot.name] = {"entries": len(listed), "bytes": sum(s.size for s in listed), "sampled": sampled,
+                              "tokens": tokens, "bytes_per_token": round(nbytes / tokens, 1) if tokens else None,
+                              "forms": forms}
+        return out
+
     def hit_rate_line(self) -> str:
         """One line of hit rates that add up, e.g.
         ``4 lookups: cpu 50.0% (2) | disk 25.0% (1) | miss 25.0% (1); head 2/2``."""
