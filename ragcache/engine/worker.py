@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv
+from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
 from ragcache.engine.messages import (
     ContextStats, LoadRequest, OpsProbe, PrecomputeItem, PrecomputeReport, WorkerReady,
@@ -183,13 +184,22 @@ class WorkerRuntime:
         return compute_kv(self.ops, ids, positions, keep_from=len(lead_in), attention=self._scratch_attention)
 
     def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int],
-                           stored: dict[str, int] | None = None) -> _MemoryHandle:
+                           stored: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute a segment's KV and store it; returns the computed K and V (:meth:`compute_segment`)."""
         k, v = self.compute_segment(head_ids, start, unit)
         tiers = self.store.put(key, k, v, start_position=len(lead_in_for(start, head_ids)))
         if stored is not None:
             for tier in tiers:
                 stored[tier] += 1
-        return _MemoryHandle(k, v)
+        return k, v
+
+    def _compute_for_request(self, key: str, head_ids: list[int], start: int, unit: list[int]) -> _MemoryHandle:
+        """A missing segment computed and stored now, served as its stored entry will be served
+        (``store.as_stored``: through ``store.kv_compression``), so an answer does not depend on
+        whether its chunks were hits. The start-up self-check's private segments are served as
+        computed: the check measures the adapter against vLLM, not the compression."""
+        k, v = self._compute_and_store(key, head_ids, start, unit)
+        return _MemoryHandle(*((k, v) if is_private_key(key) else self.store.as_stored(k, v)))
 
     def precompute(self, head_ids: list[int], items: list[PrecomputeItem]) -> PrecomputeReport:
         """Compute and store the KV of every item not stored yet (see
@@ -249,8 +259,8 @@ class WorkerRuntime:
                 handle = self.store.open(seg.key, head=j == 0)  # the head's lookup is counted apart
                 if handle is None:
                     t_miss = time.perf_counter()
-                    handle = self._compute_and_store(seg.key, head_ids, seg.start,
-                                                     token_ids[seg.start:seg.start + seg.length])
+                    handle = self._compute_for_request(seg.key, head_ids, seg.start,
+                                                       token_ids[seg.start:seg.start + seg.length])
                     missing_s += time.perf_counter() - t_miss
                     missing_tokens += seg.length
                 handles.append(handle)
@@ -271,8 +281,8 @@ class WorkerRuntime:
                 seg = segments[j]
                 log.warning("chunk KV %s unreadable at layer %d (%s); recomputing it", seg.key, i, exc)
                 handles[j].close()
-                handles[j] = self._compute_and_store(seg.key, head_ids, seg.start,
-                                                     token_ids[seg.start:seg.start + seg.length])
+                handles[j] = self._compute_for_request(seg.key, head_ids, seg.start,
+                                                       token_ids[seg.start:seg.start + seg.length])
                 tiers[j] = COMPUTED
                 return handles[j].layer(i)
 

@@ -252,6 +252,28 @@ class TieredStore:
         self._ledger.maybe_flush()
         return tuple(stored)
 
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as a read of them after :meth:`put` returns them: through the stored form
+        (quantised and dequantised, or cast to ``kv_dtype``) into ``spec.dtype`` on the store's
+        device; ``k``/``v`` themselves when the form keeps them as they are. So a chunk computed for
+        a request is served exactly as its stored entry will be at the next hit.
+
+        Args:
+            k, v: ``[num_layers, T, num_kv_heads, head_dim]`` as handed to :meth:`put`.
+
+        Raises:
+            ValueError / RuntimeError: as :meth:`put`.
+        """
+        spec = self._spec()
+        spec.check_kv(k, v)
+        form = self.kv_compression
+        if form == "none" and self.storage_dtype == spec.dtype == k.dtype == v.dtype \
+                and k.device == v.device == self.device:
+            return k, v
+        sdtype = self.storage_dtype if form == "none" else SCALE_DTYPE
+        parts = layer_parts(form, sdtype, *k.shape[1:])
+        return decode_all(form, parts, encode(k, v, form, sdtype), spec.dtype, self.device)
+
     def get(self, key: str) -> tuple[KVEntry, str] | None:
         """The entry under ``key`` and the name of the tier that served it, or None (miss).
 
