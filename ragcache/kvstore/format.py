@@ -356,18 +356,30 @@ class BytesEntryReader:
         self._data = memoryview(b"")
 
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, compression: str, dtype: str = "float32",
-                    tokens: int = 512) -> float:
-    """Stored bytes per token of a ``tokens``-token entry (header, values and scales) for a model of
-    that KV shape, in form ``compression`` (``dtype``: the float dtype of ``none``; ignored by the
-    quantised forms, whose scales are float16). What a corpus costs: tokens x this.
+
+def entry_nbytes(key: str, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, compression: str,
+                 dtype: str = "float32") -> int:
+    """Bytes an entry of that shape takes on disk or in Redis under ``key``: header, values and
+    scales, in form ``compression`` (``dtype``: the float dtype of ``none``; ignored by the quantised
+    forms, whose scales are float16).
 
     Raises:
         ValueError: an unknown form or dtype, or int4 with an odd ``head_dim``.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    meta = KVMeta("0" * 16, 1, dtype if compression == "none" else "float16", num_layers, tokens, num_kv_heads,
+    meta = KVMeta("0" * 16, 1, dtype if compression == "none" else "float16", num_layers, num_tokens, num_kv_heads,
                   head_dim, 0, compression=compression)
     meta = KVMeta(**{**meta.__dict__, "checksums": (0,) * (len(meta.parts) * num_layers)})
-    return (len(encode_header("default:" + "0" * 32, meta)) + meta.nbytes) / tokens
+    return len(encode_header(key, meta)) + meta.nbytes
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, compression: str, dtype: str = "float32",
+                    tokens: int = 512) -> float:
+    """Stored bytes per token of a ``tokens``-token chunk's entry (:func:`entry_nbytes` under a
+    namespaced key) for a model of that KV shape: what a corpus costs is its tokens x this.
+
+    Raises:
+        ValueError: as :func:`entry_nbytes`.
+    """
+    return entry_nbytes("default:" + "0" * 32, num_layers, num_kv_heads, head_dim, tokens, compression, dtype) / tokens
