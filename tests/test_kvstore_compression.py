@@ -201,3 +201,20 @@ def test_int4_needs_an_even_head_dim_and_quantised_forms_refuse_non_finite_kv(tm
         store.put("x", k, v, 0)
     with pytest.raises(ValueError, match="unknown KV compression"):
         TieredStore(SPEC, [(CpuTier(), None)], kv_compression="int3")
+
+
+@pytest.mark.parametrize("form, kv_dtype", [("int8", "model"), ("int4", "model"), ("none", "float16")])
+def test_as_stored_gives_exactly_what_a_read_of_the_stored_entry_gives(form, kv_dtype):
+    store = TieredStore(REAL, [(CpuTier(), None)], kv_compression=form, kv_dtype=kv_dtype)
+    k, v = kv_like_a_model()
+    k2, v2 = store.as_stored(k, v)
+    store.put("chunk", k, v, 0)
+    entry, _ = store.get("chunk")
+    assert torch.equal(k2, entry.k) and torch.equal(v2, entry.v) and not torch.equal(k2, k)
+
+
+def test_as_stored_hands_back_the_tensors_themselves_when_stored_as_they_are():
+    store = TieredStore(REAL, [(CpuTier(), None)], kv_compression="none")
+    k, v = kv_like_a_model()
+    k2, v2 = store.as_stored(k, v)
+    assert k2 is k and v2 is v

@@ -228,8 +228,7 @@ class TieredStore:
         if int(start_position) < 0:
             raise ValueError(f"start_position must be >= 0, got {start_position}")
         form = self.kv_compression
-        sdtype = self.storage_dtype if form == "none" else SCALE_DTYPE
-        kv = encode(k, v, form, sdtype)
+        kv, sdtype = self._encode(k, v)
         meta = KVMeta(
             model_fingerprint=spec.model_fingerprint, layout_version=spec.layout_version,
             dtype=dtype_name(sdtype), num_layers=spec.num_layers, num_tokens=num_tokens,
@@ -270,9 +269,14 @@ class TieredStore:
         if form == "none" and self.storage_dtype == spec.dtype == k.dtype == v.dtype \
                 and k.device == v.device == self.device:
             return k, v
-        sdtype = self.storage_dtype if form == "none" else SCALE_DTYPE
-        parts = layer_parts(form, sdtype, *k.shape[1:])
-        return decode_all(form, parts, encode(k, v, form, sdtype), spec.dtype, self.device)
+        kv, sdtype = self._encode(k, v)
+        return decode_all(form, layer_parts(form, sdtype, *k.shape[1:]), kv, spec.dtype, self.device)
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """``(kv, dtype)``: K/V in this store's stored form (:func:`ragcache.kvstore.codec.encode`)
+        and the float dtype its header names (the storage dtype uncompressed, the scales' quantised)."""
+        sdtype = self.storage_dtype if self.kv_compression == "none" else SCALE_DTYPE
+        return encode(k, v, self.kv_compression, sdtype), sdtype
 
     def get(self, key: str) -> tuple[KVEntry, str] | None:
         """The entry under ``key`` and the name of the tier that served it, or None (miss).
