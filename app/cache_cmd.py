@@ -198,7 +198,8 @@ def _compression(settings: "Settings") -> dict[str, Any]:
     if spec is not None:
         shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         dtype = "float32" if st.kv_dtype == "model" else st.kv_dtype  # "model": the engine's dtype, unknown here
-        out.update(model=settings.models.model, bytes_per_token=round(bytes_per_token(*shape, st.kv_compression, dtype)),
+        out.update(model=settings.models.model,
+                   bytes_per_token=round(bytes_per_token(*shape, st.kv_compression, dtype)),
                    float32_bytes_per_token=round(bytes_per_token(*shape, "none", "float32")))
     return out
 
@@ -265,8 +266,9 @@ def run_drop(args: argparse.Namespace) -> int:
     keys: set[str] = set()
     for dtype in COMPUTE_DTYPES:  # the KV of every precision an engine may have computed it in ...
         for form in FORMS:  # ... and every form it may have been stored in
-            builder = PromptBuilder(tokenizer, settings.prompt, llm.fingerprint, store_namespace=settings.store.namespace,
-                                    compute_dtype=dtype, kv_compression=form)
+            builder = PromptBuilder(tokenizer, settings.prompt, llm.fingerprint,
+                                    store_namespace=settings.store.namespace, compute_dtype=dtype,
+                                    kv_compression=form)
             keys.update(builder.key(c, manifest.namespace) for c in chunks)
     store = _open_store(settings, None)
     try:

@@ -159,10 +159,12 @@ def _footprint(kv_dir: Path, form: str, keys: Sequence[str]) -> dict[str, Any]:
         bf16 += entry_nbytes(key, *shape, "none", "bfloat16")
     return {"form": form, "entries": len(keys), "tokens": tokens, "stored_bytes": stored,
             "bytes_per_token": rounded(stored / tokens, 1) if tokens else None,
-            "vs_fp32": rounded(stored / fp32, 4) if fp32 else None, "vs_16bit": rounded(stored / bf16, 4) if bf16 else None}
+            "vs_fp32": rounded(stored / fp32, 4) if fp32 else None,
+            "vs_16bit": rounded(stored / bf16, 4) if bf16 else None}
 
 
-def _codec_rates(kv_dir: Path, keys: Sequence[str], spec: Any, forms: Sequence[str], reads: int = 3) -> list[dict[str, Any]]:
+def _codec_rates(kv_dir: Path, keys: Sequence[str], spec: Any, forms: Sequence[str],
+                 reads: int = 3) -> list[dict[str, Any]]:
     """Compress (``encode``) and decompress (``decode_all``) MB/s of each quantised form on real KV
     (the uncompressed entries under ``keys``), in MB of the model dtype's K/V per second; and zlib
     (level 1) over the quantised bytes: the size it would save and its decode rate."""
@@ -271,7 +273,8 @@ def cost_table(model: str, spec: Any) -> list[dict[str, Any]]:
     from ragcache.kvstore.format import bytes_per_token
 
     out = []
-    for name, shape in ((model, (spec.num_layers, spec.num_kv_heads, spec.head_dim)), (EIGHT_B["name"], EIGHT_B["shape"])):
+    models = ((model, (spec.num_layers, spec.num_kv_heads, spec.head_dim)), (EIGHT_B["name"], EIGHT_B["shape"]))
+    for name, shape in models:
         fp32 = bytes_per_token(*shape, "none", "float32")
         for form, dtype in (("none", "float32"), ("none", "bfloat16"), ("int8", "float32"), ("int4", "float32")):
             b = bytes_per_token(*shape, form, dtype)
@@ -311,9 +314,11 @@ def _targets(summary: Sequence[dict[str, Any]], sizes: Sequence[dict[str, Any]])
     main = rows.get(DEFAULT_FORM)
     out: dict[str, Any] = {}
     if main is not None:
-        out["stored_bytes_vs_fp32"] = target(main["vs_fp32"], TARGETS["stored_bytes_vs_fp32_max"], "max",
-                                             "int8: stored bytes per token (header, values, scales) / float32's, same chunks")
-        for name, key in (("blend_kl_vs_uncompressed", "blend_kl_vs_none"), ("reuse_kl_vs_uncompressed", "reuse_kl_vs_none")):
+        out["stored_bytes_vs_fp32"] = target(
+            main["vs_fp32"], TARGETS["stored_bytes_vs_fp32_max"], "max",
+            "int8: stored bytes per token (header, values, scales) / float32's, same chunks")
+        for name, key in (("blend_kl_vs_uncompressed", "blend_kl_vs_none"),
+                          ("reuse_kl_vs_uncompressed", "reuse_kl_vs_none")):
             out[name] = target(main[key], TARGETS["kl_vs_uncompressed_max"], "max",
                                f"int8: mean first-token KL(full || {name.split('_')[0]}) / uncompressed's")
         out["blend_gold_nll_vs_uncompressed"] = target(
