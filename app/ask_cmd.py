@@ -28,6 +28,12 @@ def _add_query_options(p: argparse.ArgumentParser) -> None:
                    help="share of context tokens recomputed in blend mode, or auto (the index's calibrated ratio, "
                    "`ragcache calibrate`; default: blend.recompute_ratio)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to decode (default: engine.max_tokens)")
+    p.add_argument("--budget", choices=("adaptive", "fixed"), default=None,
+                   help="blend's recompute budget: adaptive (each question's attention sets it) or fixed (the ratio "
+                   "alone) (default: blend.budget)")
+    p.add_argument("--mass-left", type=float, default=None,
+                   help="adaptive budget: share of the question's attention that may stay on reused KV, in (0, 1) "
+                   "(default: blend.mass_left)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 #: the query flags, by the QueryOptions field they set
 QUERY_FLAGS = {"mode": "--mode", "top_k": "--top-k", "max_tokens": "--max-tokens",
-               "recompute_ratio": "--recompute-ratio"}
+               "recompute_ratio": "--recompute-ratio", "budget": "--budget", "mass_left": "--mass-left"}
 
 
 def query_options(args: argparse.Namespace):
@@ -117,6 +123,8 @@ def format_answer(answer) -> str:
     lines.append(f"mode {mode} | TTFT {m.ttft_s:.3f} s | retrieval {m.retrieval_s:.3f} s | total {m.total_s:.2f} s | "
                  f"prompt {m.prompt_tokens} tok | reused {m.reused_tokens} | recomputed {m.recomputed_tokens}{depth} | "
                  f"tier hits: {hits}")
+    if m.budget_reason.startswith("adaptive"):  # the recompute budget this question got, and why
+        lines.append(f"budget {m.budget_reason}")
     return "\n".join(lines)
 
 

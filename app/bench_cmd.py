@@ -74,6 +74,21 @@ def _choices(allowed: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
 
 _modes = _choices(MODES, "modes")
 _bench_modes = _choices(BENCH_MODES, "modes")
+def _budgets(text: str) -> list[str]:
+    """An argparse type: comma-separated budget specs (fixed, adaptive, or a mass_left in (0, 1))."""
+    from ragcache.bench.common import BenchConfigError, budget_options
+
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError("no budget given")
+    for v in vals:
+        try:
+            budget_options(v)
+        except BenchConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return vals
+
+
 def _selections(text: str) -> list[str]:
     """An argparse type: comma-separated selection specs, ``strategy`` or ``strategy/granule``."""
     from ragcache.options import SelectionSpec
@@ -137,6 +152,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="token-selection strategies of the blend sweep, e.g. deviation,question,hybrid, each "
                    "optionally with /GRANULE, the tokens per recomputed run (question/1,question/16) "
                    "(default: blend.selection)")
+    t.add_argument("--budgets", type=_budgets, default=None,
+                   help="recompute budgets of the blend sweep: fixed (the ratio alone), adaptive (blend.mass_left) or "
+                   "the adaptive budget's mass_left as a number, e.g. fixed,adaptive,0.02 (default: blend.budget)")
     t.add_argument("--max-tokens", type=_positive, default=32, help="tokens decoded per answer (greedy)")
     t.add_argument("--prefix-warmup", choices=["chunks", "context", "none"], default="chunks",
                    help="untimed warm-up before each prefix request: each chunk once after the head (chunks), "
@@ -390,9 +408,10 @@ def run_ttft(args: argparse.Namespace) -> int:
     from ragcache.bench.ttft import run_ttft as run
 
     examples = _load(args, args.n, args.offset)
-    make_variants(args.modes, args.ratios, 0.15, args.selections or ())  # validate before the engine starts
+    make_variants(args.modes, args.ratios, 0.15, args.selections or (), budgets=args.budgets or ())  # validate early
     return _with_engine(args, lambda eng: run(
         eng, examples, modes=args.modes, ratios=args.ratios, selections=args.selections or (),
+        budgets=args.budgets or (),
         passages=args.passages, max_tokens=args.max_tokens, prefix_warmup=args.prefix_warmup, nll=not args.no_nll,
         progress=_say, checkpoint=_checkpoint(args, eng)))
 

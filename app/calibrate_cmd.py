@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from app.help import HelpFormatter
-from ragcache.calibrate import DEFAULT_MAX_KL, DEFAULT_MAX_NLL_REL, DEFAULT_MIN_SPEEDUP, DEFAULT_RATIOS
+from ragcache.calibrate import DEFAULT_MASSES, DEFAULT_MAX_KL, DEFAULT_MAX_NLL_REL, DEFAULT_MIN_SPEEDUP, DEFAULT_RATIOS
 from ragcache.config import SELECTIONS
 
 
@@ -35,7 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="quality target: NLL of full prefill's answer under blend at most this share above full's")
     p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP,
                    help="speed target: blend's median TTFT at least this many times below full prefill's")
-    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="recompute ratios to try")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS),
+                   help="recompute ratios to try (a fixed budget: blend.budget = \"fixed\", or a selection without "
+                   "the question's attention)")
+    p.add_argument("--masses", default=",".join(f"{m:g}" for m in DEFAULT_MASSES),
+                   help="adaptive budget (blend.budget = \"adaptive\"): blend.mass_left thresholds to try, at "
+                   "blend.recompute_ratio; the largest that meets the targets is recorded")
     p.add_argument("--selection", choices=SELECTIONS, default=None,
                    help="token selection to calibrate (default: blend.selection), under the other blend settings "
                    "in force (granule, recompute_depth, ...); the record holds only while they and the dtype stay "
@@ -63,6 +68,12 @@ def _check(args: argparse.Namespace) -> list[float]:
         ratios = list(blend_options([float(x) for x in args.ratios.split(",") if x.strip()], args.selection))
     except (ValueError, CalibrationError) as exc:  # not numbers, or out of range (checked as every ratio is)
         raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1] ({exc})") from None
+    try:
+        from ragcache.calibrate import budget_options
+
+        args.mass_values = [m for _, m in budget_options(0.15, [float(x) for x in args.masses.split(",") if x.strip()])]
+    except (ValueError, CalibrationError) as exc:
+        raise ConfigError(f"--masses {args.masses!r}: expected comma-separated numbers in (0, 1) ({exc})") from None
     if args.questions is not None and not args.questions.is_file():
         raise ConfigError(f"--questions {args.questions}: no such file")
     return ratios
@@ -92,7 +103,7 @@ def read_questions(path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.ask_cmd import open_pipeline
+    from app.ask_cmd import QUERY_FLAGS, open_pipeline
     from ragcache.calibrate import calibrate, probe_questions, write_calibration
     from ragcache.progress import progress
     from ragcache.config import ConfigError, Settings
@@ -103,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("ragcache calibrate writes calibration.json into a FAISS index folder; pgvector indexes "
                           "are not calibrated yet: set blend.recompute_ratio to a number")
     questions = read_questions(args.questions)[: args.n] if args.questions else None
-    args.mode = args.top_k = args.recompute_ratio = args.max_tokens = None  # open_pipeline's query flags
+    for flag in QUERY_FLAGS:  # open_pipeline reads the query flags, which calibrate does not take
+        setattr(args, flag, None)
     rag = open_pipeline(args)
     source = "questions"
     if questions is None:
@@ -111,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         source = "probes"
     with progress(total=len(questions), unit="prompt", desc="calibrate") as bar:
         cal = calibrate(rag, questions, ratios=ratios, max_kl=args.max_kl, max_nll_rel=args.max_nll,
-                        min_speedup=args.min_speedup, selection=args.selection, source=source, progress=bar.update)
+                        min_speedup=args.min_speedup, selection=args.selection, source=source, progress=bar.update,
+                        masses=args.mass_values if rag.settings.blend.adapts(args.selection) else None)
     path = write_calibration(readable_path(rag.index_path), cal)
     if args.json:
         from dataclasses import asdict
@@ -121,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     print_calibration(cal, rag.settings.blend.min_recompute_tokens)
     if cal.ratio is None:
         print(f"recorded in {path}; with blend.recompute_ratio = \"auto\" queries use blend.fallback_ratio")
+    elif cal.mass_left is not None:
+        print(f"recorded mass_left {cal.mass_left:g} around ratio {cal.ratio:g} ({cal.selection} selection) in {path}; "
+              "queries use it with blend.recompute_ratio = \"auto\"")
     else:
         print(f"recorded ratio {cal.ratio:g} ({cal.selection} selection) in {path}; "
               "queries use it with blend.recompute_ratio = \"auto\"")
@@ -130,14 +146,20 @@ def run(args: argparse.Namespace) -> int:
 def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
     """The calibration's table (one row per ratio, with its speedup over full prefill) and its verdict;
     ``min_recompute_tokens`` (``blend.min_recompute_tokens``), when given, is named where it raised a ratio."""
-    print(f"{'ratio':>6} {'recomputed':>11} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} "
+    adaptive = any(s.mass_left is not None for s in cal.scores)
+    first = "mass_left" if adaptive else "ratio"
+    print(f"{first:>9} {'recomputed':>11} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} "
           f"{'TTFT med (s)':>13} {'speedup':>8} {'meets':>6}")
     for s in cal.scores:
         nll = f"{100 * s.answer_nll_rel:+.1f}%" if s.answer_nll_rel is not None else "-"
         speed = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
         share = f"{100 * s.recomputed_share:.1f}%" if s.recomputed_share is not None else "-"
-        print(f"{s.ratio:>6g} {share:>11} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% "
+        point = s.mass_left if adaptive else s.ratio
+        print(f"{point:>9g} {share:>11} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% "
               f"{s.ttft_median_s:>13.3f} {speed:>8} {'yes' if s.meets else 'no':>6}")
+    if adaptive:
+        print(f"mass_left: the adaptive budget's threshold (the question's attention left on reused KV), around ratio "
+              f"{cal.scores[0].ratio:g}; recomputed: the share of each context it chose")
     if any(s.raised_by_floor for s in cal.scores):
         floor = f" ({min_recompute_tokens} tokens)" if min_recompute_tokens is not None else ""
         print(f"recomputed: the share of each context actually recomputed. Where it exceeds the ratio, "

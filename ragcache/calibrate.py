@@ -1,4 +1,4 @@
-"""Per-index quality gate: the smallest recompute ratio whose blend answers like full prefill, sooner.
+"""Per-index quality gate: the cheapest recompute budget whose blend answers like full prefill, sooner.
 
 Owns: measuring blend against full prefill on prompts drawn from one index (:func:`calibrate`) and
 the probe questions made from the index's own chunks (:func:`probe_questions`). The record it
@@ -50,9 +50,11 @@ log = logging.getLogger(__name__)
 #: manifest in :mod:`ragcache.index`, so the pipeline reads it without importing this module
 CALIBRATION_FILE = CALIBRATION
 __all__ = ["Calibration", "CalibrationError", "RatioScore", "calibrate", "probe_questions", "read_calibration",
-           "write_calibration", "DEFAULT_MAX_KL", "DEFAULT_RATIOS"]
+           "write_calibration", "DEFAULT_MAX_KL", "DEFAULT_MASSES", "DEFAULT_RATIOS"]
 #: ratios tried by default, ascending
 DEFAULT_RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+#: adaptive budget: thresholds (``blend.mass_left``) tried by default, cheapest (largest) first
+DEFAULT_MASSES = (0.1, 0.07, 0.05, 0.03, 0.02, 0.01)
 #: how full prefill's own answer is scored: exact KV (prefix mode; a scoring request reads no cached
 #: block, so it is a fresh full pass: EngineBase._scoring_request); bench ttft scores with it too
 EXACT = QueryOptions(mode="prefix")
@@ -130,11 +132,39 @@ def blend_options(ratios: Sequence[float], selection: str | None = None,
         raise CalibrationError(str(exc)) from None
 
 
+def budget_options(ratio: float, masses: Sequence[float], selection: str | None = None,
+                   max_tokens: int = 1) -> dict[tuple[float, float], QueryOptions]:
+    """The adaptive-budget blend request of each threshold in ``masses`` (``mass_left``) around
+    ``ratio``, cheapest (largest threshold) first: the thresholds checked once, by
+    :class:`~ragcache.options.QueryOptions`'s own range.
+
+    Raises:
+        CalibrationError: no thresholds, or one outside (0, 1).
+    """
+    if not masses:
+        raise CalibrationError("no mass_left thresholds to try")
+    try:
+        return {(ratio, m): QueryOptions.parse({"mode": "blend", "recompute_ratio": ratio, "selection": selection,
+                                                "budget": "adaptive", "mass_left": m, "max_tokens": max_tokens},
+                                               {"mass_left": "mass_left"})
+                for m in sorted(set(float(m) for m in masses), reverse=True)}
+    except QueryOptionsError as exc:
+        raise CalibrationError(str(exc)) from None
+
+
 def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[float] = DEFAULT_RATIOS,
               max_kl: float = DEFAULT_MAX_KL, max_nll_rel: float = DEFAULT_MAX_NLL_REL,
               min_speedup: float = DEFAULT_MIN_SPEEDUP, selection: str | None = None, max_tokens: int = 24,
-              source: str = "probes", progress: Callable[[int], None] | None = None) -> Calibration:
-    """Blend at each ratio against full prefill on ``questions`` over ``rag``'s index.
+              source: str = "probes", progress: Callable[[int], None] | None = None,
+              masses: Sequence[float] | None = None) -> Calibration:
+    """Blend at each ratio (or, with ``masses``, at each adaptive-budget threshold) against full
+    prefill on ``questions`` over ``rag``'s index.
+
+    With ``masses`` (the adaptive budget, ``blend.budget = "adaptive"``), the blends run at the
+    settings' ratio (``blend.recompute_ratio``, or ``blend.fallback_ratio`` for ``"auto"``) with
+    ``mass_left`` set to each threshold in turn, and the record keeps the largest threshold (the
+    fewest tokens recomputed) that meets the targets: the rule's threshold fitted on this index's
+    own questions, which ``recompute_ratio = "auto"`` then uses.
 
     Per question: retrieval as in a real query, one full-prefill request (greedy answer of
     ``max_tokens`` tokens, first-token distribution over the whole vocabulary), then per ratio one
@@ -153,8 +183,12 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         CalibrationError: no questions, a ratio outside [0, 1], ``max_kl`` <= 0, ``max_nll_rel`` < 0
             or ``min_speedup`` <= 0.
     """
-    blends = blend_options(ratios, selection, max_tokens)
-    ratios = list(blends)
+    if masses is not None:
+        centre = rag.settings.blend.static_ratio
+        blends = budget_options(centre, masses, selection, max_tokens)
+    else:
+        blends = {(r, None): o for r, o in blend_options(ratios, selection, max_tokens).items()}
+    points = list(blends)  # (ratio, mass_left or None), cheapest first
     if not questions:
         raise CalibrationError("no questions to calibrate with")
     if not max_kl > 0:
@@ -166,11 +200,11 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     engine = rag.engine
     selection = selection or engine.settings.blend.selection
     full_opts = QueryOptions(mode="full", max_tokens=max_tokens)
-    kls: dict[float, list[float]] = {r: [] for r in ratios}
-    nlls: dict[float, list[float]] = {r: [] for r in ratios}
-    ttfts: dict[float, list[float]] = {r: [] for r in ratios}
-    loops: dict[float, list[float]] = {r: [] for r in ratios}
-    shares: dict[float, list[float]] = {r: [] for r in ratios}
+    kls: dict[tuple, list[float]] = {r: [] for r in points}
+    nlls: dict[tuple, list[float]] = {r: [] for r in points}
+    ttfts: dict[tuple, list[float]] = {r: [] for r in points}
+    loops: dict[tuple, list[float]] = {r: [] for r in points}
+    shares: dict[tuple, list[float]] = {r: [] for r in points}
     full_nlls: list[float] = []
     full_ttfts: list[float] = []
     full_loops: list[float] = []
@@ -185,7 +219,7 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         if answer:
             full_nlls.append(mean_nll(engine.continuation_logprobs(prompt, answer, EXACT)))
         engine.generate(prompt, WARM_UP)  # the chunk KV's first read, untimed (see the docstring)
-        for r in rotated(ratios, i):
+        for r in rotated(points, i):
             blend = blends[r]
             g = engine.generate(prompt, blend, logprobs=-1)
             kls[r].append(kl_divergence(full.first_token_logprobs or {}, g.first_token_logprobs or {}))
@@ -201,7 +235,7 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     full_ttft = _median(full_ttfts)
     full_loop = float(_mean(full_loops) or 0.0)
     scores = []
-    for r in ratios:
+    for r in points:
         kl = float(_mean(kls[r]) or 0.0)
         nll = _mean(nlls[r])
         nll_rel = round(nll / base - 1, 4) if (nll is not None and base) else None
@@ -210,15 +244,17 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         speedup = round(full_ttft / ttft, 3) if ttft > 0 else None
         share = _mean(shares[r])
         good = kl <= max_kl and (nll_rel is None or nll_rel <= max_nll_rel) and loop <= full_loop
-        score = RatioScore(ratio=r, kl_mean=round(kl, 5), answer_nll_rel=nll_rel, ttft_median_s=round(ttft, 4),
+        score = RatioScore(ratio=r[0], kl_mean=round(kl, 5), answer_nll_rel=nll_rel, ttft_median_s=round(ttft, 4),
                            meets=False, loop_share=round(loop, 4), speedup=speedup, good=good,
-                           recomputed_share=None if share is None else round(share, 4))
+                           recomputed_share=None if share is None else round(share, 4), mass_left=r[1])
         # a blend over the whole context is full prefill through the blend's path: its "speedup" is noise
         score.meets = good and speedup is not None and speedup >= min_speedup and not score.whole_context
         scores.append(score)
     best = next((s for s in scores if s.meets), None)
     if best is not None:
-        recommendation, reason = "blend", (f"blend at ratio {best.ratio:g} answers like full prefill (KL "
+        at = f"ratio {best.ratio:g}" if best.mass_left is None else (
+            f"mass_left {best.mass_left:g} (recomputing {100 * (best.recomputed_share or 0):.0f}% of these contexts)")
+        recommendation, reason = "blend", (f"blend at {at} answers like full prefill (KL "
                                            f"{best.kl_mean:.3g} <= {max_kl:g}) {best.speedup:.1f}x sooner")
         if best.raised_by_floor:
             reason += (f", recomputing {100 * best.recomputed_share:.0f}% of these contexts (blend.min_recompute_tokens "
@@ -235,15 +271,20 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     else:
         good_ones = [s for s in scores if s.good and not s.whole_context]
         if good_ones:
-            reason = (f"the smallest ratio good enough ({good_ones[0].ratio:g}) is only {good_ones[0].speedup:.2f}x "
+            cheapest = good_ones[0]
+            what = (f"ratio ({cheapest.ratio:g})" if cheapest.mass_left is None
+                    else f"budget (mass_left {cheapest.mass_left:g})")
+            reason = (f"the smallest {what} good enough is only {cheapest.speedup:.2f}x "
                       f"faster than full prefill (target {min_speedup:g}x): blending does not pay on this index")
         else:
-            reason = (f"no ratio tried answers like full prefill (KL <= {max_kl:g}, answer NLL within "
+            tried = "ratio" if masses is None else "budget"
+            reason = (f"no {tried} tried answers like full prefill (KL <= {max_kl:g}, answer NLL within "
                       f"{100 * max_nll_rel:g}%, no more loops than full)")
             if any(s.good for s in scores):
                 reason += " except those that recompute the whole context, which is full prefill done slower"
         recommendation = "full"
-    return Calibration(ratio=best.ratio if best else None, max_kl=max_kl, selection=selection,
+    return Calibration(ratio=best.ratio if best else None, mass_left=best.mass_left if best else None,
+                       max_kl=max_kl, selection=selection,
                        model_fingerprint=engine.llm_info.fingerprint, n=len(questions), source=source,
                        full_ttft_median_s=round(full_ttft, 4), scores=scores,
                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), max_nll_rel=max_nll_rel,

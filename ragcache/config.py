@@ -50,6 +50,10 @@ MaxTokens = Annotated[int, Field(ge=1)]
 #: the longest run of recomputed tokens ``blend.granule`` (and a request's ``strategy/granule``) may ask for
 GRANULE_MAX = 256
 Granule = Annotated[int, Field(ge=1, le=GRANULE_MAX)]
+#: the question's attention an adaptive blend budget may leave on reused KV (``blend.mass_left``)
+MassLeft = Annotated[float, Field(gt=0.0, lt=1.0)]
+#: how a blend's recompute budget is set: from the request's question (adaptive) or the ratio alone (fixed)
+BudgetMode = Literal["adaptive", "fixed"]
 
 
 class ConfigError(ValueError):
@@ -115,12 +119,27 @@ class EngineSettings(_Section):
         "request waits for the next step (the first of a step always goes); 0 = no limit")
 
 
+#: ``blend.mass_left``'s default
+MASS_LEFT_DEFAULT = 0.05
+
+
 class BlendSettings(_Section):
     """CacheBlend selective recompute (Yao et al., EuroSys'25) and how its tokens are selected."""
 
     recompute_ratio: float | Literal["auto"] = Field(
         0.15, description="share of context tokens recomputed, in [0, 1], or 'auto': the index's calibrated ratio "
         "(`ragcache calibrate`), else fallback_ratio")
+    budget: BudgetMode = Field(
+        "fixed", description="adaptive: each request's recompute budget follows its question's attention "
+        "(recompute until at most mass_left of it stays on reused KV, within [recompute_ratio / 2, "
+        "max_recompute_ratio]); fixed: every request recomputes recompute_ratio")
+    mass_left: MassLeft = Field(
+        MASS_LEFT_DEFAULT, description="adaptive budget: the share of the question's attention that may stay on "
+        "reused (not recomputed) context tokens; smaller recomputes more (recompute_ratio = 'auto' uses the index's "
+        "calibrated value)")
+    max_recompute_ratio: Ratio = Field(
+        0.5, description="adaptive budget: at most this share of the context is recomputed (never less than "
+        "recompute_ratio gives): the cost one request may take")
     min_recompute_tokens: int = Field(
         384, ge=0, description="a blend recomputes at least this many context tokens (all of a shorter context), "
         "whatever the ratio gives: on short prompts 15% is too few for the passage an answer reads, and answers loop "
@@ -282,10 +301,20 @@ class BlendSettings(_Section):
         if selection == "hybrid":
             names.append("question_weight")
         if selection == "question" or (selection == "hybrid" and self.question_weight > 0):
-            names += ["probe_layers", "question_heads", "candidates", "refine_layer"]
+            names += ["probe_layers", "question_heads", "candidates", "refine_layer", "budget"]
+        if self.adapts(selection):
+            names.append("max_recompute_ratio")
         values = {f"blend.{name}": getattr(self, name) for name in names}
         values["blend.check_layer"] = self.check_layer_for(selection)
         return values
+
+    def adapts(self, selection: str | None = None) -> bool:
+        """The recompute budget follows each request's question (``budget = "adaptive"``) for this
+        selection (default ``selection``): only selections scored by the question's attention have
+        the attention the adaptive budget reads."""
+        selection = selection or self.selection
+        return self.budget == "adaptive" and (selection == "question" or (selection == "hybrid"
+                                                                         and self.question_weight > 0))
 
     @property
     def static_ratio(self) -> float:
@@ -305,6 +334,9 @@ class StoreSettings(_Section):
     remote_cluster: bool = Field(
         False, description="remote_url names node(s) of a Redis Cluster (or Valkey cluster): entries spread "
         "over its hash slots")
+    remote_timeout_s: float = Field(
+        2.0, gt=0.0, le=60.0, description="seconds the remote tier waits to connect and for each reply; a Redis "
+        "that does not answer in time is marked down (the local tiers answer; retried after a back-off)")
     namespace: str = Field(
         "default", description="KV namespace: part of every chunk key and Redis key; stores in different "
         "namespaces never share or see each other's KV")
@@ -406,8 +438,12 @@ class ServeSettings(_Section):
         "engine.mode needs it: refuse to start, or serve in full or prefix mode")
     max_header_bytes: int = Field(
         65536, ge=1024, le=16 * 1024 * 1024,
-        description="largest request line plus headers a client may send (bytes); more closes the connection "
-        "with HTTP 400")
+        description="largest request line plus headers a client may send (bytes), however they arrive; more "
+        "gets HTTP 431 and the connection is closed")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024,
+        description="largest request body a client may send (bytes); more gets HTTP 413 before the body is "
+        "parsed")
 
 
 class UISettings(_Section):

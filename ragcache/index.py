@@ -375,6 +375,8 @@ class RatioScore:
             ``ratio`` where ``blend.min_recompute_tokens`` raised a short context's budget (then
             ratios below it recompute the same tokens), and by the rounding to runs of
             ``blend.granule`` tokens; None in records written before it was measured.
+        mass_left: the adaptive budget's threshold measured (``blend.mass_left``: the share of the
+            question's attention left on reused KV), or None for a fixed budget at ``ratio``.
     """
 
     ratio: float
@@ -386,13 +388,15 @@ class RatioScore:
     speedup: float | None = None
     good: bool | None = None
     recomputed_share: float | None = None
+    mass_left: float | None = None
 
     @property
     def raised_by_floor(self) -> bool:
         """The share recomputed exceeds the ratio by more than 2 points: ``blend.min_recompute_tokens``
         raised the budget (runs of ``blend.granule`` tokens and forced tokens add less on 1k+ token
         contexts). Ratios raised to the same floor recompute the same tokens."""
-        return self.recomputed_share is not None and self.recomputed_share > self.ratio + 0.02
+        return (self.mass_left is None and self.recomputed_share is not None
+                and self.recomputed_share > self.ratio + 0.02)
 
     @property
     def whole_context(self) -> bool:
@@ -409,7 +413,10 @@ class Calibration:
     ``calibration.json`` keeps it (measured by :func:`ragcache.calibrate.calibrate`).
 
     Attributes:
-        ratio: the smallest ratio that met every target, or None when none did (use ``--mode full``).
+        ratio: the smallest ratio that met every target, or None when none did (use ``--mode full``);
+            with an adaptive budget, the ratio its budget is centred on.
+        mass_left: with an adaptive budget (``blend.budget``), the largest ``blend.mass_left`` (the
+            cheapest budget) that met every target; None for a fixed budget or when none did.
         max_kl: the KL target, nats.
         selection: the token-selection strategy measured.
         model_fingerprint: the model measured (its chunk KV is what was blended).
@@ -441,6 +448,7 @@ class Calibration:
     recommendation: str = "blend"
     reason: str = ""
     settings: dict[str, Any] | None = None
+    mass_left: float | None = None
 
     def changed(self, current: dict[str, Any]) -> list[str]:
         """The settings whose value in ``current`` (same keys as :attr:`settings`) differs from the

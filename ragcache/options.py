@@ -31,7 +31,7 @@ from typing import Annotated, Any, Mapping
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from ragcache.config import Granule, MaxTokens, Mode, Ratio, SelectionName, TopK, range_text
+from ragcache.config import BudgetMode, Granule, MassLeft, MaxTokens, Mode, Ratio, SelectionName, TopK, range_text
 from ragcache.conversation import Turn
 
 #: the seeds vLLM accepts: a signed 64-bit integer (its own OpenAI server checks the same range;
@@ -150,11 +150,11 @@ def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
 
 
 #: the options that only a blend reads
-BLEND_ONLY = ("recompute_ratio", "selection")
+BLEND_ONLY = ("recompute_ratio", "selection", "budget", "mass_left")
 
 
 def check_blend_only(value: Any, info: ValidationInfo) -> Any:
-    """Refuse a blend-only option (``recompute_ratio``, ``selection``) on a request whose mode is
+    """Refuse a blend-only option (``recompute_ratio``, ``selection``, ``budget``, ``mass_left``) on a request whose mode is
     set to another mode, where it would be ignored without a word. For pydantic field validators of
     models that declare ``mode`` before these fields (its validated value is in ``info.data``).
 
@@ -185,7 +185,7 @@ class QueryOptionsError(ValueError):
 
 #: the setting whose range each option shares (named in error messages)
 SETTING_OF = {"top_k": "retrieval.top_k", "max_tokens": "engine.max_tokens",
-              "recompute_ratio": "blend.recompute_ratio"}
+              "recompute_ratio": "blend.recompute_ratio", "mass_left": "blend.mass_left"}
 
 
 class QueryOptions(BaseModel):
@@ -200,6 +200,12 @@ class QueryOptions(BaseModel):
         selection: blend's token selection (default ``blend.selection`` / ``blend.granule``); a
             string such as ``"question/16"`` is read by :meth:`SelectionSpec.parse`; refused with
             another ``mode`` set.
+        budget: blend's recompute budget, ``"adaptive"`` (from the question's attention) or
+            ``"fixed"`` (the ratio alone) (default ``blend.budget``); refused with another ``mode`` set.
+        mass_left: the adaptive budget's share of the question's attention that may stay on reused
+            KV, in (0, 1) (default ``blend.mass_left``, or the index's calibration with
+            ``recompute_ratio = "auto"``); setting it asks for the adaptive budget (unless ``budget``
+            says otherwise); refused with another ``mode`` set.
         sampling: temperature, top_p, stop strings, seed (default greedy).
         history: earlier turns of the conversation, oldest first.
 
@@ -215,6 +221,8 @@ class QueryOptions(BaseModel):
     max_tokens: MaxTokens | None = None
     recompute_ratio: Ratio | None = None
     selection: Selection | None = None
+    budget: BudgetMode | None = None
+    mass_left: MassLeft | None = None
     sampling: SamplingOptions = GREEDY
     history: tuple[Turn, ...] = ()
 
@@ -276,7 +284,8 @@ def options_error(exc: ValidationError, names: Mapping[str, str]) -> QueryOption
 
 
 #: the range type of each bounded option (for messages)
-RANGES = {"top_k": TopK, "max_tokens": MaxTokens, "recompute_ratio": Ratio, "selection.granule": Granule,
+RANGES = {"top_k": TopK, "max_tokens": MaxTokens, "recompute_ratio": Ratio, "mass_left": MassLeft,
+          "selection.granule": Granule,
           "sampling.temperature": Temperature, "sampling.top_p": TopP, "sampling.seed": Seed,
           "sampling.min_tokens": MinTokens}
 

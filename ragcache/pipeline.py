@@ -377,7 +377,12 @@ class RAGPipeline:
         if (options.mode or self.settings.engine.mode) != "blend":
             return options, ""
         ratio, source = self.recompute_ratio(options.recompute_ratio)
-        return (options if options.recompute_ratio is not None else options.with_ratio(ratio)), source
+        if options.recompute_ratio is None:
+            options = options.with_ratio(ratio)
+        cal = self.calibration() if source == "calibration" else None
+        if cal is not None and cal.mass_left is not None and options.mass_left is None:
+            options = options.model_copy(update={"mass_left": cal.mass_left})  # the threshold fitted with the ratio
+        return options, source
 
     def query(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Answer:
         """Answer ``question`` from the index.

@@ -4,8 +4,8 @@ Owns: the readers for text/markdown, HTML, PDF and JSON/JSONL QA files (``READER
 a QA passage, and :func:`read_file`, which reads one file through llama-index's
 ``SimpleDirectoryReader`` and turns every failure into :class:`SkipFile` with a reason users can
 act on. A reader may also leave out part of a file it otherwise reads (a JSONL line that is not
-JSON): :func:`read_file` reports those parts beside the documents. Used by :mod:`ragcache.ingest`. Must not import vLLM, the engine, the pipeline, ``app/``
-or ``ui/``.
+UTF-8, not JSON or not a record): :func:`read_file` reports those parts beside the documents. Used
+by :mod:`ragcache.ingest`. Must not import vLLM, the engine, the pipeline, ``app/`` or ``ui/``.
 """
 
 from __future__ import annotations
@@ -41,14 +41,22 @@ class SkipFile(Exception):
 # ------------------------------------------------------------------------------------ readers
 
 
-def _read_text_bytes(path: Path) -> str:
+def _read_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     if b"\x00" in data[:_SNIFF_BYTES]:
         raise SkipFile("binary file (NUL bytes), not text")
+    return data
+
+
+def _decode(data: bytes) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise SkipFile(f"undecodable text: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+
+
+def _read_text_bytes(path: Path) -> str:
+    return _decode(_read_bytes(path))
 
 
 def _require_text(text: str) -> str:
@@ -117,38 +125,70 @@ def passage_doc_id(title: str, text: str) -> str:
     return hashlib.sha256(f"{title}\x00{text}".encode("utf-8")).hexdigest()[:16]
 
 
-def _jsonl_records(raw: str, left_out: list[str]) -> list:
-    """The records of a JSONL text; a line that is not JSON is left out and named in ``left_out``
-    (``"line 2: invalid JSON (Expecting value: column 1)"``, lines counted from 1 as editors do).
+class _Unusable:
+    """A JSONL line or JSON list item left out, and why (``"invalid JSON (...)"``)."""
 
-    Raises:
-        SkipFile: no line is JSON.
-    """
-    records, bad = [], []
-    for n, line in enumerate(raw.split("\n"), 1):  # JSON Lines separates by \n only (U+2028 may sit in a string)
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _jsonl_lines(data: bytes) -> list[tuple[str, "object | _Unusable"]]:
+    """``("line N", value)`` for every non-blank line of a JSONL file (lines counted from 1 as
+    editors do), decoded one line at a time: a line that is not UTF-8 or not JSON becomes an
+    :class:`_Unusable` naming the byte or the JSON error, and the other lines are kept."""
+    out: list[tuple[str, object | _Unusable]] = []
+    for n, raw in enumerate(data.split(b"\n"), 1):  # JSON Lines separates by \n only (U+2028 may sit in a string)
+        if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # a UTF-8 byte order mark
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            out.append((f"line {n}", _Unusable(f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")))
+            continue
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            out.append((f"line {n}", json.loads(line)))
         except json.JSONDecodeError as exc:
-            bad.append(f"line {n}: invalid JSON ({exc.msg}: column {exc.colno})")
-    if bad and not records:
-        more = f", and {len(bad) - 1} more line(s)" if len(bad) > 1 else ""
-        raise SkipFile(f"invalid JSON on every line ({bad[0]}{more})")
-    left_out.extend(bad)
-    return records
+            out.append((f"line {n}", _Unusable(f"invalid JSON ({exc.msg}: column {exc.colno})")))
+    return out
+
+
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "true/false", type(None): "null"}
+_RECORD = "expected an object with ctxs: [{title, text}] or a text string"
+
+
+def _passages(rec: object) -> "list[dict] | _Unusable":
+    """The passages ``{title, text}`` of one record (a QA record's ``ctxs``, or the record itself
+    when it has a ``text``), or why it has none."""
+    if not isinstance(rec, dict):
+        return _Unusable(f"{_JSON_TYPES.get(type(rec), 'a JSON value')}, not a record ({_RECORD})")
+    if "ctxs" in rec:
+        ctxs = rec["ctxs"]
+        if not isinstance(ctxs, list):
+            return _Unusable(f"ctxs is {_JSON_TYPES.get(type(ctxs), 'a JSON value')}, not a list of "
+                             "{title, text} passages")
+        found = [p for p in ctxs if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"].strip()]
+        return found or _Unusable("no passage in ctxs has text")
+    if not isinstance(rec.get("text"), str):
+        return _Unusable(f"an object without ctxs or text ({_RECORD})")
+    return [rec] if rec["text"].strip() else _Unusable("empty text")
 
 
 class JsonRecordsReader(BaseReader):
     """JSON (a record or a list of records) and JSONL (one record per line).
 
     Records with ``ctxs: [{title, text}]`` (the QA sets) give one document per distinct passage;
-    records with a ``text`` string give one document each; any other JSON is indexed as the file's
-    text. Passage documents get :func:`passage_doc_id` as id and keep their title. A JSONL line
-    that is not JSON is left out (named in ``left_out``) and the other lines are read.
+    records with a ``text`` string give one document each. In a file with at least one such record,
+    whatever else it holds is left out and named in ``left_out`` (a JSONL line that is not UTF-8,
+    not JSON or not a record; a list item that is not a record) and the records are read. A file
+    without any record is indexed as its text (JSONL lines that are not JSON are still named).
+    Passage documents get :func:`passage_doc_id` as id and keep their title.
 
     Attributes:
-        left_out: what was left out of the files this reader read, one line each.
+        left_out: what was left out of the files this reader read, one line each
+            (``"line 2: invalid JSON (Expecting value: column 1)"``).
     """
 
     def __init__(self) -> None:
@@ -157,30 +197,41 @@ class JsonRecordsReader(BaseReader):
 
     def load_data(self, file: Path, extra_info: dict | None = None) -> list[Document]:
         path = Path(file)
-        raw = _read_text_bytes(path)
         if path.suffix.lower() == ".jsonl":
-            records = _jsonl_records(raw, self.left_out)
+            data = _read_bytes(path)
+            items = _jsonl_lines(data)
         else:
+            data = _read_text_bytes(path)
             try:
-                loaded = json.loads(raw)
+                loaded = json.loads(data)
             except json.JSONDecodeError as exc:
                 raise SkipFile(f"invalid JSON: {exc}") from None
-            records = loaded if isinstance(loaded, list) else [loaded]
+            items = [(f"item {i}", rec) for i, rec in enumerate(loaded, 1)] if isinstance(loaded, list) else [
+                ("the file", loaded)]
         docs: dict[str, Document] = {}
-        for rec in records:
-            if not isinstance(rec, dict):
+        unusable: list[str] = []
+        for where, rec in items:
+            passages = rec if isinstance(rec, _Unusable) else _passages(rec)
+            if isinstance(passages, _Unusable):
+                unusable.append(f"{where}: {passages.reason}")
                 continue
-            passages = rec.get("ctxs") if isinstance(rec.get("ctxs"), list) else [rec]
             for p in passages:
-                if not isinstance(p, dict) or not isinstance(p.get("text"), str) or not p["text"].strip():
-                    continue
                 title = str(p.get("title") or "")
                 doc_id = passage_doc_id(title, p["text"])
                 if doc_id not in docs:
                     docs[doc_id] = Document(id_=doc_id, text=p["text"], metadata={**(extra_info or {}), "title": title})
         if docs:
+            self.left_out.extend(unusable)
             return list(docs.values())
-        return [_file_doc(path, _require_text(raw), path.stem, extra_info)]
+        # no record: the file is indexed as text (a JSON file of other shapes)
+        not_json = [f"{where}: {rec.reason}" for where, rec in items if isinstance(rec, _Unusable)]
+        if isinstance(data, bytes):
+            if items and len(not_json) == len(items):
+                more = f", and {len(not_json) - 1} more line(s)" if len(not_json) > 1 else ""
+                raise SkipFile(f"no line is JSON ({not_json[0]}{more})")
+            data = _decode(data)
+        self.left_out.extend(not_json)
+        return [_file_doc(path, _require_text(data), path.stem, extra_info)]
 
 
 #: file suffix -> llama-index reader (passed to SimpleDirectoryReader as file_extractor)
@@ -197,7 +248,8 @@ def read_file(path: Path, left_out: list[str] | None = None) -> list[Document]:
 
     Args:
         left_out: where to add, one line each, the parts of the file left out while the rest was
-            read (a JSONL line that is not JSON: ``"line 2: invalid JSON (...)"``).
+            read (``"line 2: invalid JSON (...)"``, ``"line 3: not UTF-8 (...)"``, ``"line 4: a
+            number, not a record (...)"``; see :class:`JsonRecordsReader`).
 
     Raises:
         SkipFile: the file cannot be ingested (unsupported type, binary, undecodable, empty,

@@ -293,3 +293,69 @@ def test_impact_is_attention_times_the_reused_value_error_at_the_candidates_only
         Selection("question", candidates=0.5)
     with pytest.raises(ValueError, match="refine_layer must be >= 1"):
         Selection("question", candidates=2.0, refine_layer=0)
+
+
+# ---- the adaptive recompute budget ------------------------------------------------------------
+
+
+def test_tokens_for_mass_takes_the_fewest_tokens_that_leave_at_most_the_mass():
+    from ragcache.blend.select import tokens_for_mass
+
+    scores = torch.tensor([0.05, 0.4, 0.1, 0.0, 0.2])
+    assert tokens_for_mass(scores, 0.5) == 1  # 0.75 total: taking 0.4 leaves 0.35
+    assert tokens_for_mass(scores, 0.2) == 2  # 0.4 + 0.2 leave 0.15
+    assert tokens_for_mass(scores, 0.06) == 3  # ... + 0.1 leave 0.05
+    assert tokens_for_mass(scores, 0.01) == 4  # ... + 0.05 leave 0 (the zero is never needed)
+    assert tokens_for_mass(scores, 0.8) == 0 and tokens_for_mass(torch.zeros(0), 0.1) == 0
+
+
+def test_adaptive_budget_grows_where_the_questions_attention_is_spread():
+    from ragcache.blend import BudgetRule, adaptive_budget
+
+    n = 1000
+    movable = torch.ones(n, dtype=torch.bool)
+    rule = BudgetRule(mass_left=0.05, max_ratio=0.5)
+    focused = torch.full((n,), 0.01 / n)
+    focused[:20] = 0.5 / 20  # half of the attention on 20 tokens, a trace elsewhere
+    spread = torch.full((n,), 0.5 / n)  # the same mass over every token
+    a = adaptive_budget(focused, movable, ratio=0.15, min_tokens=0, rule=rule)
+    b = adaptive_budget(spread, movable, ratio=0.15, min_tokens=0, rule=rule)
+    assert a.need is not None and b.need is not None and a.need < 150 < b.need
+    assert a.tokens == a.low == 75  # below the centre, down to its floor: half of the ratio's 150
+    assert b.need in (900, 901) and b.tokens == b.high == 500  # capped at max_ratio x N (901: float32 sums)
+    assert "capped" in b.reason and b.mass_left == pytest.approx(0.25, abs=1e-3)
+    assert a.centre == b.centre == 150 and "question gives 0.51 of its attention" in a.reason
+
+
+def test_adaptive_budget_keeps_the_floor_and_the_cap_and_counts_only_movable_tokens():
+    from ragcache.blend import BudgetRule, adaptive_budget, hkvd_budget
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(50):
+        n = int(torch.randint(50, 3000, (1,), generator=gen))
+        scores = torch.rand(n, generator=gen) ** 4
+        scores = scores / scores.sum() * float(torch.rand(1, generator=gen))
+        movable = torch.rand(n, generator=gen) > 0.2
+        ratio, floor = float(torch.rand(1, generator=gen)) * 0.4, int(torch.randint(0, 400, (1,), generator=gen))
+        rule = BudgetRule(mass_left=float(torch.rand(1, generator=gen)) * 0.2 + 0.001,
+                          max_ratio=float(torch.rand(1, generator=gen)) * 0.9 + 0.1)
+        got = adaptive_budget(scores, movable, ratio=ratio, min_tokens=floor, rule=rule)
+        centre = hkvd_budget(ratio, n, floor)
+        assert got.centre == centre
+        assert got.tokens <= int(movable.sum())
+        assert got.tokens <= max(centre, int(rule.max_ratio * n))  # the cap (never below the ratio's own budget)
+        assert got.tokens >= min(min(floor, n), centre, int(movable.sum()))  # the floor
+        if got.low <= got.need <= got.high and got.need <= int(movable.sum()):
+            assert got.tokens == got.need and got.mass_left <= rule.mass_left + 1e-6
+        # the tokens outside the budget hold the mass it reports, counted over movable tokens only
+        rest = torch.sort(scores[movable], descending=True).values[got.tokens:].sum()
+        assert got.mass_left == pytest.approx(float(rest), abs=1e-5)
+
+
+def test_budget_rule_refuses_values_outside_its_ranges():
+    from ragcache.blend import BudgetRule
+
+    for kwargs in ({"mass_left": 0.0}, {"mass_left": 1.0}, {"mass_left": 0.1, "max_ratio": 0.0},
+                   {"mass_left": 0.1, "min_share": 1.5}):
+        with pytest.raises(ValueError):
+            BudgetRule(**kwargs)

@@ -113,8 +113,18 @@ def test_an_unknown_selection_is_a_named_error_before_the_engine_starts(capsys, 
     assert "blend.selection" in capsys.readouterr().err
 
 
+@pytest.fixture
+def budget(engine, request):
+    """The engine's blends with ``request.param`` as ``blend.budget`` for one test."""
+    base = engine.settings.blend
+    engine.settings.blend = base.model_copy(update={"budget": request.param})
+    yield request.param
+    engine.settings.blend = base
+
+
 @pytest.mark.integration
-def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget", ["fixed"], indirect=True)
+def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, tmp_path, monkeypatch, budget):
     from ragcache.calibrate import calibrate
     from ragcache.pipeline import RAGPipeline
 
@@ -197,6 +207,41 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     (docs / "d.txt").write_text("Zorbian children learn the seven-string harp from the age of five.")
     assert rag.ingest([docs]).chunks_added == 1  # a new version of the index keeps its calibration
     assert read_calibration(rag.index_path, engine.llm_info.fingerprint, settings.blend.selection) == result
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("budget", ["adaptive"], indirect=True)
+def test_calibrate_fits_the_adaptive_budget_threshold_that_auto_then_uses(engine, tmp_path, budget):
+    from ragcache.calibrate import calibrate, probe_questions
+    from ragcache.pipeline import RAGPipeline
+
+    assert engine.settings.blend.adapts()  # adaptive budget, question selection
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, fact in enumerate(["The Zorbian capital is Velmora, a city on the river Aster with glass bridges.",
+                              "Zorbia's parliament meets in the Amber Hall, which has 212 seats and a copper roof.",
+                              "The national dish of Zorbia is kelmet, a stew of lentils, smoked fish and saffron."]):
+        (docs / f"{i}.txt").write_text(fact)
+    settings = engine.settings.model_copy(deep=True)
+    settings.ingest.index_dir = tmp_path / "indexes"
+    settings.blend.recompute_ratio = "auto"
+    rag = RAGPipeline(settings, "zorbia", engine)
+    rag.ingest([docs])
+    questions = probe_questions(list(rag.retriever.index.chunks()), 2)
+    cal = calibrate(rag, questions, masses=(0.3, 0.001), max_kl=10.0, max_nll_rel=10.0, max_tokens=4,
+                    min_speedup=0.01)
+    # the thresholds are tried cheapest first, around the settings' ratio; the tighter recomputes more
+    assert [s.mass_left for s in cal.scores] == [0.3, 0.001]
+    assert {s.ratio for s in cal.scores} == {settings.blend.fallback_ratio}
+    assert cal.scores[0].recomputed_share < cal.scores[1].recomputed_share
+    # the largest threshold that meets the (loose) targets is recorded with its ratio
+    assert cal.scores[0].meets and (cal.ratio, cal.mass_left) == (settings.blend.fallback_ratio, 0.3)
+    assert cal.settings["blend.budget"] == "adaptive" and "blend.max_recompute_ratio" in cal.settings
+    write_calibration(rag.index_path, cal)
+    after = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4)
+    assert after.metrics.ratio_source == "calibration" and "(target 0.3)" in after.metrics.budget_reason
+    asked = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4, mass_left=0.05)
+    assert "(target 0.05)" in asked.metrics.budget_reason  # a request's own threshold wins
 
 
 def test_the_ratio_note_says_when_a_blend_ratio_goes_against_the_index_calibration(monkeypatch):

@@ -83,16 +83,36 @@ def test_the_recompute_floor_sets_the_budget_of_a_short_context(engine, fact_chu
     base = engine.settings.blend
     try:
         engine.settings.blend = base.model_copy(update={"min_recompute_tokens": 48})
-        floored = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=0.05)).metrics
+        fixed = QueryOptions(mode="blend", recompute_ratio=0.05, budget="fixed")  # the floor of the ratio's budget
+        floored = engine.generate(prompt, fixed).metrics
         assert math.ceil(0.05 * prompt.ctx_len) < 48 == floored.recomputed_tokens  # the ratio alone gives fewer
         assert floored.reused_tokens == prompt.ctx_len - 48
         engine.settings.blend = base.model_copy(update={"min_recompute_tokens": 10 * prompt.ctx_len})
-        whole = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=0.05)).metrics
+        whole = engine.generate(prompt, fixed).metrics
         assert whole.recomputed_tokens == prompt.ctx_len and whole.reused_tokens == 0
         reuse = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=0.0)).metrics
         assert reuse.recomputed_tokens == 0  # ratio 0 stays plain reuse whatever the floor
     finally:
         engine.settings.blend = base
+
+
+def test_the_adaptive_budget_is_reported_and_is_what_the_worker_recomputed(engine, fact_chunks):
+    prompt = engine.prompts.build("What is the capital of Zorbia?", fact_chunks)
+
+    def blend(**kw):
+        return engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=0.15, max_tokens=1, **kw)).metrics
+
+    fixed, loose, tight = blend(budget="fixed"), blend(budget="adaptive", mass_left=0.2), blend(mass_left=0.01)
+    # every chunk is stored (nothing forced): the budget is exactly what the worker recomputed
+    for m in (fixed, loose, tight):
+        assert m.recompute_budget == m.recomputed_tokens > 0 and m.missing_computed_tokens == 0
+    assert fixed.recompute_budget == math.ceil(0.15 * prompt.ctx_len) and fixed.budget_reason.startswith("fixed: ")
+    assert loose.budget_reason.startswith("adaptive: ") and "target 0.2)" in loose.budget_reason
+    assert "target 0.01)" in tight.budget_reason and "left on reused KV" in tight.budget_reason
+    # less of the question's attention left on reused KV takes more tokens, up to max_recompute_ratio
+    cap = max(fixed.recompute_budget, int(engine.settings.blend.max_recompute_ratio * prompt.ctx_len))
+    assert loose.recompute_budget < tight.recompute_budget <= cap
+    assert loose.recompute_budget >= math.ceil(0.5 * fixed.recompute_budget)  # the floor: half the ratio's budget
 
 
 def test_recompute_depth_reaches_the_worker_and_leaves_ratio_one_exact(engine, fact_chunks):

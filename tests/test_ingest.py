@@ -541,3 +541,39 @@ def test_a_bad_jsonl_line_is_skipped_and_named_by_its_line_and_the_other_records
     assert "1 files ingested" in r.stdout and "0 skipped" in r.stdout and "2 chunks added" in r.stdout, r.stdout
     texts = sorted(c.text for c in Index.load(tmp_path / "indexes" / "qa", Settings.load()).chunks())
     assert texts == ["The Amber Hall has 212 seats and a copper roof.", "Velmora was founded in 1432 by Idris Kell."]
+
+
+def test_an_undecodable_jsonl_line_and_json_lines_that_are_no_records_are_named_and_the_rest_is_kept(tmp_path):
+    """Through `ragcache ingest`: a line of invalid UTF-8 costs that line, not the file (the file is
+    decoded line by line), and lines that are JSON but not records are named as well."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_bytes(b"\n".join([
+        json.dumps({"ctxs": [{"title": "Velmora", "text": "Velmora was founded in 1432 by Idris Kell."}]}).encode(),
+        b'\xff\xfe{"a":1}',
+        json.dumps({"text": "The Amber Hall has 212 seats and a copper roof."}).encode(),
+        b"42",
+        b'{"ctxs": "notalist"}',
+        b'{"title": "no text here"}',
+    ]) + b"\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
+    env.update(RAGCACHE_INGEST__INDEX_DIR=str(tmp_path / "indexes"), PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "app.cli", "ingest", str(qa), "--index", "qa", "--no-kv", "--quiet"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    named = [line for line in r.stderr.splitlines() if line.startswith(f"skipped {qa} ")]
+    assert named == [
+        f"skipped {qa} line 2: not UTF-8 (byte 0xff at column 1); the rest of the file is kept",
+        f"skipped {qa} line 4: a number, not a record (expected an object with ctxs: [{{title, text}}] or a text "
+        "string); the rest of the file is kept",
+        f"skipped {qa} line 5: ctxs is a string, not a list of {{title, text}} passages; the rest of the file is kept",
+        f"skipped {qa} line 6: an object without ctxs or text (expected an object with ctxs: [{{title, text}}] or a "
+        "text string); the rest of the file is kept",
+    ], r.stderr
+    assert "1 files ingested" in r.stdout and "0 skipped" in r.stdout and "2 chunks added" in r.stdout, r.stdout
+    texts = sorted(c.text for c in Index.load(tmp_path / "indexes" / "qa", Settings.load()).chunks())
+    assert texts == ["The Amber Hall has 212 seats and a copper roof.", "Velmora was founded in 1432 by Idris Kell."]

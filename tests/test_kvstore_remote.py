@@ -7,6 +7,8 @@ tests/redis_server.py) and kills it at the end; the tests skip only when no redi
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 
 import pytest
@@ -186,3 +188,43 @@ def test_clear_and_verify_cover_redis(redis_server):
     assert (report["checked"], report["ok"], report["corrupt"], report["removed"]) == (3, 2, 1, ["k1"])
     store.clear()
     assert store.stats()["remote"]["entries"] == 0 and client.get("unrelated") == b"x"
+
+
+def test_a_stopped_redis_costs_one_bounded_wait_then_the_local_tiers_answer(redis_server, tmp_path):
+    """A SIGSTOPped Redis accepts connections and never answers: store.remote_timeout_s bounds the
+    one wait that marks the tier down (10 s per reply made one served request take 25 s), and until
+    the back-off is over nothing waits for it again."""
+    settings = StoreSettings(ssd_cache_max_gb=0, remote_url=redis_server.url, remote_timeout_s=0.5)
+    store = TieredStore.from_settings(settings, spec=SPEC)
+    k, v = make_kv(1)
+    assert store.put("a", k, v, 0) == ("cpu", "remote")
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert store.get("missing") is None  # cpu misses, remote times out: marked down
+        waited = time.monotonic() - t0
+        assert store.put("b", *make_kv(2), 0) == ("cpu",)
+        assert store.get("b")[1] == "cpu" and store.get("missing-too") is None
+        total = time.monotonic() - t0
+        assert store.stats()["remote"]["up"] is False
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert 0.4 < waited < 2.0 and total < 2.5, (waited, total)
+
+
+def test_a_full_redis_that_refuses_writes_is_logged_once_and_counted(redis_server, caplog):
+    """maxmemory reached with maxmemory-policy noeviction: every remote write fails; the first one
+    is logged (naming Redis' reason), all are counted as write_errors, and the local tier keeps
+    the entries."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("maxmemory", str(client.info("memory")["used_memory"] // 2))  # already over it
+    client.config_set("maxmemory-policy", "noeviction")
+    store = TieredStore(SPEC, [(CpuTier(), None), (RedisTier(redis_server.url), None)])
+    with caplog.at_level(logging.WARNING, logger="ragcache.kvstore"):
+        for i in range(4):
+            assert store.put(f"k{i}", *make_kv(i), 0) == ("cpu",)
+    said = [r.getMessage() for r in caplog.records if "remote tier: write of" in r.getMessage()]
+    assert len(said) == 1 and "maxmemory" in said[0], said
+    stats = store.stats()["remote"]
+    assert stats["write_errors"] == 4 and stats["up"] is True and stats["entries"] == 0
+    assert all(store.get(f"k{i}")[1] == "cpu" for i in range(4))

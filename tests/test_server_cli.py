@@ -1,18 +1,21 @@
 """`ragcache serve` run as the real command (``python -m app.cli serve``) on a loopback port: what an
 operator sees when reuse/blend is unavailable at start (refused with one line, or served in the
-fallback mode /health names), keys scoped to indexes (401/403, tenants in /metrics), the header
-size limit, no KV mixing between 16 concurrent blend streams in float32, and `kill -9` of the
+fallback mode /health names), keys scoped to indexes (401/403, tenants in /metrics, a keys file
+replaced with the same mtime), the request head and body size limits (431, 413), a client gone
+before its answer, no KV mixing between 16 concurrent blend streams in float32, and `kill -9` of the
 server taking its vLLM engine processes with it (and a restart that works).
 
 Two models: a tiny random Gemma (no ragcache adapter: reuse/blend are unavailable; starts fast)
-and SmolLM2 in float32 (one server for the keys, header and concurrency tests).
+and SmolLM2 in float32 (one server for the keys, limits and concurrency tests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -336,14 +339,158 @@ def test_a_scoped_key_reads_only_its_indexes_and_metrics_name_the_tenant(smol):
     assert requests(tenant="acme", index="beta") == 0  # refused before any work: not a request of beta
 
 
-def test_request_headers_have_a_size_limit(smol):
-    assert httpx.get(f"{smol.url}/health", headers={"X-Pad": "a" * 8000}).status_code == 200
-    try:  # 1 MB of headers (serve.max_header_bytes is 64 KiB): refused, or the connection closed on it
-        refused = 400 <= httpx.get(f"{smol.url}/health", headers={"X-Pad": "a" * (1 << 20)}, timeout=30).status_code < 500
-    except httpx.TransportError:
-        refused = True
-    assert refused
-    assert httpx.get(f"{smol.url}/health").status_code == 200  # the server is unharmed
+def raw_request(server: Server, parts: list[bytes], pause_s: float = 0.0) -> tuple[int, bytes]:
+    """Send ``parts`` over one raw socket (``pause_s`` between writes), then read to the end:
+    (status code, body)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        for part in parts:
+            s.sendall(part)
+            time.sleep(pause_s)
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(1 << 16):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_a_request_line_and_headers_over_max_header_bytes_get_431_however_they_arrive(smol):
+    """serve.max_header_bytes (64 KiB) holds for the whole head, in one write or in many (h11's own
+    bound only sees a head that is still incomplete in its buffer)."""
+    def get(target: bytes, headers: bytes) -> bytes:
+        return b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + headers + b"\r\n"
+
+    pad = get(b"/health", b"X-Pad: " + b"a" * 70_000 + b"\r\n")
+    cases = {
+        "a 70 KB header in one write": [pad],
+        "a 70 KB header in 10 writes": [pad[i:i + 7_000] for i in range(0, len(pad), 7_000)],
+        "a 70 KB URL": [get(b"/health?q=" + b"a" * 70_000, b"")],
+        "1000 headers of 100 bytes": [get(b"/health", b"".join(b"X-H%04d: %s\r\n" % (i, b"b" * 90) for i in range(1000)))],
+        "a 1 MB header": [get(b"/health", b"X-Pad: " + b"a" * (1 << 20) + b"\r\n")],
+    }
+    for case, parts in cases.items():
+        status, body = raw_request(smol, parts, pause_s=0.05 if len(parts) > 1 else 0.0)
+        assert status == 431, (case, status, body[:300])
+        err = json.loads(body)["error"]
+        assert err["code"] == "request_header_fields_too_large" and "serve.max_header_bytes = 65536" in err["message"]
+    status, body = raw_request(smol, [get(b"/health", b"X-Pad: " + b"a" * 60_000 + b"\r\n")])  # under the limit
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_a_60_mb_body_gets_413_before_it_is_parsed_and_the_server_stays_small(smol):
+    """serve.max_body_bytes (8 MiB): a body over it is refused by its Content-Length, or, sent
+    chunked, as it arrives; the server's memory does not grow by the body and nothing is left in
+    flight."""
+    def rss_mb() -> float:
+        status = Path(f"/proc/{smol.proc.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+
+    body = json.dumps({"model": "acme", "max_tokens": 4, "messages": user("why? " * (12 << 20))}).encode()
+    assert len(body) > 60e6
+    headers = {"Authorization": "Bearer shared-key", "Content-Type": "application/json"}
+    before = rss_mb()
+    sized = httpx.post(f"{smol.url}/v1/chat/completions", content=body, headers=headers, timeout=120)
+
+    def pieces():
+        for i in range(0, len(body), 1 << 20):
+            yield body[i:i + (1 << 20)]
+
+    chunked = httpx.post(f"{smol.url}/v1/chat/completions", content=pieces(), headers=headers, timeout=120)
+    grown = rss_mb() - before
+    for r, seen in ((sized, f"Content-Length {len(body)}"), (chunked, "more than 8388608 bytes arrived")):
+        assert r.status_code == 413, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and "serve.max_body_bytes = 8388608" in err["message"]
+        assert seen in err["message"]
+    assert grown < 100, f"the server grew by {grown:.0f} MB"  # unbounded, it grew by gigabytes
+    health = httpx.get(f"{smol.url}/health").json()
+    assert health["in_flight"] == 0 and health["engine_unfinished_requests"] == 0
+    ok = client(smol, "shared-key").chat.completions.create(model="acme", messages=user("What is kelmet?"), max_tokens=2)
+    assert ok.choices[0].message.content  # the server is unharmed
+
+
+def test_a_client_that_leaves_before_its_answer_has_its_engine_request_aborted(smol):
+    def aborted() -> float:
+        return sum(v for (n, ls), v in scrape(smol, "ops-key-9").items()
+                   if n == "ragcache_requests_total" and ("outcome", "aborted") in ls and ("tenant", "default") in ls)
+
+    before = aborted()
+    # a minute or more of decoding unless aborted; in full mode (no chunk KV looked up: an aborted
+    # request's lookups reach the store's counters but not /metrics, which the last test compares)
+    body = json.dumps({"model": "acme", "messages": user("Tell me everything about Zorbia."), "max_tokens": 3000,
+                       "ignore_eos": True, "ragcache": {"mode": "full"}}).encode()
+    port = int(smol.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer shared-key\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{smol.url}/health").json()["engine_unfinished_requests"] == 0:  # until vLLM has it
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.2)
+    deadline = time.monotonic() + 30  # the client is gone: vLLM's request must go within moments
+    while (h := httpx.get(f"{smol.url}/health").json())["engine_unfinished_requests"] or h["in_flight"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.2)
+    assert aborted() - before == 1
+
+
+def test_a_keys_file_replaced_with_the_same_mtime_takes_on_the_next_request(smol):
+    """Keys are added and revoked by the file's content, whatever its mtime (rsync -t, cp -p and
+    images with fixed mtimes keep it): replaced atomically, or rewritten in place at the same size."""
+    from ragcache.server.keys import key_digest
+
+    keys = smol.log.parent / "keys.toml"
+    original = keys.read_text()
+    mtime = keys.stat().st_mtime_ns
+    entry = f'\n[[key]]\ntenant = "temp"\nsha256 = "{key_digest("temp-key-7")}"\nindexes = ["beta"]\n'
+
+    def replace(text: str) -> None:  # as `touch -d @T keys.new && mv keys.new keys.toml`
+        new = keys.with_name("keys.new")
+        new.write_text(text)
+        os.utime(new, ns=(mtime, mtime))
+        os.replace(new, keys)
+        assert keys.stat().st_mtime_ns == mtime
+
+    def models(key: str) -> list[str]:
+        return [m.id for m in client(smol, key).models.list().data]
+
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            models("temp-key-7")
+        replace(original + entry)
+        assert models("temp-key-7") == ["beta"]  # added
+        replace(original)
+        with pytest.raises(openai.AuthenticationError):
+            models("temp-key-7")  # revoked
+        replace(original + entry)
+        assert models("temp-key-7") == ["beta"]
+        with open(keys, "r+") as f:  # in place, same size, same mtime: another key's digest
+            f.write(original + entry.replace(key_digest("temp-key-7"), key_digest("temp-key-8")))
+        os.utime(keys, ns=(mtime, mtime))
+        with pytest.raises(openai.AuthenticationError):
+            models("temp-key-7")
+        assert models("temp-key-8") == ["beta"]
+    finally:
+        replace(original)
+    assert models("acme-key-1") == ["acme"]
+
+
+def test_a_scoped_key_gets_one_answer_for_every_name_that_is_no_served_index(smol, docs, tmp_path):
+    """A path outside ingest.index_dir is refused before anything is read there: an index of the
+    key's own namespace at that path and a path where nothing exists get the same 403 (the shared
+    key: the same 404), so a key cannot probe the server's disk."""
+    elsewhere = tmp_path / "elsewhere"
+    ingest(smol.log.parent / "settings.toml", str(elsewhere), docs, namespace="acme")
+    nothing = tmp_path / "nothing"
+    for key, status in (("ns-key-3", 403), ("acme-key-1", 403), ("shared-key", 404)):
+        answers = []
+        for path in (elsewhere, nothing):
+            r = httpx.post(f"{smol.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                           json={"model": "acme", "messages": user("hi"), "max_tokens": 2,
+                                 "ragcache": {"index": str(path)}})
+            answers.append((r.status_code, r.json()["error"]["message"].replace(str(path), "PATH")))
+        assert answers[0] == answers[1] and answers[0][0] == status, (key, answers)
 
 
 QUESTIONS = ["What is the capital of Zorbia?", "Who founded Velmora?", "What is kelmet?",

@@ -180,3 +180,21 @@ def test_a_keys_file_is_checked_at_start_with_the_entry_and_field_named(tmp_path
     assert ring.authenticate("k1").may_read("docs", "") and not ring.authenticate("k1").may_read("other", "")
     assert ring.authenticate("nope") is None and ring.authenticate(None) is None
     assert KeyRing().authenticate(None).every_index  # no keys at all: loopback serving for everyone
+
+
+def test_a_body_limit_below_what_the_context_may_take_is_warned_of_at_start(tmp_path, caplog):
+    (tmp_path / "idx" / "docs").mkdir(parents=True)
+    (tmp_path / "idx" / "docs" / "manifest.json").write_text("{}")
+
+    def warnings(**serve: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ragcache.server.run"):
+            check_serve_settings(Settings.load(serve={"index": "docs", **serve}, engine={"max_model_len": 8192},
+                                               ingest={"index_dir": str(tmp_path / "idx")}))
+        return [r.getMessage() for r in caplog.records]
+
+    assert warnings() == []  # the default (8 MiB) fits 8192 tokens
+    assert warnings(max_body_bytes=1 << 20) == []  # 128 bytes a token
+    said = warnings(max_body_bytes=(1 << 20) - 1)
+    assert len(said) == 1 and "serve.max_body_bytes = 1048575 may refuse (413)" in said[0]
+    assert "engine.max_model_len = 8192" in said[0] and "raise serve.max_body_bytes" in said[0]

@@ -61,6 +61,8 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
         depth = f", recomputed {m.recompute_note}" if m.recompute_note else ""
         parts.insert(0, f"recompute {m.ratio_text}{depth}")
     st.caption(" · ".join(parts))
+    if m.budget_reason.startswith("adaptive"):  # the recompute budget this question got, and why
+        st.caption(f"budget {_escape(m.budget_reason)}")
     if m.load_error:  # the worker could not serve the cached context: vLLM prefilled it in full
         st.caption(f":material/warning: the cached context could not be served ({_escape(m.load_error)}); "
                    "full prefill answered")

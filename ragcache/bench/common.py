@@ -30,23 +30,31 @@ Checkpoint = Callable[[dict[str, Any]], None]
 #: question of the untimed warm-up requests that fill vLLM's prefix cache for ``prefix`` mode
 WARMUP_QUESTION = "What are these documents about?"
 
-#: the targets results are judged by, as issues 21 (speed) and 22 (quality) set them (KL(full || mode)
-#: of ``reuse`` is the yardstick of blend's KL)
+#: the targets results are judged by (KL(full || mode) of ``reuse`` is the yardstick of blend's KL).
+#: Speed and answer agreement depend on the prompt's length: a blend's fixed costs (the question probe,
+#: ``blend.min_recompute_tokens``) weigh more on short prompts, and there quality comes before speed.
 TARGETS = {
-    "blend_ttft_speedup_min": 4.0,      # blend (default ratio) TTFT >= 4x lower than full and plain vLLM ...
-    "blend_ttft_speedup_short_min": 2.5,  # ... on ~6k-token prompts; >= 2.5x on short ones (HotpotQA, ~1.5k)
-    "long_prompt_tokens": 4000,         # mean prompt length from which the 4x target applies
+    "blend_ttft_speedup_min": {"short": 2.2, "mid": 3.0, "long": 4.0},  # TTFT(best full) / TTFT(blend)
+    "blend_kl_vs_reuse_max": {"mid": 0.15, "long": 0.15},  # first-token KL <= 0.15 of reuse's
+    "blend_agree_em_min": {"short": 0.5, "mid": 0.8},   # share of answers equal to full prefill's
+    "blend_agree_rouge_l_min": {"short": 0.75, "mid": 0.7, "long": 0.7},  # Rouge-L against full's answer
+    "blend_f1_vs_full_min": {"short": 0.9},              # gold F1 of blend / gold F1 of full
     "full_vs_plain_max": 1.05,          # the connector costs full prefill at most 5%
-    "blend_worker_vs_floor_max": 1.2,   # blend worker time <= 1.2x its compute floor (against plain vLLM)
     "ratio_one_vs_plain_max": 1.1,      # the own layer-wise path at ratio 1 costs <= 1.1x plain vLLM's prefill
-    "question_probe_share_max": 0.05,   # the question probe takes <= 5% of blend's TTFT
-    "blend_loop_share_max": 0.0,        # no blend answer with a repetition loop
-    "blend_kl_vs_reuse_max": 0.15,      # blend first-token KL <= 0.15 of reuse's
     "blend_nll_rel_max": 0.05,          # blend gold NLL at most 5% above full's (below is better)
-    "blend_agree_rouge_l_min": 0.7,     # blend's answer agrees with full's (Rouge-L)
     "hotset_last_vs_first_min": 0.9,    # speedup of the last 10 questions >= 90% of the first 10
     "disk_vs_cpu_ttft_max": 1.2,        # disk-tier blend TTFT <= 1.2x cpu-tier, pipeline_overlap on
 }
+#: prompt-length classes by mean prompt tokens: short below ``mid``, long from ``long`` on
+PROMPT_LENGTHS = {"mid": 2500, "long": 5000}
+
+
+def prompt_length(prompt_tokens: float | None) -> str:
+    """``"short"``, ``"mid"`` or ``"long"`` for a mean prompt length in tokens (None: long, the
+    strictest speed target)."""
+    if prompt_tokens is None or prompt_tokens >= PROMPT_LENGTHS["long"]:
+        return "long"
+    return "mid" if prompt_tokens >= PROMPT_LENGTHS["mid"] else "short"
 
 
 class BenchConfigError(ValueError):
@@ -69,16 +77,20 @@ BENCH_MODES: tuple[str, ...] = (*MODES, PLAIN)
 
 @dataclass(frozen=True)
 class Variant:
-    """A way of answering: a mode, and for ``blend`` its recompute ratio and token selection.
+    """A way of answering: a mode, and for ``blend`` its recompute ratio, token selection and budget.
 
     ``name`` keys the results: ``full``, ``plain``, ``reuse``, ``blend@0.15`` (the default
-    selection) or ``blend:question@0.15``.
+    selection and budget), ``blend:question@0.15`` or ``blend@0.15/fixed``.
+
+    ``budget`` is a budget spec (:func:`budget_options`): ``"fixed"``, ``"adaptive"`` or the
+    adaptive budget's ``mass_left`` as a number (``"0.02"``); None for the settings' own.
     """
 
     name: str
     mode: str
     ratio: float | None = None
     selection: str | None = None
+    budget: str | None = None
 
     @property
     def spec(self) -> SelectionSpec | None:
@@ -92,24 +104,53 @@ class Variant:
             QueryOptionsError: a ratio, selection or ``max_tokens`` out of range.
         """
         return QueryOptions.parse({"mode": None if self.mode == PLAIN else self.mode, "recompute_ratio": self.ratio,
-                                   "selection": self.selection, "max_tokens": max_tokens})
+                                   "selection": self.selection, "max_tokens": max_tokens,
+                                   **budget_options(self.budget)})
 
 
-def ratio_name(ratio: float, selection: str | None = None) -> str:
-    """The variant name of blend at ``ratio`` (and a non-default ``selection``): ``blend@0.15``,
-    ``blend:question@0.15``."""
-    return f"blend:{selection}@{ratio:g}" if selection else f"blend@{ratio:g}"
+def budget_options(spec: str | None) -> dict[str, Any]:
+    """The query options of a budget spec: ``"fixed"`` or ``"adaptive"`` (``budget``), or a number
+    (the adaptive budget at that ``mass_left``); none for None.
+
+    Raises:
+        BenchConfigError: another word, or a number outside (0, 1).
+    """
+    if spec is None:
+        return {}
+    if spec in ("fixed", "adaptive"):
+        return {"budget": spec}
+    try:
+        mass = float(spec)
+    except ValueError:
+        raise BenchConfigError(f"unknown budget {spec!r}; use fixed, adaptive or the adaptive budget's mass_left "
+                               "(e.g. 0.02)") from None
+    try:
+        QueryOptions.parse({"budget": "adaptive", "mass_left": mass}, {"mass_left": "budget"})
+    except QueryOptionsError as exc:
+        raise BenchConfigError(str(exc)) from None
+    return {"budget": "adaptive", "mass_left": mass}
+
+
+def ratio_name(ratio: float, selection: str | None = None, budget: str | None = None) -> str:
+    """The variant name of blend at ``ratio`` (and a non-default ``selection`` and ``budget``):
+    ``blend@0.15``, ``blend:question@0.15``, ``blend@0.15/fixed``, ``blend@0.15/0.02``."""
+    name = f"blend:{selection}@{ratio:g}" if selection else f"blend@{ratio:g}"
+    return f"{name}/{budget}" if budget else name
 
 
 def make_variants(modes: Sequence[str], ratios: Sequence[float], default_ratio: float,
-                  selections: Sequence[str] = (), default_selection: str | None = None) -> list[Variant]:
+                  selections: Sequence[str] = (), default_selection: str | None = None,
+                  budgets: Sequence[str] = ()) -> list[Variant]:
     """``full`` first (the reference of every comparison), then the modes; ``blend`` expands to one
     variant per ratio in ``ratios`` plus ``default_ratio``, for each of ``selections`` (default:
-    just ``default_selection``, named without it).
+    just ``default_selection``, named without it) and each of ``budgets`` (budget specs,
+    :func:`budget_options`; default: the settings' budget, named without it).
 
     Raises:
-        BenchConfigError: an unknown mode or selection, or a ratio outside [0, 1].
+        BenchConfigError: an unknown mode, selection or budget, or a ratio outside [0, 1].
     """
+    for b in budgets:
+        budget_options(b)
     for m in modes:
         if m not in BENCH_MODES:
             raise BenchConfigError(f"unknown mode {m!r}; use some of {', '.join(BENCH_MODES)}")
@@ -131,8 +172,9 @@ def make_variants(modes: Sequence[str], ratios: Sequence[float], default_ratio: 
             continue
         if m == "blend":
             for sel in (dict.fromkeys(selections) or [default_selection]):
-                out += [Variant(ratio_name(r, sel if named else None), "blend", r, sel)
-                        for r in sorted(set(ratios) | {default_ratio})]
+                for b in (dict.fromkeys(budgets) or [None]):
+                    out += [Variant(ratio_name(r, sel if named else None, b), "blend", r, sel, b)
+                            for r in sorted(set(ratios) | {default_ratio})]
         else:
             out.append(Variant(m, m))
     return out
@@ -145,6 +187,7 @@ def main_blend(variants: Sequence[Variant], default_ratio: float, selection: str
     selections only, e.g. ``--selections deviation`` or ``question/1,question/16``); None without
     blend variants at that ratio."""
     at_ratio = [v for v in variants if v.mode == "blend" and v.ratio == default_ratio]
+    at_ratio = [v for v in at_ratio if v.budget in (None, "adaptive")] or at_ratio  # the settings' budget first
     for v in at_ratio:
         spec = v.spec
         if spec is None or (spec.strategy == selection and (spec.granule or granule) == granule):

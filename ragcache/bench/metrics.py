@@ -94,6 +94,20 @@ def rouge_l(prediction: str, golds: str | Iterable[str]) -> float:
     return _best_f_measure(prediction, golds, lcs_length)
 
 
+def agreed_prefix(tokens: Sequence[int], reference: Sequence[int]) -> float | None:
+    """The share of ``reference``'s tokens that ``tokens`` repeats before their first divergence
+    (greedy answers of two modes: 1.0 when equal, 0.0 when the first token differs); None for an
+    empty reference."""
+    if not reference:
+        return None
+    same = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        same += 1
+    return same / len(reference)
+
+
 def median(values: Sequence[float]) -> float | None:
     """Median (mean of the two middle values for an even count); None for no values."""
     return percentile(values, 50.0)

@@ -57,13 +57,14 @@ def _pct(v: float | None) -> float | None:
 
 def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
     h = ["mode", "TTFT med (s)", "TTFT p90 (s)", "speedup", "vs best", "KL vs full", "answer NLL vs full %",
-         "gold NLL", "NLL vs full %", "F1", "Rouge-L", "agree EM", "agree Rouge-L", "loops %", "recomputed %"]
+         "gold NLL", "NLL vs full %", "F1", "Rouge-L", "agree EM", "agree prefix %", "agree Rouge-L", "loops %",
+         "recomputed %"]
 
     def row(name: str, s: Mapping[str, Any]) -> list[Any]:
         return [name, s["ttft_median_s"], s["ttft_p90_s"], s["speedup_median"], s.get("speedup_vs_best_median"),
                 s["kl_mean"], _pct(s.get("answer_nll_rel_full")), s["gold_nll_mean"], _pct(s["gold_nll_rel_full"]),
-                s["f1_mean"], s["rouge_l_mean"], s["agree_em_mean"], s["agree_rouge_l_mean"],
-                _pct(s.get("loop_share")), _pct(s["recomputed_frac_mean"])]
+                s["f1_mean"], s["rouge_l_mean"], s["agree_em_mean"], _pct(s.get("agree_prefix_mean")),
+                s["agree_rouge_l_mean"], _pct(s.get("loop_share")), _pct(s["recomputed_frac_mean"])]
     main = [row(k if k != "blend" else s["variant"], s) for k, s in result["modes"].items()]
     sweep = [row(s["variant"], s) for s in result["sweep"]]
     if "reuse" in result["modes"]:

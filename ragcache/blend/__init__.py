@@ -13,7 +13,10 @@ from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
 from ragcache.blend.select import (
     SELECTIONS,
+    Budget,
+    BudgetRule,
     Selection,
+    adaptive_budget,
     deviation_scores,
     hkvd_budget,
     impact_scores,
@@ -28,7 +31,10 @@ __all__ = [
     "Attention",
     "torch_attention",
     "BlendResult",
+    "Budget",
+    "BudgetRule",
     "Selection",
+    "adaptive_budget",
     "deviation_scores",
     "impact_scores",
     "value_error",

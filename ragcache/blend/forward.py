@@ -31,7 +31,10 @@ from ragcache.blend.attention import Attention, torch_attention
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
 from ragcache.blend.select import (
+    Budget,
+    BudgetRule,
     Selection,
+    adaptive_budget,
     check_mask,
     deviation_scores,
     hkvd_budget,
@@ -72,6 +75,8 @@ class BlendResult:
         compute_s: seconds of the blend's own compute (wall time minus ``load_s`` and ``on_layer_s``).
         on_layer_s: seconds spent inside the ``on_layer`` (and ``write_rows``) callbacks (e.g. writing a
             paged cache).
+        budget: the recompute budget the blend chose and why (:class:`~ragcache.blend.select.Budget`;
+            None for ``reuse_kv``).
         recomputed_layers: how many layers, from the first, the selected tokens were recomputed in
             (``recompute_depth``, :func:`recompute_layers`; every layer where the choice did not depend
             on the scores, e.g. ratio 1.0); 0 when no token was recomputed (and for ``reuse_kv``).
@@ -95,6 +100,7 @@ class BlendResult:
     on_layer_s: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
     recomputed_layers: int = 0
+    budget: Budget | None = None
 
 
 class _LayerLoader:
@@ -438,6 +444,16 @@ def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: 
                          **scores)
 
 
+def _adapt(ctx: _Context, question: _QuestionScores, rule: BudgetRule, ratio: float, min_tokens: int) -> Budget:
+    """The request's recompute budget from the question's attention (:func:`~ragcache.blend.select.
+    adaptive_budget`), over the tokens that may be chosen and whose KV moved (neither forced nor exact)."""
+    movable = torch.ones(ctx.n, dtype=torch.bool, device=ctx.ids.device)
+    for mask in (ctx.exact, ctx.forced):
+        if mask is not None:
+            movable &= ~mask
+    return adaptive_budget(question.mean(), movable, ratio=ratio, min_tokens=min_tokens, rule=rule)
+
+
 def _refine(ops: DecoderOps, ctx: _Context, layer: int, candidates: torch.Tensor, hidden: torch.Tensor,
             reused_v: torch.Tensor, error: torch.Tensor | None, question: _QuestionScores, budget: int,
             selection: Selection, segment_starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -527,6 +543,7 @@ def blend_kv(
     attention: Attention | None = None,
     write_rows: WriteRows | None = None,
     prefetch: bool = True,
+    budget_rule: BudgetRule | None = None,
 ) -> BlendResult:
     """CacheBlend: fuse the cached KV of the context tokens, recomputing only a selected share.
 
@@ -615,6 +632,9 @@ def blend_kv(
             moved twice, and the result is the same.
         prefetch: load layer i+1 in a background thread while layer i computes (the
             ``pipeline_overlap`` setting).
+        budget_rule: with question scores, the budget adapts to the request (:func:`~ragcache.blend.
+            select.adaptive_budget`: the question's attention left on reused KV, around the ratio's
+            budget); None keeps the ratio's budget (``hkvd_budget``) for every request.
 
     Returns:
         ``BlendResult`` with the selected indices, the load / compute / on_layer seconds and the
@@ -670,6 +690,9 @@ def blend_kv(
     start = time.perf_counter()
     clock = _Stages()
     emit = _Timer(on_layer, clock, "cache_write_s")
+    # the ratio's budget, unless the question's attention changes it (_adapt)
+    floor = " (blend.min_recompute_tokens)" if budget > math.ceil(round(recompute_ratio * num_tokens, 9)) else ""
+    chosen = Budget(tokens=budget, centre=budget, reason=f"fixed: {budget} tokens, ratio {recompute_ratio:g}{floor}")
     with torch.inference_mode(), _LayerLoader(ops, load_layer, plan, num_tokens, prefetch, clock) as loader:
         ctx = _Context(
             ids=token_ids.to(ops.device), positions=positions.to(ops.device),
@@ -698,6 +721,11 @@ def blend_kv(
                     reused_v.update(_question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move,
                                                     question, probe_emit, range(1, refine_at + 1) if refine else ()))
             with clock("select_s"):
+                if budget_rule is not None and question is not None:
+                    chosen = _adapt(ctx, question, budget_rule, recompute_ratio, min_recompute_tokens)
+                    budget = chosen.tokens
+                    candidate_budget = min(math.ceil(round(selection.candidates * budget, 9)), num_tokens - num_forced)
+                    refine = refine and candidate_budget > budget
                 selected = _select(ops, 0, ctx, candidate_budget if refine else budget, selection, deviation,
                                    segment_starts, None, None, question, scores_matter)  # [n]
             with clock("selective_layers_s"):
@@ -716,6 +744,9 @@ def blend_kv(
                 with clock("question_probe_s"):
                     _question_probe(ops, probe_layers, ctx, hidden_tail, loader, move, question, probe_emit)
             with clock("select_s"):
+                if budget_rule is not None and question is not None:
+                    chosen = _adapt(ctx, question, budget_rule, recompute_ratio, min_recompute_tokens)
+                    budget = chosen.tokens
                 selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
                                    (k_pre_cached, v_cached), question, scores_matter)  # [n]
             # 3. The selected tokens through the check layer's attention, then every later layer.
@@ -782,6 +813,7 @@ def blend_kv(
         on_layer_s=write_s,
         stages=clock.seconds,
         recomputed_layers=depth_end if recomputed.numel() > 0 else 0,
+        budget=chosen,
     )
 
 

@@ -141,6 +141,134 @@ def hkvd_budget(ratio: float, num_tokens: int, min_tokens: int = 0) -> int:
     return max(budget, min(min_tokens, num_tokens)) if ratio > 0 else budget
 
 
+@dataclass(frozen=True)
+class BudgetRule:
+    """The adaptive recompute budget (:func:`adaptive_budget`): how much of the question's attention
+    a blend may leave on reused KV, and the bounds around the ratio's budget.
+
+    Attributes:
+        mass_left: the question tail's attention (softmax weight averaged over its tokens, heads and
+            the layers probed, :func:`question_attention`) that may stay on context tokens whose KV is
+            reused, in (0, 1): the budget grows until the rest is recomputed.
+        max_ratio: the budget is at most this share of the context's tokens, in (0, 1] (never below
+            the ratio's own budget): the cost a request may take.
+        min_share: the budget is at least this share of the ratio's budget, in (0, 1] (and never
+            below ``min_recompute_tokens``): what a request whose question reads little of the
+            context still recomputes.
+    """
+
+    mass_left: float
+    max_ratio: float = 1.0
+    min_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mass_left < 1.0:
+            raise ValueError(f"mass_left must be in (0, 1), got {self.mass_left}")
+        if not 0.0 < self.max_ratio <= 1.0:
+            raise ValueError(f"max_ratio must be in (0, 1], got {self.max_ratio}")
+        if not 0.0 < self.min_share <= 1.0:
+            raise ValueError(f"min_share must be in (0, 1], got {self.min_share}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The recompute budget one blend chose, and why (reported per request).
+
+    Attributes:
+        tokens: context tokens chosen for recompute (forced tokens, which have no cached KV, come on top).
+        centre: the ratio's budget (``hkvd_budget(ratio, N, min_recompute_tokens)``): what a fixed
+            budget recomputes.
+        need: tokens the question's attention asked for (:func:`tokens_for_mass`), or None for a
+            fixed budget.
+        low, high: the bounds ``tokens`` was kept within.
+        mass: the question's attention on context tokens whose KV moved (0 for a fixed budget).
+        mass_left: the part of ``mass`` left on reused tokens by the ``tokens`` most attended ones.
+        reason: one line for people: what set the budget.
+    """
+
+    tokens: int
+    centre: int
+    need: int | None = None
+    low: int = 0
+    high: int = 0
+    mass: float = 0.0
+    mass_left: float = 0.0
+    reason: str = ""
+
+
+def tokens_for_mass(scores: torch.Tensor, mass_left: float) -> int:
+    """How many of the highest ``scores`` must be taken so that the rest sum to at most ``mass_left``.
+
+    Args:
+        scores: ``[M]`` float, >= 0 (attention weights of the candidate tokens).
+        mass_left: in [0, 1).
+
+    Returns:
+        k in ``[0, M]`` (0 when all of ``scores`` sum to at most ``mass_left``).
+    """
+    if scores.numel() == 0:
+        return 0
+    ordered = torch.sort(scores.float(), descending=True).values
+    total = float(ordered.sum())
+    if total <= mass_left:
+        return 0
+    # tokens whose running sum still leaves more than mass_left outside, plus the one that crosses it
+    return min(int((ordered.cumsum(0) < total - mass_left).sum()) + 1, ordered.numel())
+
+
+def adaptive_budget(question: torch.Tensor, movable: torch.Tensor, *, ratio: float, min_tokens: int,
+                    rule: BudgetRule) -> Budget:
+    """A per-request recompute budget from the attention the question gives the context's reused KV.
+
+    The question tail's attention over the context is measured by the question probe before any
+    token is chosen (:func:`question_attention`, fused over layers as ProphetKV, ICML'26, does). The
+    error a stale token adds to the answer's attention is its weight times its KV error, so the
+    budget is set by the weight left on reused tokens: the fewest tokens whose recompute leaves at
+    most ``rule.mass_left`` of it (:func:`tokens_for_mass`). A question that reads a few tokens of one
+    passage gets a small budget; one whose attention is spread over many passages (multi-hop, or a
+    short context where every passage counts) gets more. The ratio's budget is the centre: the
+    result stays within ``[rule.min_share x centre, max(centre, rule.max_ratio x N)]`` (and at least
+    ``min_tokens``). Per chunk, the budget follows the attention: a chunk the question reads more
+    holds more of the tokens that leave mass, so it receives more of the budget.
+
+    Args:
+        question: ``[N]`` float32 attention each context token receives from the question (>= 0).
+        movable: ``[N]`` bool, tokens that may be chosen and whose KV moved (not forced, not exact).
+        ratio: the recompute ratio in [0, 1] (the centre).
+        min_tokens: ``blend.min_recompute_tokens``.
+        rule: the budget's knobs.
+
+    Returns:
+        the :class:`Budget` (``tokens`` <= the movable tokens).
+
+    Raises:
+        ValueError: shapes disagree, or the ratio or floor is out of range (:func:`hkvd_budget`).
+    """
+    n = question.shape[0]
+    check_mask(movable, n, "movable")
+    centre = hkvd_budget(ratio, n, min_tokens)
+    available = int(movable.sum())
+    low = min(max(min(min_tokens, n), math.ceil(rule.min_share * centre)), centre)
+    high = max(centre, math.floor(rule.max_ratio * n))
+    scores = question[movable]
+    mass = float(scores.sum())
+    need = tokens_for_mass(scores, rule.mass_left)
+    tokens = min(max(need, low), high, available)
+    ordered = torch.sort(scores.float(), descending=True).values
+    left = float(ordered[tokens:].sum()) if tokens < available else 0.0
+    share = 100.0 * tokens / max(n, 1)
+    if need > high:
+        why = f"capped at {rule.max_ratio:g} of the context"
+    elif need < low:
+        why = "raised to its floor"
+    else:
+        why = "as the question's attention asks"
+    reason = (f"adaptive: {tokens} tokens ({share:.0f}%), {why}; the question gives {mass:.2f} of its attention to "
+              f"moved tokens, {left:.3f} left on reused KV (target {rule.mass_left:g}); ratio {ratio:g} gives {centre}")
+    return Budget(tokens=tokens, centre=centre, need=need, low=low, high=high, mass=mass, mass_left=left,
+                  reason=reason)
+
+
 def check_mask(mask: torch.Tensor | None, num_tokens: int, name: str = "forced") -> None:
     """Raise ValueError unless ``mask`` is None or a bool tensor of shape ``[num_tokens]``."""
     if mask is not None and (mask.shape != (num_tokens,) or mask.dtype != torch.bool):

@@ -62,7 +62,7 @@ class Rpc:
 #: the [blend] settings every reuse/blend request carries
 _BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "recompute_depth", "check_layer", "deviation", "selection",
                 "chunk_head_tokens", "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads",
-                "candidates", "refine_layer", "pipeline_overlap"}
+                "candidates", "refine_layer", "pipeline_overlap", "budget", "mass_left", "max_recompute_ratio"}
 
 
 def _overlap(value: Any) -> bool | str:
@@ -102,7 +102,10 @@ class BlendParams:
             the continuation they score (a gold answer) is not seen by the selection.
         recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation, selection,
             chunk_head_tokens, question_weight, max_chunk_share, granule, probe_layers, question_heads,
-            candidates, refine_layer, pipeline_overlap: the ``[blend]`` settings in force for this request (see :class:`ragcache.config.BlendSettings`).
+            candidates, refine_layer, pipeline_overlap, budget, mass_left, max_recompute_ratio: the ``[blend]``
+            settings in force for this request (see :class:`ragcache.config.BlendSettings`); ``budget`` and
+            ``mass_left`` as the request's options set them (a request's ``mass_left`` implies the adaptive
+            budget unless it sets ``budget``).
     """
 
     mode: str
@@ -125,6 +128,9 @@ class BlendParams:
     pipeline_overlap: bool | str
     candidates: float = 1.0
     refine_layer: int = 1
+    budget: str = "fixed"
+    mass_left: float = 0.05
+    max_recompute_ratio: float = 1.0
 
     @classmethod
     def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
@@ -150,7 +156,10 @@ class BlendParams:
             selection=strategy,
             granule=sel.granule if sel is not None and sel.granule is not None else blend.granule,
             check_layer=blend.check_layer_for(strategy),
-            **blend.model_dump(include=_BLEND_KNOBS - {"recompute_ratio", "selection", "granule", "check_layer"}),
+            budget=options.budget or ("adaptive" if options.mass_left is not None else blend.budget),
+            mass_left=blend.mass_left if options.mass_left is None else options.mass_left,
+            **blend.model_dump(include=_BLEND_KNOBS - {"recompute_ratio", "selection", "granule", "check_layer",
+                                                        "budget", "mass_left"}),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,7 +188,9 @@ class BlendParams:
                 max_chunk_share=float(data["max_chunk_share"]), granule=int(data["granule"]),
                 probe_layers=int(data["probe_layers"]), question_heads=str(data["question_heads"]),
                 pipeline_overlap=_overlap(data["pipeline_overlap"]), candidates=float(data.get("candidates", 1.0)),
-                refine_layer=int(data.get("refine_layer", 1)),
+                refine_layer=int(data.get("refine_layer", 1)), budget=str(data.get("budget", "fixed")),
+                mass_left=float(data.get("mass_left", 0.05)),
+                max_recompute_ratio=float(data.get("max_recompute_ratio", 1.0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None
@@ -444,6 +455,9 @@ class ContextStats:
             when nothing was recomputed. model_layers: the model's layers (0 in full/prefix mode).
         load_error: why the worker could not serve the context (the exception, one line), or "": vLLM
             then prefilled the whole prompt itself, so the answer is full prefill's.
+        recompute_budget: blend: the context tokens the budget chose for recompute (besides tokens
+            with no cached KV), 0 otherwise. budget_reason: blend: what set that budget, one line
+            (the adaptive budget: the question's attention left on reused KV; or the ratio).
     """
 
     ctx_tokens: int = 0
@@ -460,6 +474,8 @@ class ContextStats:
     recomputed_layers: int = 0
     model_layers: int = 0
     load_error: str = ""
+    recompute_budget: int = 0
+    budget_reason: str = ""
 
     @property
     def partial_depth(self) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ragcache.blend import Selection, blend_kv, compute_kv, reuse_kv
+from ragcache.blend import BudgetRule, Selection, blend_kv, compute_kv, reuse_kv
 from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
 from ragcache.engine.messages import (
@@ -331,6 +331,7 @@ class WorkerRuntime:
                 # with the kernel (it reads the paged cache) a probed layer is written once, then only its
                 # recomputed rows; blend_kv uses write_rows only with an attention of the engine's own
                 on_layer=write_layer, attention=attention, write_rows=write_rows, prefetch=prefetch,
+                budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio) if p.budget == "adaptive" else None,
             )
         recomputed = int(result.num_recomputed)
         # blend does not load layers below the check layer; a handle promotes its entry to the top
@@ -349,6 +350,8 @@ class WorkerRuntime:
             worker_s=time.perf_counter() - t0,
             stages={"open_s": open_s, "missing_compute_s": missing_s, **result.stages, "promote_s": promote_s},
             recomputed_layers=result.recomputed_layers, model_layers=self.ops.num_layers,
+            recompute_budget=result.budget.tokens if result.budget is not None else 0,
+            budget_reason=result.budget.reason if result.budget is not None else "",
         )
 
 

@@ -50,5 +50,6 @@ def tiers_from_settings(settings: StoreSettings, device: torch.device) -> list[t
         except OSError as exc:
             log.warning("disk tier off: cannot use %s (%s); set store.ssd_cache_dir", settings.ssd_cache_dir, exc)
     if settings.remote_url:
-        tiers.append((RedisTier(settings.remote_url, cluster=settings.remote_cluster), None))
+        tiers.append((RedisTier(settings.remote_url, cluster=settings.remote_cluster,
+                                connect_timeout=settings.remote_timeout_s, timeout=settings.remote_timeout_s), None))
     return tiers

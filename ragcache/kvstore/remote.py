@@ -62,8 +62,10 @@ class RedisTier:
         url: ``redis://host:port/db``, ``rediss://...`` or ``unix:///path``; with ``cluster``, one or
             more comma-separated ``redis://host:port`` seed nodes.
         prefix: prepended to every key; ``clear`` only removes keys with this prefix.
-        connect_timeout: seconds to wait for a connection.
-        timeout: seconds to wait for a reply (per socket operation).
+        connect_timeout: seconds to wait for a connection (``store.remote_timeout_s`` from settings).
+        timeout: seconds to wait for a reply, per socket operation (``store.remote_timeout_s``): a
+            server that accepts connections but does not answer (stopped, overloaded) costs this
+            long before the tier is marked down.
         cluster: the URL names node(s) of a Redis Cluster / Valkey cluster.
 
     Construction does not connect; the first command does (a cluster's topology is read then).

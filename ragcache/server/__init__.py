@@ -1,8 +1,9 @@
 """``ragcache serve``: an OpenAI-compatible RAG server on vLLM's async engine.
 
 Modules: ``schemas`` (the wire format: requests, responses, stream chunks, errors), ``metrics``
-(Prometheus), ``app`` (the FastAPI application: routes, streaming, limits, errors), ``run``
-(start-up checks, uvicorn), ``client`` (a client that answers with the SDK's objects). Built on
+(Prometheus), ``app`` (the FastAPI application: routes, streaming, errors), ``keys`` (who may
+read which index), ``limits`` (request head and body sizes), ``run`` (start-up checks, uvicorn),
+``client`` (a client that answers with the SDK's objects). Built on
 the SDK (ragcache.pipeline and ragcache.engine.AsyncBlendEngine); never imports app/ or ui/.
 Importing this package imports neither FastAPI nor vLLM.
 

@@ -21,7 +21,10 @@ instead. An error after the stream started is sent as a ``data: {"error": ...}``
 that disconnects cancels its request: the vLLM request is aborted and its KV slots are freed.
 
 Who may read what: :mod:`ragcache.server.keys` (the shared ``serve.api_key``, scoped keys from
-``serve.keys_file``; 401 without a valid key, 403 for an index the key may not read). The mode a
+``serve.keys_file``; 401 without a valid key, 403 for an index the key may not read, and for a
+scoped key also for any name that is no index served here). How large a request may be:
+:mod:`ragcache.server.limits` (413 for a body over ``serve.max_body_bytes``, answered before it is
+parsed; 431 for a request line and headers over ``serve.max_header_bytes``). The mode a
 request gets when it names none is the server's (:func:`serving_mode`): ``engine.mode``, or
 ``serve.blend_fallback`` when reuse/blend turned out unavailable at start.
 """
@@ -31,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -47,6 +49,7 @@ from ragcache.config import ConfigError, Settings
 from ragcache.engine.messages import CONNECTOR_MODES
 from ragcache.engine.selfcheck import BlendUnavailableError
 from ragcache.server.keys import Access, KeyRing
+from ragcache.server.limits import BodyLimit
 from ragcache.server.metrics import ServerMetrics
 from ragcache.server.schemas import (
     DEFAULT_MODEL_ALIASES,
@@ -125,21 +128,25 @@ class ServerState:
 
     def keyring(self) -> KeyRing:
         """The keys accepted now: built from ``serve.api_key`` and ``serve.keys_file``, and built
-        again when either setting or the file changes (keys are added or revoked without a restart;
-        a file that turns invalid keeps the keys read before, with a warning).
+        again when either setting or the file's content changes (keys are added or revoked without
+        a restart, on the next request, whatever the file's mtime: the file is read on every call,
+        a few microseconds for a file of many keys; a file that turns invalid or unreadable keeps
+        the keys read before, with a warning).
 
         Raises:
             ConfigError: the keys file is invalid when first read.
         """
         s = self.settings.serve
-        try:
-            mtime = os.stat(os.path.expanduser(s.keys_file)).st_mtime_ns if s.keys_file else None
-        except OSError:
-            mtime = -1
-        stamp = (s.api_key, s.keys_file, mtime)
+        content = None
+        if s.keys_file:
+            try:
+                content = Path(s.keys_file).expanduser().read_bytes()
+            except OSError:
+                pass  # reported by KeyRing.from_settings below, once per change
+        stamp = (s.api_key, s.keys_file, content)
         if stamp != self._keys_stamp:
             try:
-                self._keys = KeyRing.from_settings(s)
+                self._keys = KeyRing.from_settings(s, content)
             except ConfigError as exc:
                 if self._keys_stamp is None:
                     raise
@@ -159,10 +166,9 @@ class ServerState:
 
         return resolve_index_path(name, self.settings.ingest.index_dir)
 
-    def namespace_of(self, name: str, path: Path | None = None) -> str | None:
-        """The own KV namespace of index ``name`` (at ``path``, when already resolved) ("" = none),
-        or None when it cannot be read (no such index, a damaged one, its database down): then no
-        key reads it by namespace."""
+    def namespace_of(self, name: str) -> str | None:
+        """The own KV namespace of served index ``name`` ("" = none), or None when it cannot be read
+        (a damaged index, its database down): then no key reads it by namespace."""
         from ragcache.catalog import catalog
         from ragcache.index import Manifest, readable_path
 
@@ -170,18 +176,21 @@ class ServerState:
             cat = catalog(self.settings)
             if cat.backend != "faiss":
                 return cat.manifest(name).namespace
-            folder = readable_path(path or self.index_path(name))  # read now, not cached
+            folder = readable_path(self.index_path(name))  # read now, not cached
             return None if folder is None else Manifest.read(folder).namespace
         except Exception:  # noqa: BLE001 - unreadable: the namespace grants nothing
             return None
 
-    def check_access(self, access: Access, name: str, param: str, path: Path | None = None) -> None:
-        """Refuse an index the caller may not read (``path``: its folder, when already resolved).
+    def check_access(self, access: Access, name: str, param: str, names: list[str]) -> None:
+        """Refuse an index the caller may not read. ``names``: the indexes served (listed for this
+        request). For a key scoped to some indexes, a name that is no served index (a path, an
+        index that does not exist) gets the same answer as a served index it may not read, before
+        anything is looked up on disk: the answer tells nothing about what exists.
 
         Raises:
             APIError: 403 naming the tenant, the index and what the key may read.
         """
-        if access.every_index or access.may_read(name, self.namespace_of(name, path)):
+        if access.every_index or (name in names and access.may_read(name, self.namespace_of(name))):
             return
         raise APIError(403, f"{param} {name!r}: the API key of tenant {access.tenant!r} may not read this index "
                        f"(it may read {access.describe()}); ask the server's operator to add it to the key's entry "
@@ -286,11 +295,12 @@ def api_error(exc: BaseException) -> APIError:
 
 
 class _ClientGone(Exception):
-    """The client disconnected before its (non-streamed) answer was ready."""
+    """The client disconnected before its retrieval or its (non-streamed) answer was ready."""
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it (and so aborting its vLLM request) if the client disconnects.
+    """Await ``work``, cancelling it if the client disconnects (a vLLM request is aborted; a
+    retrieval running in a thread finishes there, but nothing follows it).
 
     Raises:
         _ClientGone: the client disconnected first.
@@ -421,6 +431,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
     app = FastAPI(title="ragcache", version="1", lifespan=lifespan,
                   description="OpenAI-compatible RAG with chunk KV reuse (CacheBlend) on vLLM")
     app.state.server = state
+    app.add_middleware(BodyLimit, limit=lambda: settings.serve.max_body_bytes)  # 413 before FastAPI parses
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -485,8 +496,9 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
 
     @app.get("/v1/models/{name}")
     async def model(name: str, access: Access = Depends(authorized)) -> dict[str, Any]:
-        state.check_access(access, name, "model")
-        return _model(state.resolve_index(name, None))
+        names = state.indexes()
+        state.check_access(access, name, "model", names)
+        return _model(state.resolve_index(name, None, names))
 
     def _model(name: str) -> dict[str, Any]:
         from ragcache.catalog import catalog
@@ -517,9 +529,9 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         opts = body.options
         names = state.indexes()  # listed once per request
         asked, param = _asked_index(state, body.model, opts.index, names)
-        path = state.index_path(asked)  # resolved once per request
-        state.check_access(access, asked, param, path)
+        state.check_access(access, asked, param, names)
         index = state.resolve_index(body.model, opts.index, names)
+        path = state.index_path(index)  # resolved once per request
         question, history = body.conversation()
         mode = opts.mode or state.mode
         options = body.query_options(history).model_copy(update={"mode": mode})  # the server's default mode
@@ -532,7 +544,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         slot = state.acquire()
         try:
             pipe = state.pipeline(index, path)
-            r = await pipe.aprepare(question, options)
+            r = await _unless_disconnected(request, pipe.aprepare(question, options))
             if body.stream:
                 events = _events(state, pipe, r, index=index, model=body.model, mode=mode, opts=opts,
                                  include_usage=body.include_usage, tenant=tenant)
@@ -557,7 +569,8 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
 
 def _asked_index(state: ServerState, model: str, override: str | None, names: list[str]) -> tuple[str, str]:
     """The index name a request asks for and the field that names it, before checking it exists
-    (access is checked first, so a key learns nothing about indexes it may not read)."""
+    (access is checked first, so a key learns nothing about indexes it may not read, nor about
+    folders on the server's disk)."""
     if override is not None:
         return override, "ragcache.index"
     if model in DEFAULT_MODEL_ALIASES and model not in names:

@@ -82,7 +82,8 @@ class RemotePipeline:
     def _body(self, question: str, o: QueryOptions, stream: bool) -> dict[str, Any]:
         """The request body carrying ``o`` (the server validates it again at its own edge)."""
         opts = {k: v for k, v in (("mode", o.mode), ("top_k", o.top_k), ("recompute_ratio", o.recompute_ratio),
-                                  ("selection", None if o.selection is None else str(o.selection))) if v is not None}
+                                  ("selection", None if o.selection is None else str(o.selection)),
+                                  ("budget", o.budget), ("mass_left", o.mass_left)) if v is not None}
         s = o.sampling
         body: dict[str, Any] = {
             "model": self.index_name, "stream": stream, "ragcache": opts,

@@ -113,8 +113,9 @@ def _entry(raw: Any, where: str) -> tuple[str, Access]:
     return digest.lower(), Access(tenant, indexes, lists["namespaces"])
 
 
-def read_keys_file(path: str | Path) -> dict[str, Access]:
+def read_keys_file(path: str | Path, content: bytes | None = None) -> dict[str, Access]:
     """The scoped keys of a keys file: ``{sha256 hex: Access}`` (see the module docstring).
+    ``content``: the file's bytes, when already read.
 
     Raises:
         ConfigError: the file is missing or unreadable, is not TOML, or an entry is invalid (the
@@ -122,7 +123,7 @@ def read_keys_file(path: str | Path) -> dict[str, Access]:
     """
     path = Path(path).expanduser()
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads((path.read_bytes() if content is None else content).decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"serve.keys_file {str(path)!r} cannot be read ({exc.strerror or exc}); "
                           "point serve.keys_file at an existing TOML file, or set it to \"\"") from None
@@ -160,13 +161,14 @@ class KeyRing:
         self._scoped = dict(scoped or {})
 
     @classmethod
-    def from_settings(cls, serve: Any) -> "KeyRing":
-        """From the ``[serve]`` settings (``api_key``, ``keys_file``).
+    def from_settings(cls, serve: Any, content: bytes | None = None) -> "KeyRing":
+        """From the ``[serve]`` settings (``api_key``, ``keys_file``); ``content``: the keys file's
+        bytes, when already read.
 
         Raises:
             ConfigError: see :func:`read_keys_file`.
         """
-        return cls(serve.api_key, read_keys_file(serve.keys_file) if serve.keys_file else None)
+        return cls(serve.api_key, read_keys_file(serve.keys_file, content) if serve.keys_file else None)
 
     @property
     def required(self) -> bool:

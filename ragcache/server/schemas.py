@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ragcache.config import MaxTokens, Mode, Ratio, TopK
+from ragcache.config import BudgetMode, MassLeft, MaxTokens, Mode, Ratio, TopK
 from ragcache.conversation import Question, Turn, split_messages
 from ragcache.options import (
     BLEND_ONLY, MinTokens, QueryOptions, SamplingOptions, Seed, Selection, Temperature, TopP, check_min_tokens,
@@ -42,15 +42,17 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
     Args:
-        status: HTTP status (400 bad request, 401 key, 404 unknown model/index, 429 too many in
-            flight, 500 server error, 503 not ready).
+        status: HTTP status (400 bad request, 401 key, 403 index not allowed, 404 unknown
+            model/index, 413 body too large, 429 too many in flight, 431 request line and headers
+            too large, 500 server error, 503 not ready).
         message: what is wrong and how to fix it.
         param: the request field at fault (``"temperature"``, ``"messages[1].role"``), if any.
         code: a stable machine-readable code (``"model_not_found"``, ``"context_length_exceeded"``...).
     """
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-             404: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+             404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             431: "invalid_request_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -139,6 +141,10 @@ class RagcacheOptions(BaseModel):
     recompute_ratio: Ratio | None = Field(None, description="share of context tokens recomputed in blend mode")
     selection: Selection | None = Field(None, description="blend's token selection, e.g. question or "
                                         "question/16 (default blend.selection)")
+    budget: BudgetMode | None = Field(None, description="blend's recompute budget: adaptive (from the question's "
+                                      "attention) or fixed (the ratio) (default blend.budget)")
+    mass_left: MassLeft | None = Field(None, description="adaptive budget: share of the question's attention that "
+                                       "may stay on reused KV (default blend.mass_left)")
     return_sources: bool = Field(True, description="include the retrieved chunks in the response")
     return_prompt: bool = Field(False, description="include the prompt text the model was given")
 
@@ -284,7 +290,8 @@ class ChatCompletionRequest(BaseModel):
         o = self.options
         return QueryOptions.model_construct(
             mode=o.mode, top_k=o.top_k, max_tokens=self.answer_tokens, recompute_ratio=o.recompute_ratio,
-            selection=o.selection, sampling=self.sampling(), history=tuple(history))
+            selection=o.selection, budget=o.budget, mass_left=o.mass_left, sampling=self.sampling(),
+            history=tuple(history))
 
 
 # ---- response -----------------------------------------------------------------------------------
