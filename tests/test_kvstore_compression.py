@@ -54,6 +54,54 @@ def test_round_trip_error_is_within_the_documented_bound_of_each_quantiser(form)
     assert (k_hat - k).abs().max() > 0  # lossy, really quantised
 
 
+def _stored_layers(form: str, lengths: list[int], layer: int = 1) -> list:
+    from ragcache.kvstore.codec import StoredLayer
+
+    out = []
+    for j, t in enumerate(lengths):
+        k, v = kv_like_a_model(tokens=t, seed=j)
+        parts = layer_parts(form, torch.float16 if form != "none" else torch.float32, t, 2, 64)
+        out.append(StoredLayer(form, parts, encode(k, v, form, torch.float32 if form == "none" else torch.float16)[layer]))
+    return out
+
+
+@pytest.mark.parametrize("form", ["none", "int8", "int4"])
+def test_one_layer_of_many_entries_decodes_as_each_entry_alone_concatenated(form):
+    from ragcache.kvstore.codec import decode_layer, decode_layers
+
+    layers = _stored_layers(form, [7, 40, 1, 23])
+    k, v = decode_layers(layers, torch.bfloat16, torch.device("cpu"))
+    one = [decode_layer(x.form, x.parts, x.record, torch.bfloat16, torch.device("cpu")) for x in layers]
+    assert k.shape == v.shape == (71, 2, 64) and k.dtype == v.dtype == torch.bfloat16
+    assert torch.equal(k, torch.cat([a for a, _ in one])) and torch.equal(v, torch.cat([b for _, b in one]))
+    # mixed forms (a chunk computed during a request beside stored ones) decode one by one, alike
+    mixed = layers[:2] + _stored_layers("none", [5])
+    k, v = decode_layers(mixed, torch.float32, torch.device("cpu"))
+    assert k.shape == (52, 2, 64) and torch.equal(v[47:], decode_layer("none", mixed[2].parts, mixed[2].record,
+                                                                       torch.float32, torch.device("cpu"))[1])
+
+
+def test_decoding_a_layer_of_more_entries_takes_no_more_kernels():
+    """The dequantisation of one layer costs a fixed number of kernels whatever the number of chunks in
+    the context (only views of each entry's parts are per entry): what keeps compressed KV from adding
+    per-chunk work to every layer of a blend."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ragcache.kvstore.codec import decode_layers
+
+    views = {"aten::slice", "aten::view", "aten::select", "aten::as_strided", "aten::alias", "aten::lift_fresh",
+             "aten::detach", "aten::detach_", "aten::unsqueeze", "aten::expand"}
+
+    def kernels(n: int) -> int:
+        layers = _stored_layers("int8", [30] * n)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decode_layers(layers, torch.bfloat16, torch.device("cpu"))
+        return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in views
+                   and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+    assert kernels(2) == kernels(12) <= 20
+
+
 def test_a_group_of_zeros_and_tiny_values_round_trips_without_dividing_by_zero():
     k, v = kv_like_a_model(tokens=5)
     k[:, :, :, 7] = 0.0  # a channel that is zero on every token

@@ -26,6 +26,7 @@ from ragcache.engine.paged_attention import (
     AttentionChoice, PagedKernelAttention, ScratchKernelAttention, choose_attention,
 )
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
+from ragcache.kvstore.codec import StoredLayer, decode_layers, layer_parts
 from ragcache.prompt import is_canonical, lead_in_for
 
 log = logging.getLogger(__name__)
@@ -98,15 +99,19 @@ def prefetch_layers(setting: bool | str, device: torch.device, tiers: list[str])
 
 
 class _MemoryHandle:
-    """A just-computed entry served like a store handle (layer(i) -> (k, v))."""
+    """A just-computed entry served like a store handle (layer(i) -> (k, v), or as a stored layer)."""
 
     tier = COMPUTED
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
+        self._parts = layer_parts("none", k.dtype, *k.shape[1:])
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
+
+    def stored_layer(self, i: int) -> StoredLayer:
+        return StoredLayer("none", self._parts, torch.stack([self.k[i], self.v[i]]))
 
     def close(self) -> None:
         pass
@@ -273,9 +278,9 @@ class WorkerRuntime:
         pos = torch.arange(n)
         slot_mapping = (blocks[pos // block_size] * block_size + pos % block_size).to(device)
 
-        def layer_of(j: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def layer_of(j: int, i: int) -> StoredLayer:
             try:
-                return handles[j].layer(i)
+                return handles[j].stored_layer(i)
             except (CorruptEntryError, TierError, OSError) as exc:
                 # the entry went bad (or its tier away) mid-read: compute it now, never serve it
                 seg = segments[j]
@@ -284,14 +289,13 @@ class WorkerRuntime:
                 handles[j] = self._compute_for_request(seg.key, head_ids, seg.start,
                                                        token_ids[seg.start:seg.start + seg.length])
                 tiers[j] = COMPUTED
-                return handles[j].layer(i)
+                return handles[j].stored_layer(i)
 
         loaded: set[int] = set()
 
         def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            loaded.add(i)
-            ks, vs = zip(*(layer_of(j, i) for j in range(len(handles))))
-            return torch.cat(ks).to(device, self.ops.dtype), torch.cat(vs).to(device, self.ops.dtype)
+            loaded.add(i)  # one layer of every chunk, decoded together (a few kernels however many chunks)
+            return decode_layers([layer_of(j, i) for j in range(len(handles))], self.ops.dtype, device)
 
         def write_slots(i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             layer = self.attn_layers[i]

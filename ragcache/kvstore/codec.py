@@ -2,7 +2,8 @@
 
 Owns: the forms (:data:`FORMS`), the byte layout of one layer in each (:func:`layer_parts`),
 quantising an entry when it is stored (:func:`encode`) and dequantising one layer (or all) when it
-is read (:func:`decode_layer`, :func:`decode_all`), and each form's error bound
+is read (:func:`decode_layer`, :func:`decode_all`; one layer of many entries at once:
+:func:`decode_layers`), and each form's error bound
 (:data:`ERROR_BOUNDS`). Plain torch; imports nothing from ragcache; must not import vLLM.
 
 Forms (``store.kv_compression``):
@@ -227,6 +228,66 @@ def _dequantise(form: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
         x = q.to(torch.float32)
     x.mul_(scale.to(torch.float32))
     return x if dtype == torch.float32 else x.to(dtype)
+
+
+@dataclass(frozen=True)
+class StoredLayer:
+    """One layer of one entry as it was stored and read, not yet dequantised (what
+    :meth:`ragcache.kvstore.handle.KVHandle.stored_layer` returns, :func:`decode_layers` decodes).
+
+    Attributes:
+        form: the entry's stored form.
+        parts: its layer layout (:func:`layer_parts`).
+        record: ``[2, T, H, D]`` floats (``none``) or uint8 ``[record bytes]``, on the CPU or the
+            compute device; a view of a memory tier's entry, or the caller's own tensor. Never modified.
+    """
+
+    form: str
+    parts: tuple[Part, ...]
+    record: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.parts[0].shape[0]
+
+
+def decode_layers(layers: "list[StoredLayer]", dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer of several entries, concatenated along their tokens in the given order:
+    each ``[sum T, H, D]`` in ``dtype`` on ``device`` (new tensors).
+
+    Entries of one stored form are decoded together, in a number of kernels that does not grow with
+    the number of entries: the payloads and the scales are concatenated (K's per-channel scales
+    repeated over each entry's tokens), then dequantised once (:func:`decode_layer` per entry costs
+    a handful of kernels each, which for a context of many chunks adds up to more than the
+    dequantisation itself). Entries of different forms (a chunk computed during a request among
+    stored ones) are decoded one by one.
+
+    Raises:
+        ValueError: no layers.
+    """
+    if not layers:
+        raise ValueError("decode_layers needs at least one layer")
+    non_blocking = device.type != "cpu"
+
+    def on_device(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == device else t.to(device=device, non_blocking=non_blocking)
+
+    form = layers[0].form
+    if any(layer.form != form for layer in layers):
+        ks, vs = zip(*(decode_layer(layer.form, layer.parts, layer.record, dtype, device) for layer in layers))
+        return torch.cat(ks), torch.cat(vs)
+    if form == "none":
+        kv = torch.cat([on_device(layer.record) for layer in layers], dim=1)  # [2, N, H, D], a new tensor
+        kv = kv.to(dtype=dtype)
+        return kv[0], kv[1]
+    split = [split_layer(layer.parts, on_device(layer.record)) for layer in layers]
+    qk = torch.cat([p[0] for p in split])  # [N, H, D] (int4: D/2 bytes)
+    qv = torch.cat([p[2] for p in split])
+    counts = torch.tensor([layer.num_tokens for layer in layers], device=device)
+    k_scale = torch.repeat_interleave(torch.stack([p[1] for p in split]), counts, dim=0)  # [N, H, D]
+    v_scale = torch.cat([p[3] for p in split])  # [N, H]
+    return _dequantise(form, qk, k_scale, dtype), _dequantise(form, qv, v_scale[..., None], dtype)
 
 
 def decode_all(form: str, parts: tuple[Part, ...], kv: torch.Tensor, dtype: torch.dtype,

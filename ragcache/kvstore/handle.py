@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ragcache.kvstore.codec import decode_layer
+from ragcache.kvstore.codec import StoredLayer, decode_layer
 from ragcache.kvstore.entry import CorruptEntryError, KVMeta, StoredKV, TierError
 from ragcache.kvstore.format import EntryReader
 
@@ -109,6 +109,18 @@ class KVHandle:
         device compressed and is dequantised there (:func:`ragcache.kvstore.codec.decode_layer`):
         only this layer, so reading ahead layer by layer still overlaps with compute.
 
+        Raises: as :meth:`stored_layer`.
+        """
+        stored = self.stored_layer(i)
+        owned = self._buf is None and not self._from_memory
+        return decode_layer(stored.form, stored.parts, stored.record, self._owner.spec_dtype, self._owner.device,
+                            copy=not owned)
+
+    def stored_layer(self, i: int) -> StoredLayer:
+        """Layer ``i`` as stored, read and checked but not dequantised (for
+        :func:`ragcache.kvstore.codec.decode_layers`, which decodes a layer of many entries at once):
+        a view of a memory tier's entry or of the promotion buffer, never to be modified.
+
         Raises:
             CorruptEntryError: the layer failed its checksum; the entry has been deleted from
                 the tier and counted, the lookup counts as a miss, and the handle cannot be used
@@ -133,10 +145,7 @@ class KVHandle:
             raise TierError(f"reading layer {i} of {self.key!r} from {self.tier}: {exc}") from exc
         self._read[i] = True
         owner.record_read(self._pos, self.key, self.meta.layer_nbytes)
-        # a memory tier's layer is a view of the stored entry, the promotion buffer is kept: copy those;
-        # a layer read into a fresh tensor is already the caller's own
-        owned = self._buf is None and not self._from_memory
-        return decode_layer(self.meta.compression, self._parts, t, owner.spec_dtype, owner.device, copy=not owned)
+        return StoredLayer(self.meta.compression, self._parts, t)
 
     def close(self) -> None:
         """Release the reader; promote the entry if it was read completely. Idempotent."""
