@@ -1,4 +1,4 @@
-"""`ragcache bench ttft|hotset|throughput|tiers|ingest|serve|scale|bandwidth|retrieval|coldstart|plain` and
+"""`ragcache bench ttft|hotset|throughput|tiers|storage|ingest|serve|scale|bandwidth|retrieval|coldstart|plain` and
 `ragcache eval`: reproducible numbers.
 
 Thin flag parsing over ragcache.bench, where the runners, metrics, tables and plots live.
@@ -129,7 +129,7 @@ def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, ingest, "
+    b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, storage, ingest, "
                        "serve, scale, bandwidth, retrieval, coldstart, plain",
                        description="Each benchmark prints its tables and writes RESULT.json, RESULT.md and (ttft, hotset, "
                        "throughput, serve) RESULT.png; "
@@ -195,6 +195,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--layouts", default="cpu,disk,remote", help="tier layouts: cpu, disk (measured with the page cache warm and, as disk-cold, dropped), "
                    "remote (needs redis-server installed)")
     r.set_defaults(func=run_tiers)
+
+    o = kinds.add_parser("storage", help="stored forms of chunk KV (store.kv_compression): bytes per token, codec "
+                         "rates, blend TTFT from cpu, cold disk and Redis, KL and gold NLL against uncompressed",
+                         description="Two engines per form, each in a child process, and a throwaway redis-server "
+                         "(needs redis-server installed).", formatter_class=_FMT)
+    _common(o, out="results/bench_storage.json", plot=False)
+    o.add_argument("--n", type=_positive, default=3, help="examples")
+    o.add_argument("--passages", type=_positive, default=10, help="passages per prompt")
+    o.add_argument("--repeats", type=_positive, default=2, help="timed blend requests per example and tier")
+    o.add_argument("--forms", type=_choices(("none", "int8", "int4"), "forms"), default="none,int8,int4",
+                   help="stored forms to compare (none, the baseline, is always run)")
+    o.set_defaults(func=run_storage)
 
     i = kinds.add_parser("ingest", help="KV precompute tokens/s next to vLLM's own prefill tokens/s",
                          formatter_class=_FMT)
@@ -462,6 +474,26 @@ def run_tiers(args: argparse.Namespace) -> int:
     with _scratch(args.kv_dir, "ragcache-bench-tiers-") as kv_root:
         result = run(args.settings, examples, kv_root=kv_root, passages=args.passages,
                      repeats=args.repeats, layouts=layouts, progress=_say)
+    _stamp(args, result, started=started)
+    return _finish(result, args.out)
+
+
+@_user_error
+def run_storage(args: argparse.Namespace) -> int:
+    from ragcache.bench.environment import utc_now
+    from ragcache.bench.fixtures import RedisNotInstalledError
+    from ragcache.bench.storage import run_storage as run
+
+    examples = _load(args, args.n)
+    forms = ["none", *(f for f in args.forms if f != "none")]
+    started = utc_now()
+    try:
+        with _scratch(args.kv_dir, "ragcache-bench-storage-") as kv_root:
+            result = run(args.settings, examples, kv_root=kv_root, forms=forms, passages=args.passages,
+                         repeats=args.repeats, progress=_say)
+    except RedisNotInstalledError as exc:
+        print(f"ragcache: error: {exc}", file=sys.stderr)
+        return 2
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: _usage(p))
 
     s = actions.add_parser("stats", help="hit rates since the counters started (all processes), entries, "
-                           "occupancy and capacity of every tier, entries per namespace",
+                           "occupancy, capacity and bytes per token of every tier, the KV compression in use, "
+                           "entries per namespace",
                            formatter_class=HelpFormatter)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("--reset", action="store_true", help="start the cumulative counters afresh, then show them")
@@ -65,8 +66,8 @@ def _open_store(settings: "Settings", spec: "KVSpec | None") -> "TieredStore":
     return TieredStore.from_settings(settings.store, spec=spec, hit_rate_log_interval=None)
 
 
-def _model_spec(settings: "Settings") -> "KVSpec | None":
-    """KVSpec of the configured LLM, or None (with a note) when it is not provisioned."""
+def _model_spec(settings: "Settings", quiet: bool = False) -> "KVSpec | None":
+    """KVSpec of the configured LLM, or None (with a note unless ``quiet``) when it is not provisioned."""
     from ragcache.kvstore import KVSpec
     from ragcache.models import ModelNotFoundError, resolve_llm
 
@@ -74,6 +75,8 @@ def _model_spec(settings: "Settings") -> "KVSpec | None":
         info = resolve_llm(settings.models.model, settings.models.cache_dir)
         return KVSpec.from_hf_config(info.path, info.fingerprint)
     except (ModelNotFoundError, OSError, KeyError, ValueError) as exc:
+        if quiet:
+            return None
         print(f"note: cannot resolve the model ({exc}); checking integrity only, entries of other "
               "models are not told apart (run `ragcache setup` first)", file=sys.stderr)
         return None
@@ -128,8 +131,10 @@ def run_stats(args: argparse.Namespace) -> int:
         now = StoreStats.from_dict(store.stats())
         total = store.ledger.cumulative()
         namespaces = store.namespaces()
+        footprint = store.footprint()
     finally:
         store.close()
+    compression = _compression(settings)
     lookups = total["lookups"]
     stats = _cumulative(now, total)
     n = stats.lookups
@@ -138,7 +143,8 @@ def run_stats(args: argparse.Namespace) -> int:
         print(json.dumps({**_where(settings), "cumulative": persisted, "since": total["since"],
                           "updated": total.get("updated"), "lookups": {**lookups, "hits": stats.hits,
                                                                        "misses": stats.misses},
-                          "tiers": stats.to_dict(), "namespaces": namespaces}, indent=2))
+                          "tiers": stats.to_dict(), "namespaces": namespaces, "footprint": footprint,
+                          "compression": compression}, indent=2))
         return 0
     tiers = stats.tiers
     print(f"the KV store (shared by all indexes); disk folder {settings.store.ssd_cache_dir}; "
@@ -152,13 +158,15 @@ def run_stats(args: argparse.Namespace) -> int:
     print(f"chunk lookups: {n} ({scope}); prompt-head lookups {lookups.get('head_lookups', 0)}, "
           f"{lookups.get('head_hits', 0)} served")
     print(f"{'tier':8} {'up':4} {'hits':>8} {'hit rate':>8} {'entries':>8} {'occupancy':>10} {'capacity':>10} "
-          f"{'used':>6} {'corrupt':>7} {'unavail':>7} {'not stored':>10}")
+          f"{'used':>6} {'B/token':>8} {'corrupt':>7} {'unavail':>7} {'not stored':>10}")
     for name, t in tiers.items():
         cap = t.capacity_bytes
         used = f"{100.0 * t.occupancy_bytes / cap:.1f}%" if cap else "-"
+        per_token = (footprint.get(name) or {}).get("bytes_per_token")
         print(f"{name:8} {'yes' if t.up else 'DOWN':4} {t.hits:>8} {_pct(t.hits, n):>8} "
               f"{t.entries:>8} {_size(t.occupancy_bytes):>10} {_size(cap):>10} {used:>6} "
-              f"{t.corrupt:>7} {t.unavailable:>7} {t.not_stored:>10}")
+              f"{'-' if per_token is None else f'{per_token:.0f}':>8} {t.corrupt:>7} {t.unavailable:>7} "
+              f"{t.not_stored:>10}")
     print(f"{'miss':8} {'':4} {stats.misses:>8} {_pct(stats.misses, n):>8}   (no tier held a usable entry: computed)")
     disk = tiers.get("disk")
     if disk and disk.free_bytes is not None and disk.capacity_bytes != disk.configured_capacity_bytes:
@@ -167,8 +175,45 @@ def run_stats(args: argparse.Namespace) -> int:
     for name, counts in namespaces.items():
         listed = ", ".join(f"{ns or '(none)'} {k}" for ns, k in sorted(counts.items())) or "empty"
         print(f"{name} entries per namespace: {listed}")
-    print("memory tiers are per process (empty here)")
+    for name, fp in footprint.items():
+        if fp["forms"] and (len(fp["forms"]) > 1 or compression["form"] not in fp["forms"]):
+            forms = ", ".join(f"{form} {k}" for form, k in sorted(fp["forms"].items()))
+            print(f"{name} entries per stored form (of {fp['sampled']} read): {forms}; only "
+                  f"{compression['form']} is served (store.kv_compression), the others are recomputed")
+    print(_compression_line(compression))
+    print("memory tiers are per process (empty here); B/token: bytes (header, values, scales) per token of the "
+          "stored entries")
     return 0
+
+
+def _compression(settings: "Settings") -> dict[str, Any]:
+    """The configured stored form, with the bytes per token it costs for the configured model (when
+    it is provisioned) beside uncompressed float32's (``None`` when the model cannot be resolved)."""
+    from ragcache.kvstore.format import bytes_per_token
+
+    st = settings.store
+    out: dict[str, Any] = {"form": st.kv_compression, "kv_dtype": st.kv_dtype, "model": None,
+                           "bytes_per_token": None, "float32_bytes_per_token": None}
+    spec = _model_spec(settings, quiet=True)
+    if spec is not None:
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        dtype = "float32" if st.kv_dtype == "model" else st.kv_dtype  # "model": the engine's dtype, unknown here
+        out.update(model=settings.models.model,
+                   bytes_per_token=round(bytes_per_token(*shape, st.kv_compression, dtype)),
+                   float32_bytes_per_token=round(bytes_per_token(*shape, "none", "float32")))
+    return out
+
+
+def _compression_line(c: dict[str, Any]) -> str:
+    what = {"none": f"none (floats: store.kv_dtype = {c['kv_dtype']})",
+            "int8": "int8 (K per channel, V per token, float16 scales)",
+            "int4": "int4 (K per channel, V per token, float16 scales, two values per byte)"}[c["form"]]
+    line = f"compression: {what}"
+    if c["bytes_per_token"] is not None:
+        dtype = " if the engine runs in float32" if c["form"] == "none" and c["kv_dtype"] == "model" else ""
+        line += (f"; {c['model']}: {c['bytes_per_token']} bytes per token{dtype} in 512-token chunks "
+                 f"(uncompressed float32: {c['float32_bytes_per_token']})")
+    return line
 
 
 def _report_removed(before: StoreStats, after: StoreStats, what: str) -> int:
@@ -210,6 +255,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 def run_drop(args: argparse.Namespace) -> int:
     from ragcache.catalog import catalog
     from ragcache.config import Settings
+    from ragcache.kvstore.codec import FORMS
     from ragcache.models import load_tokenizer, resolve_llm
     from ragcache.prompt import PromptBuilder
 
@@ -218,10 +264,12 @@ def run_drop(args: argparse.Namespace) -> int:
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)
     tokenizer = load_tokenizer(settings).tokenizer
     keys: set[str] = set()
-    for dtype in COMPUTE_DTYPES:  # the KV of every precision an engine may have computed it in
-        builder = PromptBuilder(tokenizer, settings.prompt, llm.fingerprint,
-                                store_namespace=settings.store.namespace, compute_dtype=dtype)
-        keys.update(builder.key(c, manifest.namespace) for c in chunks)
+    for dtype in COMPUTE_DTYPES:  # the KV of every precision an engine may have computed it in ...
+        for form in FORMS:  # ... and every form it may have been stored in
+            builder = PromptBuilder(tokenizer, settings.prompt, llm.fingerprint,
+                                    store_namespace=settings.store.namespace, compute_dtype=dtype,
+                                    kv_compression=form)
+            keys.update(builder.key(c, manifest.namespace) for c in chunks)
     store = _open_store(settings, None)
     try:
         before = StoreStats.from_dict(store.stats())
@@ -230,7 +278,8 @@ def run_drop(args: argparse.Namespace) -> int:
         after = StoreStats.from_dict(store.stats())
     finally:
         store.close()
-    print(f"index {args.index}: {len(chunks)} chunks, {len(keys)} KV keys ({', '.join(COMPUTE_DTYPES)}) in namespace "
+    print(f"index {args.index}: {len(chunks)} chunks, {len(keys)} KV keys ({', '.join(COMPUTE_DTYPES)}; stored "
+          f"{', '.join(FORMS)}) in namespace "
           f"{builder.head_segment(manifest.namespace).key.rsplit(':', 1)[0]}")
     return _report_removed(before, after, "entries")
 
@@ -254,6 +303,6 @@ def run_verify(args: argparse.Namespace) -> int:
             if not r["up"]:
                 print(f"{name}: DOWN, not checked")
                 continue
-            print(f"{name}: checked {r['checked']}, ok {r['ok']}, other model/layout {r['foreign']}, "
+            print(f"{name}: checked {r['checked']}, ok {r['ok']}, other model/layout/form {r['foreign']}, "
                   f"corrupt {r['corrupt']} (removed)")
     return 0 if all(r["up"] for r in report.values()) else 1

@@ -8,11 +8,13 @@ Two identities, on purpose:
 - ``chunk_id`` names the *text*: sha256 of the chunk's text, so the same passage always gets the
   same id whichever file or ingest run it comes from (used by the index and for stable ordering).
 - ``ChunkKey`` names the *KV cache*: sha256 over (model fingerprint, KV layout version, compute
-  dtype, KV namespace, context, token ids). The KV of the same text differs per model, per layout
-  (canonical lead-in, canonical start position, pre-RoPE K) and per precision it was computed in
-  (bfloat16 KV is not float32 KV rounded: every layer saw bf16 activations), so each of those is
-  part of the key; an entry written for another model, layout or compute dtype is simply never
-  looked up, and its chunk is computed again in the engine's own precision.
+  dtype, stored form, KV namespace, context, token ids). The KV of the same text differs per model,
+  per layout (canonical lead-in, canonical start position, pre-RoPE K), per precision it was
+  computed in (bfloat16 KV is not float32 KV rounded: every layer saw bf16 activations) and per
+  form it is stored in (``store.kv_compression``: int8 KV is not the floats it was quantised
+  from), so each of those is part of the key; an entry written for another model, layout, compute
+  dtype or stored form is simply never looked up, and its chunk is computed again (the store also
+  refuses an entry whose header names another form).
 
 KV namespaces keep tenants apart: the store's namespace (``store.namespace``) and an index's own
 namespace (set at ingest) form the key's namespace (:func:`kv_namespace`), which is hashed into the
@@ -89,8 +91,8 @@ class ChunkKey:
     """Key of one chunk's KV cache entry in the tiered store.
 
     Attributes:
-        digest: 32 hex chars of sha256(model fingerprint, layout version, compute dtype, namespace,
-            context, token ids).
+        digest: 32 hex chars of sha256(model fingerprint, layout version, compute dtype, stored form,
+            namespace, context, token ids).
         namespace: the KV namespace (:func:`kv_namespace`); "" = none.
 
     ``str(key)`` is the store key: ``"<namespace>:<digest>"`` (just the digest without a namespace).
@@ -102,7 +104,7 @@ class ChunkKey:
     @classmethod
     def of(
         cls, token_ids: Sequence[int], model_fingerprint: str, namespace: str = "", context: str = "",
-        layout_version: int = KV_LAYOUT_VERSION, compute_dtype: str = "",
+        layout_version: int = KV_LAYOUT_VERSION, compute_dtype: str = "", kv_compression: str = "none",
     ) -> "ChunkKey":
         """Key for ``token_ids`` computed by the model with ``model_fingerprint``.
 
@@ -112,10 +114,13 @@ class ChunkKey:
             compute_dtype: the dtype the model computed the KV in (``"float32"``, ``"bfloat16"``,
                 ``"float16"``; the engine's ``dtype.dtype``), not the dtype it is stored in; "" only
                 for keys that no engine computes (tests, tools).
+            kv_compression: the form the KV is stored in (``store.kv_compression``: "none", "int8",
+                "int4"); "none" leaves the key as it was before stored forms existed.
         """
         h = hashlib.sha256()
         dtype = f"|dtype={compute_dtype}" if compute_dtype else ""
-        h.update(f"ragcache-kv|{model_fingerprint}|v{layout_version}{dtype}|ns={namespace}|{context}|".encode())
+        form = f"|form={kv_compression}" if kv_compression != "none" else ""
+        h.update(f"ragcache-kv|{model_fingerprint}|v{layout_version}{dtype}{form}|ns={namespace}|{context}|".encode())
         h.update(b",".join(str(t).encode() for t in token_ids))
         return cls(h.hexdigest()[:32], namespace)
 

@@ -345,7 +345,11 @@ class StoreSettings(_Section):
         "default", description="KV namespace: part of every chunk key and Redis key; stores in different "
         "namespaces never share or see each other's KV")
     eviction_policy: Literal["lru", "lfu"] = Field("lru", description="lru or lfu")
-    kv_dtype: Literal["model", "float16", "bfloat16"] = Field("model", description="dtype KV is stored in")
+    kv_compression: Literal["none", "int8", "int4"] = Field(
+        "int8", description="stored form of chunk KV in every tier: int8 (K per channel, V per token, ~1/4 of "
+        "float32's bytes), int4 (~1/8, a little less quality) or none (kv_dtype floats); part of every chunk key")
+    kv_dtype: Literal["model", "float16", "bfloat16"] = Field(
+        "model", description="dtype KV is stored in when kv_compression = none")
     enable_hit_rate_log: bool = Field(False, description="log per-tier hit rates periodically")
     log_interval_sec: float = Field(10.0, gt=0.0, description="seconds between hit-rate log lines")
 

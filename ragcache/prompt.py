@@ -142,14 +142,17 @@ class PromptBuilder:
         compute_dtype: the engine's compute dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
             part of every key, so KV computed in one precision is never served to an engine running
             in another (see :meth:`ragcache.chunks.ChunkKey.of`).
+        kv_compression: ``store.kv_compression``, the form chunk KV is stored in; part of every key.
     """
 
     def __init__(self, tokenizer: Any, settings: PromptSettings, model_fingerprint: str,
-                 max_len: int | None = None, store_namespace: str = "default", compute_dtype: str = ""):
+                 max_len: int | None = None, store_namespace: str = "default", compute_dtype: str = "",
+                 kv_compression: str = "none"):
         self.tokenizer = tokenizer
         self.settings = settings
         self.model_fingerprint = model_fingerprint
         self.compute_dtype = compute_dtype
+        self.kv_compression = kv_compression
         self.max_len = max_len
         self.store_namespace = store_namespace
         head_text, self._tail_template = self._split_template()
@@ -176,7 +179,7 @@ class PromptBuilder:
         context = hashlib.sha256(("lead-in:" + ",".join(map(str, lead_in))).encode()).hexdigest()[:16]
         ns = kv_namespace(self.store_namespace, namespace)
         return str(ChunkKey.of(unit, self.model_fingerprint, namespace=ns, context=context,
-                               compute_dtype=self.compute_dtype))
+                               compute_dtype=self.compute_dtype, kv_compression=self.kv_compression))
 
     @property
     def head_key(self) -> str:

@@ -44,9 +44,11 @@ def shared_data(relative: str) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_settings(tmp_path_factory):
-    """Settings for the shared engine: KV store in a temporary folder, no Redis, float32.
+    """Settings for the shared engine: KV store in a temporary folder, no Redis, float32, chunk KV
+    stored uncompressed.
 
-    float32 whatever ``dtype = "auto"`` picks on this CPU: the tests on this engine check exactness
+    float32 whatever ``dtype = "auto"`` picks on this CPU, and ``store.kv_compression = "none"``
+    whatever the default (int8, tests/test_engine_compression.py): the tests on this engine check exactness
     (blend at ratio 1.0 gives full prefill's tokens, reuse at the canonical place equals full), which
     holds up to float32 rounding only; tests/test_engine_bf16.py checks the same invariants in
     bfloat16 with the tolerance bf16 needs, on every CPU. The blend's attention runs on vLLM's
@@ -60,7 +62,7 @@ def engine_settings(tmp_path_factory):
 
     kv_dir = tmp_path_factory.mktemp("kv")
     return Settings.load(
-        store={"ssd_cache_dir": str(kv_dir), "remote_url": "", "cpu_kv_pool_gb": 2.0},
+        store={"ssd_cache_dir": str(kv_dir), "remote_url": "", "cpu_kv_pool_gb": 2.0, "kv_compression": "none"},
         blend={"attention": "kernel", "min_recompute_tokens": 0},
         # multi-process mode here (vLLM's default); the CLI tests run the in-process default
         engine={"max_model_len": 8192, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 24, "in_process": False,

@@ -135,11 +135,13 @@ ENTRY = kv_fixtures.entry_bytes()  # bytes of one make_kv() entry (float32)
 
 def _store(tmp_path, entry_bytes: int = ENTRY, **store) -> tuple[TieredStore, CpuTier]:
     """The tiers an engine on the accelerator gets: one entry of ``entry_bytes`` fits the device
-    tier, one the cpu tier; the disk keeps everything. Also the cpu tier itself."""
+    tier, one the cpu tier; the disk keeps everything. Also the cpu tier itself. KV stored
+    uncompressed unless ``store`` names a ``kv_compression``."""
+    store.setdefault("kv_compression", "none")
     settings = StoreSettings(gpu_kv_pool_gb=1.5 * entry_bytes / 1e9, cpu_kv_pool_gb=1.5 * entry_bytes / 1e9,
                              ssd_cache_dir=tmp_path / "kv", ssd_cache_max_gb=1.0, **store)
     tiers = tiers_from_settings(settings, ACCEL)
-    store = TieredStore(SPEC, tiers, device=ACCEL, kv_dtype=settings.kv_dtype)
+    store = TieredStore(SPEC, tiers, device=ACCEL, kv_dtype=settings.kv_dtype, kv_compression=settings.kv_compression)
     return store, next(tier for tier, _ in tiers if isinstance(tier, CpuTier))
 
 
@@ -176,4 +178,29 @@ def test_layers_read_through_handles_arrive_on_the_accelerator_intact_from_every
             assert torch.equal(k.cpu(), originals[key][0][i].to(stored).float())
             assert torch.equal(v.cpu(), originals[key][1][i].to(stored).float())
         assert store.contains(key) == "device"  # read completely from a lower tier: promoted
+    store.close()
+
+
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_compressed_layers_travel_quantised_and_are_dequantised_on_the_accelerator_from_every_tier(tmp_path, form):
+    from ragcache.kvstore.codec import layer_parts, record_nbytes
+
+    parts = layer_parts(form, torch.float16, 6, SPEC.num_kv_heads, SPEC.head_dim)
+    store, _ = _store(tmp_path, SPEC.num_layers * record_nbytes(parts), kv_compression=form)
+    reference = TieredStore(SPEC, [(CpuTier(), None)], kv_compression=form)  # the same codec on the CPU
+    originals = {key: make_kv(seed) for seed, key in enumerate("abc")}
+    for key, (k, v) in originals.items():
+        store.put(key, k.to(ACCEL), v.to(ACCEL), 0)  # quantised on the accelerator
+        reference.put(key, k, v, 0)
+    for key, tier in zip("cba", ["device", "cpu", "disk"]):
+        handle = store.open(key)
+        assert handle.tier == tier and handle.meta.compression == form
+        expected, _ = reference.get(key)
+        with handle:
+            for i in range(SPEC.num_layers):
+                k, v = handle.layer(i)
+                assert k.device.type == ACCEL.type and k.dtype == torch.float32
+                torch.testing.assert_close(k.cpu(), expected.k[i], rtol=0, atol=1e-6)
+                torch.testing.assert_close(v.cpu(), expected.v[i], rtol=0, atol=1e-6)
+        assert store.contains(key) == "device"
     store.close()

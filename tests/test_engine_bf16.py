@@ -93,7 +93,8 @@ def bf16_engine(request, tmp_path_factory):
     from ragcache.engine import BlendEngine
 
     settings = Settings.load(
-        store={"ssd_cache_dir": str(tmp_path_factory.mktemp("kv-bf16")), "remote_url": "", "cpu_kv_pool_gb": 1.0},
+        store={"ssd_cache_dir": str(tmp_path_factory.mktemp("kv-bf16")), "remote_url": "", "cpu_kv_pool_gb": 1.0,
+               "kv_compression": "none"},  # exactness holds for KV stored as computed
         engine={"dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory_bytes": 256 << 20, "in_process": True},
         blend={"attention": request.param},
     )

@@ -16,7 +16,8 @@ from ragcache.models import folder_fingerprint
 
 @pytest.fixture
 def setup(tmp_path):
-    """A fake HF model folder (config.json only), a settings file pointing at it, two models' entries."""
+    """A fake HF model folder (config.json only), a settings file pointing at it, two models' entries
+    (in the default stored form, int8)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(
@@ -31,7 +32,7 @@ def setup(tmp_path):
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 8)
     other = KVSpec("someothermodel00", 1, 2, 2, 8)
     for s, keys in ((spec, ("a", "b", "c")), (other, ("x",))):
-        store = TieredStore(s, [(DiskTier(kv_dir), 10**9)])
+        store = TieredStore(s, [(DiskTier(kv_dir), 10**9)], kv_compression="int8")
         for key in keys:
             store.put(key, torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8), 0)
     return settings, DiskTier(kv_dir)
@@ -113,3 +114,18 @@ def test_cache_clear_of_one_namespace_keeps_the_others(setup, capsys):
     assert main(["--settings", str(settings), "cache", "clear", "--namespace", "nobody"]) == 0
     assert "no entries in namespace nobody; namespaces stored: default, default/other" in capsys.readouterr().err
     store.close()
+
+
+def test_cache_stats_shows_bytes_per_token_per_tier_and_the_compression_in_use(setup, capsys):
+    settings, disk = setup
+    assert main(["--settings", str(settings), "cache", "stats", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fp = out["footprint"]["disk"]
+    assert (fp["entries"], fp["sampled"], fp["tokens"], fp["forms"]) == (4, 4, 20, {"int8": 4})
+    assert fp["bytes_per_token"] == pytest.approx(sum(f.size for f in disk.scan()) / 20, abs=0.1)
+    assert out["compression"]["form"] == "int8" and out["compression"]["bytes_per_token"] > 0
+    assert out["compression"]["bytes_per_token"] < 0.5 * out["compression"]["float32_bytes_per_token"]
+    assert main(["--settings", str(settings), "cache", "stats"]) == 0
+    text = capsys.readouterr().out
+    assert "B/token" in text and "compression: int8 (K per channel, V per token" in text
+    assert f"{fp['bytes_per_token']:.0f}" in text

@@ -31,7 +31,7 @@ def fs(tmp_path):
 
 def test_capacity_is_what_the_filesystem_can_hold_not_the_setting(fs):
     store = TieredStore.from_settings(StoreSettings(ssd_cache_dir=fs / "kv", ssd_cache_max_gb=20.0,
-                                                    cpu_kv_pool_gb=0.0), spec=SPEC)
+                                                    cpu_kv_pool_gb=0.0, kv_compression="none"), spec=SPEC)
     row = store.stats()["disk"]
     assert row["configured_capacity_bytes"] == 20 * 10**9
     assert 1.5 * MiB < row["capacity_bytes"] <= 2 * MiB and row["free_bytes"] <= 2 * MiB
@@ -139,7 +139,8 @@ chunk_size = 64
         llm = resolve_llm(settings.models.model, settings.models.cache_dir)
         dtype = next(line for line in r.stderr.splitlines() if "engine ready" in line).split("dtype ")[1].split()[0]
         builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
-                                store_namespace=settings.store.namespace, compute_dtype=dtype)
+                                store_namespace=settings.store.namespace, compute_dtype=dtype,
+                                kv_compression=settings.store.kv_compression)
         disk = DiskTier(fs / "kv")
         on_disk = sum(disk.path(builder.key(c)).exists() for c in chunks)
         assert 0 < on_disk < 16

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,7 +44,8 @@ class Owner:
 
 def stored(dtype: torch.dtype = torch.float16) -> StoredKV:
     kv = torch.randn(LAYERS, 2, TOKENS, HEADS, DIM, generator=torch.Generator().manual_seed(0)).to(dtype)
-    meta = KVMeta("fp", 1, dtype_name(dtype), LAYERS, TOKENS, HEADS, DIM, 0, checksums(kv))
+    meta = KVMeta("fp", 1, dtype_name(dtype), LAYERS, TOKENS, HEADS, DIM, 0)
+    meta = replace(meta, checksums=checksums(meta, kv))
     return StoredKV("a", meta, kv)
 
 

@@ -45,7 +45,7 @@ def test_unreachable_tier_reports_no_usage_cannot_tell_what_it_holds_and_is_mark
     assert slot.usage() == TierUsage(0, 0)
     assert slot.guard.up is False
     assert slot.holds("a") is True  # cannot tell: nothing gets written into it
-    assert slot.delete("a") is False and slot.open_checked("a", SPEC) is None
+    assert slot.delete("a") is False and slot.open_checked("a", SPEC.mismatch) is None
     assert slot.counters == type(slot.counters)()  # nothing counted here: the store counts the lookup
 
 
@@ -69,9 +69,9 @@ def test_open_checked_finds_usable_entries_and_counts_foreign_ones(tmp_path):
     fill(tmp_path / "kv", ["a"])
     slot = slot_of(DiskTier(tmp_path / "kv"))
     other = KVSpec("0000000000000000", 1, 2, 1, 4)
-    assert slot.open_checked("missing", SPEC) is None
-    assert slot.open_checked("a", other) is None
-    reader = slot.open_checked("a", SPEC)
+    assert slot.open_checked("missing", SPEC.mismatch) is None
+    assert slot.open_checked("a", other.mismatch) is None
+    reader = slot.open_checked("a", SPEC.mismatch)
     assert reader is not None and reader.meta.num_tokens == 3
     reader.close()
     c = slot.counters

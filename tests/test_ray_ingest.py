@@ -157,7 +157,8 @@ def test_ray_ingest_with_two_actors_writes_the_local_rows_and_kv_keys(tmp_path):
     llm = resolve_llm(settings.models.model, settings.models.cache_dir)
     builder = PromptBuilder(load_tokenizer(settings).tokenizer, settings.prompt, llm.fingerprint,
                             store_namespace=settings.store.namespace,
-                            compute_dtype=resolve_dtype(settings.engine.dtype).dtype)  # part of every key
+                            compute_dtype=resolve_dtype(settings.engine.dtype).dtype,  # part of every key
+                            kv_compression=settings.store.kv_compression)
     expected = {builder.key(c, manifest.namespace) for c in chunks}
     stored = set(DiskTier(kv_dir).keys())
     assert expected <= stored and len(stored - expected) <= 1  # plus the prompt head's entry

@@ -11,6 +11,7 @@ Owns, one job per module:
   per-request record, targets);
 - one module per runner, each returning a plain JSON-able dict: ``ttft`` (with its
   recompute-ratio sweep, and the quality-only ``eval``), ``hotset``, ``throughput``, ``tiers``,
+  ``storage`` (stored forms of chunk KV: bytes, codec rates, TTFT per tier, quality),
   ``ingest``, ``serve``, ``scale``;
 - ``report``: text/markdown tables, plots, and the RESULT.json/.md/.png files;
 - ``fixtures``: a throwaway redis-server on a loopback port and dropping files from the page

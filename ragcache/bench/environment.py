@@ -88,7 +88,8 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
         "attention_reason": getattr(worker, "attention_reason", None),
         "store": {"cpu_kv_pool_gb": s.store.cpu_kv_pool_gb, "ssd_cache_max_gb": s.store.ssd_cache_max_gb,
-                  "remote": bool(s.store.remote_url), "kv_dtype": s.store.kv_dtype},
+                  "remote": bool(s.store.remote_url), "kv_dtype": s.store.kv_dtype,
+                  "kv_compression": s.store.kv_compression},
     }
 
 

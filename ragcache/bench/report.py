@@ -240,11 +240,32 @@ def _plain_tables(r: Mapping[str, Any]) -> list[Table]:
 
 
 #: ``result["benchmark"]`` -> its tables
+def _storage_tables(r: Mapping[str, Any]) -> list[Table]:
+    h = ["form", "bytes/token", "vs fp32", "KL blend", "vs none", "KL reuse", "vs none", "gold NLL blend", "vs none",
+         "TTFT cpu (s)", "vs none", "TTFT disk cold (s)", "vs none", "TTFT Redis (s)", "vs none"]
+    rows = [[s["form"], s["bytes_per_token"], s["vs_fp32"], s["blend_kl_mean"], s["blend_kl_vs_none"],
+             s["reuse_kl_mean"], s["reuse_kl_vs_none"], s["blend_gold_nll_mean"], s["blend_gold_nll_vs_none"],
+             s["cpu_ttft_median_s"], s["cpu_ttft_vs_none"], s["disk-cold_ttft_median_s"], s["disk-cold_ttft_vs_none"],
+             s["remote_ttft_median_s"], s["remote_ttft_vs_none"]] for s in r["summary"]]
+    out = [(f"stored forms of chunk KV (n={r['n']}, {r['passages']} passages, engine dtype {r['dtype']}; none = "
+            f"{r['dtype']} floats; TTFT: blend medians over {r['repeats']} repeats; KL: mean first-token KL from full)",
+            h, rows)]
+    codec = [[c["form"], c["model_dtype_mb"], c["compress_mb_s"], c["decompress_mb_s"], c["zlib_size_vs_quantised"],
+              c["zlib_decode_mb_s"]] for c in r["codec"]]
+    out.append((f"codec rates on real KV (MB of {r['dtype']} K/V per second; zlib level 1 over the quantised bytes)",
+                ["form", "MB", "compress MB/s", "decompress MB/s", "zlib size", "zlib decode MB/s"], codec))
+    cost = [[c["model"], c["form"], c["bytes_per_token"], c["vs_fp32"], c["gb_per_million_tokens"]]
+            for c in r["cost_table"]]
+    out.append(("what a corpus costs (512-token chunks: header, values, scales)",
+                ["model", "form", "bytes/token", "vs fp32", "GB per 1M tokens"], cost))
+    return out
+
+
 TABLES: dict[str, Callable[[Mapping[str, Any]], list[Table]]] = {
     "ttft": _ttft_tables, "eval": _eval_tables, "hotset": _hotset_tables, "throughput": _throughput_tables,
     "tiers": _tiers_tables, "ingest": _ingest_tables, "serve": _serve_tables, "scale": _scale_tables,
     "bandwidth": _bandwidth_tables, "retrieval": _retrieval_tables, "coldstart": _coldstart_tables,
-    "plain": _plain_tables,
+    "plain": _plain_tables, "storage": _storage_tables,
 }
 
 

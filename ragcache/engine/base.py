@@ -248,7 +248,8 @@ class EngineBase:
         self.prompts = PromptBuilder(tokenizer, self.settings.prompt, self.llm_info.fingerprint,
                                      max_len=self.settings.engine.max_model_len,
                                      store_namespace=self.settings.store.namespace,
-                                     compute_dtype=self.dtype.dtype)
+                                     compute_dtype=self.dtype.dtype,
+                                     kv_compression=self.settings.store.kv_compression)
 
     def _warm_up_prompt(self) -> AssembledPrompt:
         """The tiny prompt of the start-up request (the first request pays for lazy kernel and

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ragcache.blend import BudgetRule, Selection, blend_kv, compute_kv, reuse_kv
+from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
 from ragcache.engine.messages import (
     ContextStats, LoadRequest, OpsProbe, PrecomputeItem, PrecomputeReport, WorkerReady,
@@ -25,6 +26,7 @@ from ragcache.engine.paged_attention import (
     AttentionChoice, PagedKernelAttention, ScratchKernelAttention, choose_attention,
 )
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
+from ragcache.kvstore.codec import StoredLayer, decode_layers, layer_parts
 from ragcache.prompt import is_canonical, lead_in_for
 
 log = logging.getLogger(__name__)
@@ -97,15 +99,19 @@ def prefetch_layers(setting: bool | str, device: torch.device, tiers: list[str])
 
 
 class _MemoryHandle:
-    """A just-computed entry served like a store handle (layer(i) -> (k, v))."""
+    """A just-computed entry served like a store handle (layer(i) -> (k, v), or as a stored layer)."""
 
     tier = COMPUTED
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
+        self._parts = layer_parts("none", k.dtype, *k.shape[1:])
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
+
+    def stored_layer(self, i: int) -> StoredLayer:
+        return StoredLayer("none", self._parts, torch.stack([self.k[i], self.v[i]]))
 
     def close(self) -> None:
         pass
@@ -183,13 +189,22 @@ class WorkerRuntime:
         return compute_kv(self.ops, ids, positions, keep_from=len(lead_in), attention=self._scratch_attention)
 
     def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int],
-                           stored: dict[str, int] | None = None) -> _MemoryHandle:
+                           stored: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute a segment's KV and store it; returns the computed K and V (:meth:`compute_segment`)."""
         k, v = self.compute_segment(head_ids, start, unit)
         tiers = self.store.put(key, k, v, start_position=len(lead_in_for(start, head_ids)))
         if stored is not None:
             for tier in tiers:
                 stored[tier] += 1
-        return _MemoryHandle(k, v)
+        return k, v
+
+    def _compute_for_request(self, key: str, head_ids: list[int], start: int, unit: list[int]) -> _MemoryHandle:
+        """A missing segment computed and stored now, served as its stored entry will be served
+        (``store.as_stored``: through ``store.kv_compression``), so an answer does not depend on
+        whether its chunks were hits. The start-up self-check's private segments are served as
+        computed: the check measures the adapter against vLLM, not the compression."""
+        k, v = self._compute_and_store(key, head_ids, start, unit)
+        return _MemoryHandle(*((k, v) if is_private_key(key) else self.store.as_stored(k, v)))
 
     def precompute(self, head_ids: list[int], items: list[PrecomputeItem]) -> PrecomputeReport:
         """Compute and store the KV of every item not stored yet (see
@@ -249,8 +264,8 @@ class WorkerRuntime:
                 handle = self.store.open(seg.key, head=j == 0)  # the head's lookup is counted apart
                 if handle is None:
                     t_miss = time.perf_counter()
-                    handle = self._compute_and_store(seg.key, head_ids, seg.start,
-                                                     token_ids[seg.start:seg.start + seg.length])
+                    handle = self._compute_for_request(seg.key, head_ids, seg.start,
+                                                       token_ids[seg.start:seg.start + seg.length])
                     missing_s += time.perf_counter() - t_miss
                     missing_tokens += seg.length
                 handles.append(handle)
@@ -263,25 +278,24 @@ class WorkerRuntime:
         pos = torch.arange(n)
         slot_mapping = (blocks[pos // block_size] * block_size + pos % block_size).to(device)
 
-        def layer_of(j: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def layer_of(j: int, i: int) -> StoredLayer:
             try:
-                return handles[j].layer(i)
+                return handles[j].stored_layer(i)
             except (CorruptEntryError, TierError, OSError) as exc:
                 # the entry went bad (or its tier away) mid-read: compute it now, never serve it
                 seg = segments[j]
                 log.warning("chunk KV %s unreadable at layer %d (%s); recomputing it", seg.key, i, exc)
                 handles[j].close()
-                handles[j] = self._compute_and_store(seg.key, head_ids, seg.start,
-                                                     token_ids[seg.start:seg.start + seg.length])
+                handles[j] = self._compute_for_request(seg.key, head_ids, seg.start,
+                                                       token_ids[seg.start:seg.start + seg.length])
                 tiers[j] = COMPUTED
-                return handles[j].layer(i)
+                return handles[j].stored_layer(i)
 
         loaded: set[int] = set()
 
         def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            loaded.add(i)
-            ks, vs = zip(*(layer_of(j, i) for j in range(len(handles))))
-            return torch.cat(ks).to(device, self.ops.dtype), torch.cat(vs).to(device, self.ops.dtype)
+            loaded.add(i)  # one layer of every chunk, decoded together (a few kernels however many chunks)
+            return decode_layers([layer_of(j, i) for j in range(len(handles))], self.ops.dtype, device)
 
         def write_slots(i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             layer = self.attn_layers[i]

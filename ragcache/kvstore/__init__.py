@@ -8,13 +8,14 @@ import vLLM, nor anything above it in ragcache (engine, pipeline, app).
     from ragcache.kvstore import KVSpec, TieredStore
     spec = KVSpec(model_fingerprint=fp, layout_version=KV_LAYOUT_VERSION, num_layers=30,
                   num_kv_heads=3, head_dim=64, dtype=torch.float32)
-    store = TieredStore.from_settings(settings.store, spec=spec, device=torch.device("cpu"))
+    store = TieredStore.from_settings(settings.store, spec=spec, device=torch.device("cpu"))  # int8 by default
     store.put(key, k, v, start_position=lead_in_len)   # -> names of the tiers that took it
     hit = store.get(key)                      # (KVEntry, tier name) or None
     with store.open(key) as handle:           # per-layer loading (None on a miss)
         k0, v0 = handle.layer(0)
 
-Modules: ``entry`` (KVSpec, KVMeta, KVEntry, errors), ``format`` (safetensors layout, checksums),
+Modules: ``entry`` (KVSpec, KVMeta, KVEntry, errors), ``codec`` (stored forms: int8/int4
+quantisation, ``store.kv_compression``), ``format`` (safetensors layout, checksums),
 ``tier`` (the Tier protocol), ``memory``/``cpu``/``device``/``disk``/``remote`` (one per medium),
 ``policy`` (LRU/LFU bookkeeping), ``guard`` (back-off of an unreachable tier), ``stats`` (what a
 lookup is: counters, hit-rate line and log), ``ledger`` (lookup counts, summed across processes in a

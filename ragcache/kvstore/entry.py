@@ -7,9 +7,11 @@ Shapes used throughout the store:
 
 - ``k``, ``v`` of an entry: ``[num_layers, num_tokens, num_kv_heads, head_dim]``; K is stored
   *before* RoPE, V as is.
-- Inside the tiers both travel as one tensor ``kv`` of shape
-  ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (index 0 = K, 1 = V), so one layer's K
-  and V are adjacent in memory and on disk and a per-layer read is a single contiguous read.
+- Inside the tiers both travel as one tensor ``kv`` holding one *record* per layer, so one
+  layer's K and V are adjacent in memory and on disk and a per-layer read is a single contiguous
+  read: uncompressed (``store.kv_compression = "none"``) ``[num_layers, 2, num_tokens,
+  num_kv_heads, head_dim]`` (index 0 = K, 1 = V); quantised (``int8``, ``int4``) uint8
+  ``[num_layers, record bytes]`` (values and scales, :mod:`ragcache.kvstore.codec`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from ragcache.chunks import KV_LAYOUT_VERSION
+from ragcache.kvstore.codec import Part, layer_parts, record_nbytes
 
 #: storage dtypes the store understands, by their name in KVMeta.dtype / settings
 DTYPES: dict[str, torch.dtype] = {
@@ -98,8 +101,9 @@ class KVSpec:
     """The shape of the KV entries a store serves: one model, one KV layout.
 
     An entry whose metadata disagrees on fingerprint, layout version, layer count, KV head count
-    or head size is *foreign* and never returned. The storage dtype may differ from ``dtype``:
-    entries are converted on read.
+    or head size is *foreign* and never returned; so is, for a store, one stored in another form
+    than its ``kv_compression`` (:meth:`mismatch`). The storage dtype may differ from ``dtype``:
+    entries are converted (dequantised) on read.
 
     Attributes:
         model_fingerprint: identifies the model weights (``ragcache.models.LLMInfo.fingerprint``).
@@ -156,12 +160,19 @@ class KVSpec:
             dtype=dtype,
         )
 
-    def mismatch(self, meta: "KVMeta") -> str | None:
-        """Why an entry with ``meta`` is foreign to this spec, or None when it matches."""
+    def mismatch(self, meta: "KVMeta", compression: str | None = None) -> str | None:
+        """Why an entry with ``meta`` is foreign to this spec, or None when it matches.
+
+        Args:
+            compression: the stored form the caller serves (``store.kv_compression``); an entry in
+                another form is foreign too (never served as if it were this one). None: any form.
+        """
         for name in ("model_fingerprint", "layout_version", "num_layers", "num_kv_heads", "head_dim"):
             mine, theirs = getattr(self, name), getattr(meta, name)
             if mine != theirs:
                 return f"{name} {theirs!r} != {mine!r}"
+        if compression is not None and meta.compression != compression:
+            return f"stored form {meta.compression!r} != {compression!r}"
         return None
 
     def check_kv(self, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -191,11 +202,14 @@ class KVMeta:
 
     Attributes:
         model_fingerprint, layout_version, num_layers, num_kv_heads, head_dim: as in KVSpec.
-        dtype: storage dtype name ("float32", "float16" or "bfloat16").
+        dtype: storage dtype name ("float32", "float16" or "bfloat16"): of K and V when
+            ``compression`` is "none", of the scales ("float16") when quantised.
         num_tokens: tokens in the chunk.
         start_position: canonical position of the entry's first token when its KV was computed.
-        checksums: zlib.crc32 of each stored tensor's bytes, in the order
-            K of layer 0, V of layer 0, K of layer 1, ... (``2 * num_layers`` values).
+        checksums: zlib.crc32 of each stored tensor's bytes in file order, ``len(parts)`` per layer:
+            K of layer 0, V of layer 0, K of layer 1, ... uncompressed; K, K's scales, V, V's scales
+            of layer 0, ... quantised.
+        compression: the stored form, "none", "int8" or "int4" (:mod:`ragcache.kvstore.codec`).
     """
 
     model_fingerprint: str
@@ -207,6 +221,7 @@ class KVMeta:
     head_dim: int
     start_position: int
     checksums: tuple[int, ...] = ()
+    compression: str = "none"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -214,23 +229,42 @@ class KVMeta:
 
     @property
     def layer_shape(self) -> tuple[int, int, int]:
-        """Shape of one layer's K (or V): ``(num_tokens, num_kv_heads, head_dim)``."""
+        """Shape of one layer's K (or V) as returned: ``(num_tokens, num_kv_heads, head_dim)``."""
         return (self.num_tokens, self.num_kv_heads, self.head_dim)
 
     @property
-    def kv_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of the stored ``kv`` tensor: ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``."""
-        return (self.num_layers, 2, *self.layer_shape)
+    def parts(self) -> tuple[Part, ...]:
+        """The stored tensors of one layer, in file order (:func:`ragcache.kvstore.codec.layer_parts`).
+
+        Raises:
+            ValueError: an unknown compression, or int4 with an odd head_dim.
+        """
+        return layer_parts(self.compression, self.torch_dtype, *self.layer_shape)
 
     @property
-    def tensor_nbytes(self) -> int:
-        """Bytes of one layer's K (or V) in the storage dtype."""
-        return self.num_tokens * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+    def record_shape(self) -> tuple[int, ...]:
+        """Shape of one stored layer: ``(2, T, H, D)`` uncompressed, ``(record bytes,)`` quantised."""
+        return (2, *self.layer_shape) if self.compression == "none" else (self.layer_nbytes,)
+
+    @property
+    def record_dtype(self) -> torch.dtype:
+        """dtype of the stored ``kv`` tensor: the storage dtype uncompressed, uint8 quantised."""
+        return self.torch_dtype if self.compression == "none" else torch.uint8
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        """Shape of the stored ``kv`` tensor: ``(num_layers, *record_shape)``."""
+        return (self.num_layers, *self.record_shape)
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one stored layer (K and V, with their scales when quantised)."""
+        return record_nbytes(self.parts)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V of all layers in the storage dtype (excluding the header)."""
-        return 2 * self.num_layers * self.tensor_nbytes
+        """Bytes of every stored layer (excluding the header)."""
+        return self.num_layers * self.layer_nbytes
 
 
 @dataclass
@@ -262,8 +296,9 @@ class StoredKV:
     Attributes:
         key: the entry's key.
         meta: metadata with checksums of ``kv``.
-        kv: ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` in the storage dtype; contiguous;
-            on the CPU except in the device tier. Never modified in place once stored.
+        kv: one record per layer (``meta.kv_shape`` in ``meta.record_dtype``, see the module
+            docstring); contiguous; on the CPU except in the device tier. Never modified in place
+            once stored.
     """
 
     key: str

@@ -8,16 +8,21 @@ Layout (plain safetensors, readable by ``safetensors.safe_open``)::
 
     8 bytes    little-endian header length N
     N bytes    JSON header, space-padded to a multiple of 8:
-               "__metadata__": {"format": "ragcache-kv/1", "key", "model_fingerprint",
-                                "layout_version", "dtype", "num_layers", "num_tokens",
-                                "num_kv_heads", "head_dim", "start_position",
-                                "crc32": "0a1b2c3d,..." (8 hex digits per tensor, file order)}
-               "k.0", "v.0", "k.1", ... : {"dtype", "shape": [T, H, D], "data_offsets"}
-    data       k.0 v.0 k.1 v.1 ... (each [T, H, D] in the storage dtype)
+               "__metadata__": {"format": "ragcache-kv/1" (uncompressed) or "ragcache-kv/2"
+                                (quantised), "key", "model_fingerprint", "layout_version",
+                                "dtype", "num_layers", "num_tokens", "num_kv_heads", "head_dim",
+                                "start_position", "compression" (ragcache-kv/2 only: "int8" or
+                                "int4"), "crc32": "0a1b2c3d,..." (8 hex digits per tensor, file order)}
+               uncompressed: "k.0", "v.0", "k.1", ...
+               quantised:    "k.0", "k_scale.0", "v.0", "v_scale.0", "k.1", ...
+                             (each {"dtype", "shape", "data_offsets"}; see ragcache.kvstore.codec)
+    data       the tensors in that order; each layer's tensors are one contiguous record
 
-K and V of a layer are adjacent, so a per-layer read is one ``pread`` of ``2 * T * H * D * itemsize``
-bytes, and the whole data area is exactly the store's ``kv`` tensor
-``[num_layers, 2, T, H, D]``. Checksums are ``zlib.crc32`` of each tensor's bytes (~3 GB/s).
+A per-layer read is one ``pread`` of ``meta.layer_nbytes`` bytes, and the whole data area is
+exactly the store's ``kv`` tensor (``meta.kv_shape``). Checksums are ``zlib.crc32`` of each
+tensor's bytes (~3 GB/s), so a flipped byte in values or scales is caught. An uncompressed entry is
+written as ``ragcache-kv/1``, byte for byte what earlier versions wrote and read; a quantised one as
+``ragcache-kv/2``, which earlier versions count as foreign and leave alone.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ragcache.kvstore.codec import FORMS
 from ragcache.kvstore.entry import DTYPES, CorruptEntryError, ForeignEntryError, KVMeta
 
 FORMAT = "ragcache-kv/1"
-_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+#: the format of quantised entries (their metadata adds "compression")
+FORMAT_QUANTISED = "ragcache-kv/2"
 _MAX_HEADER = 16 * 1024 * 1024  # a real header is a few KB; more means garbage
 
 
@@ -44,17 +51,27 @@ def byte_view(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def checksums(kv: torch.Tensor) -> tuple[int, ...]:
-    """crc32 of each ``[T, H, D]`` tensor of ``kv`` ``[L, 2, T, H, D]`` (CPU, contiguous), in file order."""
+def _part_spans(meta: KVMeta) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` byte offsets of each part within one layer record, in file order."""
+    spans, offset = [], 0
+    for p in meta.parts:
+        spans.append((p.name, offset, offset + p.nbytes))
+        offset += p.nbytes
+    return spans
+
+
+def checksums(meta: KVMeta, kv: torch.Tensor) -> tuple[int, ...]:
+    """crc32 of each stored tensor of ``kv`` (``meta.kv_shape``, CPU, contiguous), in file order."""
     raw = byte_view(kv)
-    n = kv[0, 0].numel() * kv.element_size()
-    return tuple(zlib.crc32(raw[i * n:(i + 1) * n]) for i in range(2 * kv.shape[0]))
+    n = meta.layer_nbytes
+    spans = _part_spans(meta)
+    return tuple(zlib.crc32(raw[i * n + a:i * n + b]) for i in range(meta.num_layers) for _, a, b in spans)
 
 
 def encode_header(key: str, meta: KVMeta) -> bytes:
     """The 8-byte length prefix plus the padded JSON header for an entry."""
     md = {
-        "format": FORMAT,
+        "format": FORMAT if meta.compression == "none" else FORMAT_QUANTISED,
         "key": key,
         "model_fingerprint": meta.model_fingerprint,
         "layout_version": str(meta.layout_version),
@@ -67,15 +84,23 @@ def encode_header(key: str, meta: KVMeta) -> bytes:
         "crc32": ",".join(f"{c:08x}" for c in meta.checksums),
         "created": f"{time.time():.3f}",
     }
+    if meta.compression != "none":
+        md["compression"] = meta.compression
     header: dict[str, object] = {"__metadata__": md}
-    size, shape, code = meta.tensor_nbytes, list(meta.layer_shape), _ST_CODE[meta.dtype]
-    for i in range(meta.num_layers):
-        for j, name in enumerate(("k", "v")):
-            start = (2 * i + j) * size
-            header[f"{name}.{i}"] = {"dtype": code, "shape": shape, "data_offsets": [start, start + size]}
+    header.update(_tensor_entries(meta))
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+def _tensor_entries(meta: KVMeta) -> dict[str, dict[str, object]]:
+    """The header's tensor entries of ``meta``, in file order."""
+    out: dict[str, dict[str, object]] = {}
+    parts, n = meta.parts, meta.layer_nbytes
+    for i in range(meta.num_layers):
+        for p, (name, a, b) in zip(parts, _part_spans(meta)):
+            out[f"{name}.{i}"] = {"dtype": p.code, "shape": list(p.shape), "data_offsets": [i * n + a, i * n + b]}
+    return out
 
 
 def encode(key: str, meta: KVMeta, kv: torch.Tensor) -> bytes:
@@ -106,7 +131,8 @@ def parse_header(raw: bytes, key: str, total_size: int | None) -> tuple[KVMeta, 
         total_size: size of the whole file/value in bytes, checked against the header; None skips.
 
     Raises:
-        ForeignEntryError: valid safetensors that is not a ragcache KV entry of this format.
+        ForeignEntryError: valid safetensors that is not a ragcache KV entry of a format (or a
+            compression) this version reads.
         CorruptEntryError: undecodable header, inconsistent layout, other key, or wrong size
             (truncated).
     """
@@ -120,9 +146,13 @@ def parse_header(raw: bytes, key: str, total_size: int | None) -> tuple[KVMeta, 
     if not isinstance(header, dict):
         raise CorruptEntryError(key, "header is not a JSON object")
     md = header.get("__metadata__")
-    if not isinstance(md, dict) or md.get("format") != FORMAT:
-        fmt = md.get("format") if isinstance(md, dict) else None
-        raise ForeignEntryError(f"entry {key!r} has format {fmt!r}, not {FORMAT!r}")
+    fmt = md.get("format") if isinstance(md, dict) else None
+    if fmt not in (FORMAT, FORMAT_QUANTISED):
+        raise ForeignEntryError(f"entry {key!r} has format {fmt!r}, not {FORMAT!r} or {FORMAT_QUANTISED!r}")
+    compression = "none" if fmt == FORMAT else md.get("compression")
+    if fmt == FORMAT_QUANTISED and compression not in FORMS[1:]:
+        raise ForeignEntryError(f"entry {key!r} is compressed as {compression!r}, which this version does not "
+                                f"read (it reads {', '.join(FORMS[1:])})")
     try:
         meta = KVMeta(
             model_fingerprint=str(md["model_fingerprint"]),
@@ -134,6 +164,7 @@ def parse_header(raw: bytes, key: str, total_size: int | None) -> tuple[KVMeta, 
             head_dim=int(md["head_dim"]),
             start_position=int(md["start_position"]),
             checksums=tuple(int(c, 16) for c in str(md["crc32"]).split(",")),
+            compression=str(compression),
         )
         stored_key = md["key"]
     except (KeyError, ValueError, TypeError) as exc:
@@ -142,32 +173,33 @@ def parse_header(raw: bytes, key: str, total_size: int | None) -> tuple[KVMeta, 
         raise CorruptEntryError(key, f"header names key {stored_key!r}")
     if meta.dtype not in DTYPES or min(meta.num_layers, meta.num_tokens, meta.num_kv_heads, meta.head_dim) < 1:
         raise CorruptEntryError(key, "bad dtype or shape in metadata")
-    if len(meta.checksums) != 2 * meta.num_layers:
+    try:
+        parts = meta.parts
+    except ValueError as exc:
+        raise CorruptEntryError(key, str(exc)) from None
+    if len(meta.checksums) != len(parts) * meta.num_layers:
         raise CorruptEntryError(key, f"{len(meta.checksums)} checksums for {meta.num_layers} layers")
-    size, shape, code = meta.tensor_nbytes, list(meta.layer_shape), _ST_CODE[meta.dtype]
-    if len(header) != 2 * meta.num_layers + 1:
+    expected = _tensor_entries(meta)
+    if len(header) != len(expected) + 1:
         raise CorruptEntryError(key, "unexpected tensors in header")
-    for i in range(meta.num_layers):
-        for j, name in enumerate(("k", "v")):
-            start = (2 * i + j) * size
-            info = header.get(f"{name}.{i}")
-            if info != {"dtype": code, "shape": shape, "data_offsets": [start, start + size]}:
-                raise CorruptEntryError(key, f"tensor {name}.{i} does not match the metadata")
+    for name, info in expected.items():
+        if header.get(name) != info:
+            raise CorruptEntryError(key, f"tensor {name} does not match the metadata")
     if total_size is not None and total_size != end + meta.nbytes:
         raise CorruptEntryError(key, f"size {total_size} bytes, expected {end + meta.nbytes} (truncated?)")
     return meta, end
 
 
-def verify_layer(key: str, meta: KVMeta, layer: int, kv_layer: torch.Tensor) -> None:
-    """Check one layer ``[2, T, H, D]`` (CPU, contiguous) against its two checksums.
+def verify_layer(key: str, meta: KVMeta, layer: int, record: torch.Tensor) -> None:
+    """Check one stored layer (``meta.record_shape``, CPU, contiguous) against its checksums.
 
     Raises:
         CorruptEntryError: a checksum differs.
     """
-    raw = byte_view(kv_layer)
-    n = meta.tensor_nbytes
-    for j, name in enumerate(("k", "v")):
-        if zlib.crc32(raw[j * n:(j + 1) * n]) != meta.checksums[2 * layer + j]:
+    raw = byte_view(record)
+    spans = _part_spans(meta)
+    for j, (name, a, b) in enumerate(spans):
+        if zlib.crc32(raw[a:b]) != meta.checksums[len(spans) * layer + j]:
             raise CorruptEntryError(key, f"checksum mismatch in {name}.{layer}")
 
 
@@ -185,7 +217,8 @@ class EntryReader(Protocol):
     stored_bytes: int
 
     def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Layer ``layer`` as ``[2, T, H, D]`` in the storage dtype (index 0 = K, 1 = V).
+        """Stored layer ``layer``: ``meta.record_shape`` in ``meta.record_dtype`` (uncompressed:
+        ``[2, T, H, D]``, index 0 = K, 1 = V; quantised: its bytes, see :mod:`ragcache.kvstore.codec`).
 
         ``out``, when given, is a contiguous CPU tensor of that shape and dtype to read into.
 
@@ -196,7 +229,7 @@ class EntryReader(Protocol):
         ...
 
     def read_all(self) -> torch.Tensor:
-        """All layers as ``[L, 2, T, H, D]`` in the storage dtype, checksums verified.
+        """All layers as ``meta.kv_shape`` in ``meta.record_dtype``, checksums verified.
 
         Raises:
             CorruptEntryError: any checksum mismatch or missing bytes.
@@ -213,9 +246,9 @@ def _check_layer_index(meta: KVMeta, layer: int) -> None:
 
 def _out(meta: KVMeta, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
-        return torch.empty(shape, dtype=meta.torch_dtype)
-    if tuple(out.shape) != shape or out.dtype != meta.torch_dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {shape} {meta.dtype}")
+        return torch.empty(shape, dtype=meta.record_dtype)
+    if tuple(out.shape) != shape or out.dtype != meta.record_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {shape} {meta.record_dtype}")
     return out
 
 
@@ -259,13 +292,13 @@ class FileEntryReader:
 
     def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_layer_index(self.meta, layer)
-        t = _out(self.meta, (2, *self.meta.layer_shape), out)
-        self._read_into(t, self._data_offset + layer * 2 * self.meta.tensor_nbytes)
+        t = _out(self.meta, self.meta.record_shape, out)
+        self._read_into(t, self._data_offset + layer * self.meta.layer_nbytes)
         verify_layer(self.key, self.meta, layer, t)
         return t
 
     def read_all(self) -> torch.Tensor:
-        t = torch.empty(self.meta.kv_shape, dtype=self.meta.torch_dtype)
+        t = torch.empty(self.meta.kv_shape, dtype=self.meta.record_dtype)
         self._read_into(t, self._data_offset)
         for i in range(self.meta.num_layers):
             verify_layer(self.key, self.meta, i, t[i])
@@ -307,13 +340,13 @@ class BytesEntryReader:
 
     def read_layer(self, layer: int, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_layer_index(self.meta, layer)
-        t = _out(self.meta, (2, *self.meta.layer_shape), out)
-        self._copy_into(t, self._data_offset + layer * 2 * self.meta.tensor_nbytes)
+        t = _out(self.meta, self.meta.record_shape, out)
+        self._copy_into(t, self._data_offset + layer * self.meta.layer_nbytes)
         verify_layer(self.key, self.meta, layer, t)
         return t
 
     def read_all(self) -> torch.Tensor:
-        t = torch.empty(self.meta.kv_shape, dtype=self.meta.torch_dtype)
+        t = torch.empty(self.meta.kv_shape, dtype=self.meta.record_dtype)
         self._copy_into(t, self._data_offset)
         for i in range(self.meta.num_layers):
             verify_layer(self.key, self.meta, i, t[i])
@@ -321,3 +354,32 @@ class BytesEntryReader:
 
     def close(self) -> None:
         self._data = memoryview(b"")
+
+
+
+def entry_nbytes(key: str, num_layers: int, num_kv_heads: int, head_dim: int, num_tokens: int, compression: str,
+                 dtype: str = "float32") -> int:
+    """Bytes an entry of that shape takes on disk or in Redis under ``key``: header, values and
+    scales, in form ``compression`` (``dtype``: the float dtype of ``none``; ignored by the quantised
+    forms, whose scales are float16).
+
+    Raises:
+        ValueError: an unknown form or dtype, or int4 with an odd ``head_dim``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    meta = KVMeta("0" * 16, 1, dtype if compression == "none" else "float16", num_layers, num_tokens, num_kv_heads,
+                  head_dim, 0, compression=compression)
+    meta = KVMeta(**{**meta.__dict__, "checksums": (0,) * (len(meta.parts) * num_layers)})
+    return len(encode_header(key, meta)) + meta.nbytes
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, compression: str, dtype: str = "float32",
+                    tokens: int = 512) -> float:
+    """Stored bytes per token of a ``tokens``-token chunk's entry (:func:`entry_nbytes` under a
+    namespaced key) for a model of that KV shape: what a corpus costs is its tokens x this.
+
+    Raises:
+        ValueError: as :func:`entry_nbytes`.
+    """
+    return entry_nbytes("default:" + "0" * 32, num_layers, num_kv_heads, head_dim, tokens, compression, dtype) / tokens

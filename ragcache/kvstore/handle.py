@@ -1,13 +1,14 @@
 """An open KV entry read layer by layer (what ``TieredStore.open`` returns), and the small
 interface it uses to report back to the store.
 
-Owns: :class:`KVHandle` (per-layer reads into the caller's dtype and device, the promotion buffer,
+Owns: :class:`KVHandle` (per-layer reads, dequantised when the entry is stored compressed, into
+the caller's dtype and device; the promotion buffer,
 promotion on close) and :class:`HandleOwner` (the store's side: counting, turning a hit whose layer
 cannot be read into a miss, discarding a damaged entry, promotion). The handle knows nothing of the
 store's tiers, locks or counters. Reading layers ahead in a background thread is the blend's job
 (``ragcache.blend.forward``), not the handle's.
-Imports only the entry and format modules; must not import vLLM, the store, nor anything above
-kvstore.
+Imports only the entry, codec and format modules; must not import vLLM, the store, nor anything
+above kvstore.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ragcache.kvstore.codec import StoredLayer, decode_layer
 from ragcache.kvstore.entry import CorruptEntryError, KVMeta, StoredKV, TierError
 from ragcache.kvstore.format import EntryReader
 
@@ -36,7 +38,7 @@ class HandleOwner(Protocol):
     def spec_dtype(self) -> torch.dtype: ...
 
     def should_promote(self, pos: int, nbytes: int) -> bool:
-        """Whether an entry of ``nbytes`` (storage dtype) read from tier ``pos`` is to be promoted
+        """Whether an entry of ``nbytes`` (as stored) read from tier ``pos`` is to be promoted
         into the top memory tier once it was read completely."""
         ...
 
@@ -70,7 +72,7 @@ class KVHandle:
     Attributes:
         key: the entry's key.
         tier: name of the tier serving it.
-        meta: its metadata (``meta.dtype`` is the storage dtype).
+        meta: its metadata (``meta.dtype`` and ``meta.compression`` say how it is stored).
 
     Read layers in any order with :meth:`layer`, then :meth:`close` (or use ``with``). When the
     handle came from a tier below the top memory tier and every layer was read, ``close``
@@ -88,10 +90,11 @@ class KVHandle:
         self.meta: KVMeta = reader.meta
         self.tier = tier
         self._read = [False] * self.meta.num_layers
+        self._parts = self.meta.parts
         self._promote = owner.should_promote(pos, self.meta.nbytes)
         # a persistent tier's layers are read straight into the buffer promotion will keep
         self._buf = (
-            torch.empty(self.meta.kv_shape, dtype=self.meta.torch_dtype)
+            torch.empty(self.meta.kv_shape, dtype=self.meta.record_dtype)
             if self._promote and not from_memory
             else None
         )
@@ -102,7 +105,21 @@ class KVHandle:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer ``i``, each ``[num_tokens, num_kv_heads, head_dim]`` in the spec's dtype
-        on the store's device (the caller's own copies).
+        on the store's device (the caller's own copies). A quantised entry's layer travels to the
+        device compressed and is dequantised there (:func:`ragcache.kvstore.codec.decode_layer`):
+        only this layer, so reading ahead layer by layer still overlaps with compute.
+
+        Raises: as :meth:`stored_layer`.
+        """
+        stored = self.stored_layer(i)
+        owned = self._buf is None and not self._from_memory
+        return decode_layer(stored.form, stored.parts, stored.record, self._owner.spec_dtype, self._owner.device,
+                            copy=not owned)
+
+    def stored_layer(self, i: int) -> StoredLayer:
+        """Layer ``i`` as stored, read and checked but not dequantised (for
+        :func:`ragcache.kvstore.codec.decode_layers`, which decodes a layer of many entries at once):
+        a view of a memory tier's entry or of the promotion buffer, never to be modified.
 
         Raises:
             CorruptEntryError: the layer failed its checksum; the entry has been deleted from
@@ -127,13 +144,8 @@ class KVHandle:
             self.close()
             raise TierError(f"reading layer {i} of {self.key!r} from {self.tier}: {exc}") from exc
         self._read[i] = True
-        owner.record_read(self._pos, self.key, 2 * self.meta.tensor_nbytes)
-        # a memory tier's layer is a view of the stored entry, the promotion buffer is kept: copy those;
-        # a layer read into a fresh tensor is already the caller's own
-        owned = self._buf is None and not self._from_memory
-        kv = t.to(device=owner.device, dtype=owner.spec_dtype, copy=not owned,
-                  non_blocking=owner.device.type != "cpu")
-        return kv[0], kv[1]
+        owner.record_read(self._pos, self.key, self.meta.layer_nbytes)
+        return StoredLayer(self.meta.compression, self._parts, t)
 
     def close(self) -> None:
         """Release the reader; promote the entry if it was read completely. Idempotent."""

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVSpec, StoredKV, TierError
+from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVMeta, StoredKV, TierError
 from ragcache.kvstore.format import EntryReader, encode_header
 from ragcache.kvstore.guard import TierDown, TierGuard
 from ragcache.kvstore.policy import EvictionIndex, Victim
@@ -219,10 +219,11 @@ class TierSlot:
                 pass
         return TierUsage(0, 0)
 
-    def open_checked(self, key: str, spec: KVSpec) -> EntryReader | None:
-        """A reader over ``key`` when the tier holds a usable entry of ``spec``; else None (a
-        damaged entry discarded and counted, a foreign one counted and left in place, a failed read
-        counted). Lookups are counted by the store, not here."""
+    def open_checked(self, key: str, mismatch: Callable[[KVMeta], str | None]) -> EntryReader | None:
+        """A reader over ``key`` when the tier holds a usable entry (``mismatch(meta)`` is None: the
+        store's model, layout and stored form); else None (a damaged entry discarded and counted, a
+        foreign one counted and left in place, a failed read counted). Lookups are counted by the
+        store, not here."""
         try:
             if self.tier.memory:
                 with self._lock:
@@ -242,7 +243,7 @@ class TierSlot:
             return None
         if reader is None:
             return None
-        reason = spec.mismatch(reader.meta)
+        reason = mismatch(reader.meta)
         if reason is not None:
             reader.close()
             log.debug("%s tier: entry %r is foreign (%s)", self.name, key, reason)

@@ -20,7 +20,8 @@ Policy in one place:
 - A tier over capacity evicts (``lru`` or ``lfu``); an evicted entry is demoted to the next tier
   down when it is not already there (``device`` -> ``cpu`` -> ``disk`` -> ``remote``).
 - Damaged entries (bad header, truncated, checksum mismatch) are deleted, counted under
-  ``corrupt`` and treated as misses; entries of another model/layout are counted under
+  ``corrupt`` and treated as misses; entries of another model/layout or stored form
+  (``kv_compression``) are counted under
   ``foreign``, left in place and treated as misses. Neither is ever returned.
 - Lookups are counted once each, as :mod:`~ragcache.kvstore.stats` defines them (the prompt
   head's apart; a handle whose layer turns out damaged turns its hit into a miss; keys in a
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -66,6 +68,7 @@ from ragcache.kvstore.entry import (
     check_key,
     dtype_name,
 )
+from ragcache.kvstore.codec import SCALE_DTYPE, check_form, decode_all, encode, layer_parts
 from ragcache.kvstore.format import EntryReader, checksums
 from ragcache.kvstore.guard import TierDown, TierGuard
 from ragcache.kvstore.handle import KVHandle
@@ -91,7 +94,11 @@ class TieredStore:
         tiers: ``(tier, capacity_bytes)`` top-down, memory tiers first; capacity None = unbounded.
         device: where ``get``/``open`` return tensors.
         eviction_policy: "lru" or "lfu".
-        kv_dtype: storage dtype: "model" (= ``spec.dtype``), "float16" or "bfloat16".
+        kv_dtype: storage dtype of uncompressed entries: "model" (= ``spec.dtype``), "float16" or
+            "bfloat16".
+        kv_compression: the stored form, "none", "int8" or "int4" (:mod:`ragcache.kvstore.codec`):
+            what ``put`` stores and the only form ``get``/``open``/``contains`` serve (an entry in
+            another form is foreign: a miss, recomputed by the caller).
         hit_rate_log_interval: seconds between hit-rate log lines; None = no logging thread.
         remote_backoff_sec: first wait (seconds) before retrying a tier that was unreachable.
         remote_backoff_max_sec: longest wait between retries (the wait doubles up to it).
@@ -109,6 +116,7 @@ class TieredStore:
         device: torch.device | str = "cpu",
         eviction_policy: str = "lru",
         kv_dtype: str = "model",
+        kv_compression: str = "none",
         hit_rate_log_interval: float | None = None,
         remote_backoff_sec: float = 2.0,
         remote_backoff_max_sec: float = 10.0,
@@ -120,6 +128,9 @@ class TieredStore:
         if kv_dtype != "model" and kv_dtype not in DTYPES:
             raise ValueError(f"kv_dtype must be 'model', 'float16' or 'bfloat16', got {kv_dtype!r}")
         self.kv_dtype = kv_dtype
+        self.kv_compression = check_form(kv_compression)
+        if spec is not None:
+            layer_parts(kv_compression, spec.dtype, 1, spec.num_kv_heads, spec.head_dim)  # int4: even head_dim
         self._lock = threading.RLock()
         self._slots = [
             TierSlot(tier, None if capacity is None else int(capacity), eviction_policy,
@@ -168,7 +179,7 @@ class TieredStore:
         if disk is not None:
             kwargs.setdefault("counter_file", Path(disk.root) / COUNTER_FILE)
         return cls(spec, tiers, device=device, eviction_policy=settings.eviction_policy,
-                   kv_dtype=settings.kv_dtype, **kwargs)
+                   kv_dtype=settings.kv_dtype, kv_compression=settings.kv_compression, **kwargs)
 
     # ------------------------------------------------------------------ public API
 
@@ -183,8 +194,13 @@ class TieredStore:
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """dtype entries are stored in (``kv_dtype`` resolved against the spec)."""
+        """dtype uncompressed entries are stored in (``kv_dtype`` resolved against the spec)."""
         return self._spec().dtype if self.kv_dtype == "model" else DTYPES[self.kv_dtype]
+
+    def mismatch(self, meta: KVMeta) -> str | None:
+        """Why an entry with ``meta`` is not served here (another model, layout or stored form), or
+        None when it is (:meth:`KVSpec.mismatch`); with no spec, every intact entry is served."""
+        return None if self.spec is None else self.spec.mismatch(meta, self.kv_compression)
 
     def put(self, key: str, k: torch.Tensor, v: torch.Tensor, start_position: int) -> tuple[str, ...]:
         """Store one chunk's KV: into the top memory tier and through to disk and remote.
@@ -192,7 +208,7 @@ class TieredStore:
         Args:
             key: ``str(ChunkKey)`` (1-160 characters from ``[A-Za-z0-9._:@+=/-]``).
             k: pre-RoPE keys ``[num_layers, num_tokens, num_kv_heads, head_dim]``, any float dtype
-                (normally ``spec.dtype``), any device.
+                (normally ``spec.dtype``), any device; quantised there when ``kv_compression`` asks.
             v: values, same shape.
             start_position: canonical position of the chunk's first token when its KV was computed.
 
@@ -202,7 +218,8 @@ class TieredStore:
             the names of the tiers the entry was stored in, top-down (empty when none took it).
 
         Raises:
-            ValueError: bad key, shapes that do not match the spec, or a negative start_position.
+            ValueError: bad key, shapes that do not match the spec, a negative start_position, or
+                non-finite K/V with a quantised ``kv_compression``.
             RuntimeError: the store was opened without a spec.
         """
         spec = self._spec()
@@ -210,14 +227,15 @@ class TieredStore:
         num_tokens = spec.check_kv(k, v)
         if int(start_position) < 0:
             raise ValueError(f"start_position must be >= 0, got {start_position}")
-        sdtype = self.storage_dtype
-        kv = torch.stack([k.detach(), v.detach()], dim=1).to(device="cpu", dtype=sdtype).contiguous()
+        form = self.kv_compression
+        kv, sdtype = self._encode(k, v)
         meta = KVMeta(
             model_fingerprint=spec.model_fingerprint, layout_version=spec.layout_version,
             dtype=dtype_name(sdtype), num_layers=spec.num_layers, num_tokens=num_tokens,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            start_position=int(start_position), checksums=checksums(kv),
+            start_position=int(start_position), compression=form,
         )
+        meta = replace(meta, checksums=checksums(meta, kv))
         item = StoredKV(key, meta, kv)
         stored = []
         if self._top is not None:
@@ -233,6 +251,33 @@ class TieredStore:
         self._ledger.maybe_flush()
         return tuple(stored)
 
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as a read of them after :meth:`put` returns them: through the stored form
+        (quantised and dequantised, or cast to ``kv_dtype``) into ``spec.dtype`` on the store's
+        device; ``k``/``v`` themselves when the form keeps them as they are. So a chunk computed for
+        a request is served exactly as its stored entry will be at the next hit.
+
+        Args:
+            k, v: ``[num_layers, T, num_kv_heads, head_dim]`` as handed to :meth:`put`.
+
+        Raises:
+            ValueError / RuntimeError: as :meth:`put`.
+        """
+        spec = self._spec()
+        spec.check_kv(k, v)
+        form = self.kv_compression
+        if form == "none" and self.storage_dtype == spec.dtype == k.dtype == v.dtype \
+                and k.device == v.device == self.device:
+            return k, v
+        kv, sdtype = self._encode(k, v)
+        return decode_all(form, layer_parts(form, sdtype, *k.shape[1:]), kv, spec.dtype, self.device)
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """``(kv, dtype)``: K/V in this store's stored form (:func:`ragcache.kvstore.codec.encode`)
+        and the float dtype its header names (the storage dtype uncompressed, the scales' quantised)."""
+        sdtype = self.storage_dtype if self.kv_compression == "none" else SCALE_DTYPE
+        return encode(k, v, self.kv_compression, sdtype), sdtype
+
     def get(self, key: str) -> tuple[KVEntry, str] | None:
         """The entry under ``key`` and the name of the tier that served it, or None (miss).
 
@@ -244,7 +289,7 @@ class TieredStore:
         Returns:
             ``(KVEntry, tier_name)``; the entry's ``k``/``v`` are
             ``[num_layers, num_tokens, num_kv_heads, head_dim]`` in ``spec.dtype`` on the store's
-            device, owned by the caller.
+            device (dequantised when stored compressed), owned by the caller.
 
         Raises:
             ValueError: bad key.  RuntimeError: the store was opened without a spec.
@@ -265,12 +310,8 @@ class TieredStore:
                                         chunk=counted)
             self._lookup_done(key, served=True)
             item = StoredKV(key, reader.meta, kv)
-            entry = KVEntry(
-                key,
-                kv[:, 0].to(device=self.device, dtype=self.spec_dtype, copy=True).contiguous(),
-                kv[:, 1].to(device=self.device, dtype=self.spec_dtype, copy=True).contiguous(),
-                reader.meta,
-            )
+            meta = reader.meta
+            entry = KVEntry(key, *decode_all(meta.compression, meta.parts, kv, self.spec_dtype, self.device), meta)
             if self.should_promote(pos, item.nbytes):
                 self.promote(pos, item)
             return entry, self._slots[pos].name
@@ -337,7 +378,7 @@ class TieredStore:
                 continue
             except (ForeignEntryError, TierError, OSError):
                 continue
-            if meta is not None and (self.spec is None or self.spec.mismatch(meta) is None):
+            if meta is not None and self.mismatch(meta) is None:
                 yield slot.name
 
     def delete(self, key: str) -> bool:
@@ -423,6 +464,45 @@ class TieredStore:
                 counts[ns] = counts.get(ns, 0) + 1
         return out
 
+    def footprint(self, sample: int = 1000) -> dict[str, dict[str, Any]]:
+        """What the entries of each tier that is up cost per token, from their headers.
+
+        Reads the header (not the tensors) of at most ``sample`` entries per tier, spread evenly
+        over the tier's listing (a memory tier: its entries as they are).
+
+        Returns:
+            ``{tier: {"entries", "bytes", "sampled", "tokens", "bytes_per_token", "forms"}}``:
+            ``entries``/``bytes`` as the tier holds them now; ``sampled`` entries whose header could
+            be read, with ``tokens`` in them and ``bytes_per_token`` = their bytes (header, values
+            and scales) / their tokens (None without any); ``forms``: sampled entries per stored
+            form (``{"int8": 70, "none": 7}``).
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for slot in self._slots:
+            if not slot.guard.available():
+                continue
+            try:
+                listed = slot.guard.call(slot.tier.scan) if not slot.tier.memory else slot.tier.scan()
+            except (TierDown, TierError, OSError):
+                continue
+            picked = listed[:: max(1, -(-len(listed) // sample))] if sample > 0 else []
+            sampled = tokens = nbytes = 0
+            forms: dict[str, int] = {}
+            for stat in picked:
+                try:
+                    meta = slot.guard.call(slot.tier.head, stat.key) if not slot.tier.memory \
+                        else slot.tier.head(stat.key)
+                except (TierDown, TierError, OSError):
+                    continue
+                if meta is None:
+                    continue
+                sampled, tokens, nbytes = sampled + 1, tokens + meta.num_tokens, nbytes + stat.size
+                forms[meta.compression] = forms.get(meta.compression, 0) + 1
+            out[slot.name] = {"entries": len(listed), "bytes": sum(s.size for s in listed), "sampled": sampled,
+                              "tokens": tokens, "bytes_per_token": round(nbytes / tokens, 1) if tokens else None,
+                              "forms": forms}
+        return out
+
     def hit_rate_line(self) -> str:
         """One line of hit rates that add up, e.g.
         ``4 lookups: cpu 50.0% (2) | disk 25.0% (1) | miss 25.0% (1); head 2/2``."""
@@ -431,16 +511,17 @@ class TieredStore:
 
     def verify(self) -> dict[str, dict[str, Any]]:
         """Check every entry in the persistent tiers (header, size and every checksum) and delete
-        the damaged ones. Entries of another model/layout are checked too, and kept when intact.
+        the damaged ones. Entries of another model/layout/stored form are checked too, and kept when
+        intact.
 
         Returns:
             ``{tier: {"checked", "ok", "foreign", "corrupt", "removed": [keys], "up"}}``, where
-            ``ok`` counts intact entries of this store's spec (all intact ones without a spec) and
-            ``foreign`` intact entries of another model, layout or format
+            ``ok`` counts intact entries of this store's spec and form (all intact ones without a
+            spec) and ``foreign`` intact entries of another model, layout, stored form or format
             (see :func:`ragcache.kvstore.verify.verify_tier`).
         """
         return {
-            slot.name: verify_tier(slot.tier, slot.guard, self.spec, slot.discard_corrupt)
+            slot.name: verify_tier(slot.tier, slot.guard, self.mismatch, slot.discard_corrupt)
             for slot in self._slots
             if not slot.tier.memory
         }
@@ -466,7 +547,7 @@ class TieredStore:
     # ------------------------------------------------------------------ what handles call back (HandleOwner)
 
     def should_promote(self, pos: int, nbytes: int) -> bool:
-        """Whether an entry of ``nbytes`` (storage dtype) found in tier ``pos`` (top-down position)
+        """Whether an entry of ``nbytes`` (as stored) found in tier ``pos`` (top-down position)
         goes into the top memory tier: it is below that tier and fits its capacity."""
         top = self._top
         if top is None or pos == top:
@@ -512,7 +593,7 @@ class TieredStore:
 
     def _lookup(self, key: str, head: bool = False) -> Iterator[tuple[int, EntryReader]]:
         """The lookup loop of ``get`` and ``open``: top-down, every available tier that holds a
-        usable entry under ``key`` (header valid, this spec's model and layout), as
+        usable entry under ``key`` (header valid, this spec's model and layout, this stored form), as
         ``(tier position, open reader)``.
 
         Foreign and damaged entries found on the way are counted (and damaged ones deleted) here,
@@ -524,11 +605,11 @@ class TieredStore:
         Raises (at the first ``next``):
             ValueError: bad key.  RuntimeError: the store was opened without a spec.
         """
-        spec = self._spec()
+        self._spec()
         check_key(key)
         for pos, slot in enumerate(self._slots):
             if slot.guard.available():
-                reader = slot.open_checked(key, spec)
+                reader = slot.open_checked(key, self.mismatch)
                 if reader is not None:
                     yield pos, reader
                     continue

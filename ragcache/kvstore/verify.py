@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVSpec, TierError
+from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVMeta, TierError
 from ragcache.kvstore.guard import TierDown, TierGuard
 from ragcache.kvstore.tier import Tier
 
 Outcome = Literal["ok", "foreign", "corrupt", "gone", "error", "down"]
 
 
+Mismatch = Callable[[KVMeta], "str | None"]
+
+
 def verify_tier(
-    tier: Tier, guard: TierGuard, spec: KVSpec | None, discard: Callable[[str, CorruptEntryError], None]
+    tier: Tier, guard: TierGuard, mismatch: Mismatch | None, discard: Callable[[str, CorruptEntryError], None]
 ) -> dict[str, Any]:
     """Check every entry of ``tier`` (header, size and every checksum).
 
@@ -26,12 +29,13 @@ def verify_tier(
         tier: a persistent tier.
         guard: its availability state; a tier that is down (or goes down meanwhile) is reported
             with ``up`` False and not checked further.
-        spec: entries that disagree with it count as ``foreign``; None = every intact entry is ``ok``.
+        mismatch: why an entry is not the store's (another model, layout or stored form: ``foreign``),
+            None when it is (``TieredStore.mismatch``); None = every intact entry is ``ok``.
         discard: called with the key and error of each damaged entry; expected to delete it.
 
     Returns:
         ``{"checked", "ok", "foreign", "corrupt", "removed": [keys], "up"}``: ``ok`` counts intact
-        entries of ``spec``, ``foreign`` intact entries of another model, layout or format,
+        entries of the store, ``foreign`` intact entries of another model, layout, stored form or format,
         ``corrupt`` the damaged ones (their keys in ``removed``). Entries that vanished meanwhile
         or could not be read (logged) are not counted.
     """
@@ -44,7 +48,7 @@ def verify_tier(
         rep["up"] = False
         return rep
     for key in keys:
-        outcome = _verify_one(tier, guard, spec, key, discard)
+        outcome = _verify_one(tier, guard, mismatch, key, discard)
         if outcome == "down":
             rep["up"] = False
             break
@@ -57,7 +61,8 @@ def verify_tier(
 
 
 def _verify_one(
-    tier: Tier, guard: TierGuard, spec: KVSpec | None, key: str, discard: Callable[[str, CorruptEntryError], None]
+    tier: Tier, guard: TierGuard, mismatch: Mismatch | None, key: str,
+    discard: Callable[[str, CorruptEntryError], None]
 ) -> Outcome:
     """Check one stored entry; "corrupt" ones have been handed to ``discard``."""
     try:
@@ -78,6 +83,6 @@ def _verify_one(
     except (TierError, OSError) as exc:
         guard.warn("verify", f"{tier.name} tier: cannot check {key!r} ({exc})")
         return "error"
-    if spec is not None and spec.mismatch(reader.meta) is not None:
+    if mismatch is not None and mismatch(reader.meta) is not None:
         return "foreign"
     return "ok"
