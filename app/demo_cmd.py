@@ -64,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 #: the demo's calibration: a few probe questions, three ratios around the default (~40 s on 2 cores)
 CALIBRATION_PROBES = 3
 CALIBRATION_RATIOS = (0.1, 0.15, 0.2)
+#: with the adaptive budget (blend.budget), the thresholds (blend.mass_left) tried instead
+CALIBRATION_MASSES = (0.05, 0.03, 0.02)
 
 
 def _calibrate(rag) -> bool:
@@ -71,25 +73,28 @@ def _calibrate(rag) -> bool:
     the calibrated ratio, or ``blend.fallback_ratio`` when no ratio was good enough and faster.
     Returns whether it calibrated now (False: the index's calibration was read)."""
     from app.calibrate_cmd import print_calibration
-    from ragcache.calibrate import DEFAULT_RATIOS, calibrate, probe_questions, write_calibration
+    from ragcache.calibrate import DEFAULT_MASSES, DEFAULT_RATIOS, calibrate, probe_questions, write_calibration
     from ragcache.index import readable_path
 
     cal = rag.calibration()
     calibrated_now = cal is None
-    ratios = ", ".join(f"{r:g}" for r in CALIBRATION_RATIOS)
+    adaptive = rag.settings.blend.adapts()
+    tried = (f"at mass_left {', '.join(f'{m:g}' for m in CALIBRATION_MASSES)} (the adaptive budget)" if adaptive
+             else f"at ratios {', '.join(f'{r:g}' for r in CALIBRATION_RATIOS)}")
     if cal is None:
         changes = rag.calibration_changes()
         if changes:
             print(f"the demo index's calibration was measured under other settings ({'; '.join(changes)})")
-        print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend at ratios {ratios} against "
+        print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend {tried} against "
               f"full prefill", flush=True)
         cal = calibrate(rag, probe_questions(list(rag.retriever.index.chunks()), CALIBRATION_PROBES),
-                        ratios=CALIBRATION_RATIOS, max_tokens=16)
+                        ratios=CALIBRATION_RATIOS, max_tokens=16, masses=CALIBRATION_MASSES if adaptive else None)
         write_calibration(readable_path(rag.index_path), cal)
     print_calibration(cal, rag.settings.blend.min_recompute_tokens)
     if calibrated_now and cal.recommendation == "full":
-        print(f"(the demo tries ratios {ratios} only; `ragcache calibrate --index {rag.index_name}` tries "
-              f"{min(DEFAULT_RATIOS):g} to {max(DEFAULT_RATIOS):g})")
+        grid = DEFAULT_MASSES if adaptive else DEFAULT_RATIOS
+        print(f"(the demo tries {tried.removeprefix('at ')} only; `ragcache calibrate --index {rag.index_name}` tries "
+              f"{min(grid):g} to {max(grid):g})")
     rag.settings.blend.recompute_ratio = "auto"
     return calibrated_now
 

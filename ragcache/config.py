@@ -130,7 +130,7 @@ class BlendSettings(_Section):
         0.15, description="share of context tokens recomputed, in [0, 1], or 'auto': the index's calibrated ratio "
         "(`ragcache calibrate`), else fallback_ratio")
     budget: BudgetMode = Field(
-        "fixed", description="adaptive: each request's recompute budget follows its question's attention "
+        "adaptive", description="adaptive: each request's recompute budget follows its question's attention "
         "(recompute until at most mass_left of it stays on reused KV, within [recompute_ratio / 2, "
         "max_recompute_ratio and max_recompute_tokens]); fixed: every request recomputes recompute_ratio")
     mass_left: MassLeft = Field(
