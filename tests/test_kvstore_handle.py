@@ -100,3 +100,34 @@ def test_damaged_layer_is_reported_to_the_owner_and_closes_the_handle():
     assert owner.corrupt == [(2, "a")] and owner.promoted == []
     with pytest.raises(RuntimeError):
         h.layer(0)
+
+
+def test_all_layers_at_once_read_the_entry_whole_count_every_layer_and_promote_it():
+    item = stored(torch.float16)
+    owner = Owner()
+    with KVHandle(owner, 2, BytesEntryReader(encode("a", item.meta, item.kv), "a"), "disk", False) as h:
+        every = h.all_layers()
+        assert every.dtype == torch.float32 and every.shape == (LAYERS, 2, TOKENS, HEADS, DIM)
+        assert torch.equal(every, item.kv.float())
+    assert owner.reads == [(2, LAYERS * 2 * TOKENS * HEADS * DIM * 2)]  # every layer's K and V, float16
+    [(pos, promoted)] = owner.promoted
+    assert pos == 2 and torch.equal(promoted.kv, item.kv)  # promoted in the storage dtype
+
+
+def test_all_layers_of_a_memory_tier_are_the_stored_entry_itself():
+    item = stored(torch.float32)
+    with KVHandle(Owner(), 0, MemoryReader(item), "cpu", True) as h:
+        assert h.all_layers().data_ptr() == item.kv.data_ptr()  # no copy: the caller copies it once
+
+
+def test_a_damaged_entry_read_whole_is_reported_and_closes_the_handle():
+    item = stored()
+    data = bytearray(encode("a", item.meta, item.kv))
+    data[-3] ^= 0xFF  # last layer's V
+    owner = Owner()
+    h = KVHandle(owner, 2, BytesEntryReader(bytes(data), "a"), "disk", False)
+    with pytest.raises(CorruptEntryError):
+        h.all_layers()
+    assert owner.corrupt == [(2, "a")] and owner.promoted == []
+    with pytest.raises(RuntimeError):
+        h.all_layers()

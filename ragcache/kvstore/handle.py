@@ -135,6 +135,36 @@ class KVHandle:
                   non_blocking=owner.device.type != "cpu")
         return kv[0], kv[1]
 
+    def all_layers(self) -> torch.Tensor:
+        """Every layer at once, ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (index 0 of dim 1
+        = K, 1 = V) in the spec's dtype on the store's device: a memory tier's stored entry itself
+        (read it, never write into it), or a persistent tier's entry read whole, checksums verified,
+        into the buffer promotion keeps. Counts as reading every layer (``close`` then promotes).
+
+        Raises:
+            CorruptEntryError, TierError, RuntimeError: as :meth:`layer`.
+        """
+        if self._reader is None:
+            raise RuntimeError("KVHandle is closed")
+        owner = self._owner
+        try:
+            t = self._reader.read_all()
+        except CorruptEntryError as exc:
+            owner.read_failed(self._pos, self.key, exc, self._head)
+            self.close()
+            raise
+        except OSError as exc:
+            owner.read_failed(self._pos, self.key, exc, self._head)
+            self.close()
+            raise TierError(f"reading {self.key!r} from {self.tier}: {exc}") from exc
+        if self._buf is not None:
+            self._buf = t  # the entry as read is what promotion keeps
+        self._read = [True] * self.meta.num_layers
+        owner.record_read(self._pos, self.key, 2 * self.meta.tensor_nbytes * self.meta.num_layers)
+        if t.device == owner.device and t.dtype == owner.spec_dtype:
+            return t
+        return t.to(device=owner.device, dtype=owner.spec_dtype, non_blocking=owner.device.type != "cpu")
+
     def close(self) -> None:
         """Release the reader; promote the entry if it was read completely. Idempotent."""
         reader, self._reader = self._reader, None
