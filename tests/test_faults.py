@@ -233,10 +233,13 @@ def test_a_full_disk_says_how_many_entries_it_could_not_keep_and_answers_stay_ri
         on_disk = sum(probe.disk.path(key).exists() for key in probe.keys(full))  # what the disk really holds
         assert on_disk < len(DOCS)  # a 16-bit entry may fit once the head is evicted; not all of them
         assert f"stored on disk {on_disk}, remote 3" in lines[0]
-        assert any(line.startswith(f"warning: {len(DOCS) - on_disk} of {len(DOCS)} new entries are not on the disk "
-                                   "tier (no room:") for line in lines), lines
+        # compressed entries may all be written and the oldest evicted, 16-bit ones may find no room at all:
+        # either way the warning counts the entries the disk does not hold and says why
+        warning = [line for line in lines if line.startswith(
+            f"warning: {len(DOCS) - on_disk} of {len(DOCS)} new entries are not on the disk tier (")]
+        assert len(warning) == 1 and ("no room:" in warning[0] or "evicted to make room" in warning[0]), lines
         row = probe.engine.store_stats().tiers["disk"]
-        assert row.not_stored >= 1 and row.capacity_bytes <= 2 * MiB  # the others were stored, then evicted
+        assert row.not_stored + row.evictions >= 1 and row.capacity_bytes <= 2 * MiB
         served = {t: n for t, n in (("disk", on_disk), ("remote", TOP_K - on_disk)) if n}
         for q in QUESTIONS:  # served from Redis (and the disk); the same answer as from the first index's disk KV
             answer = ask(probe, q, rag=full)
