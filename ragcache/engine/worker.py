@@ -31,7 +31,7 @@ from ragcache.engine.paged_attention import (
     engine_attention, kernel_available,
 )
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
-from ragcache.kvstore.codec import StoredLayer, decode_layers, layer_parts
+from ragcache.kvstore.codec import StoredEntry, StoredLayer, decode_entries, decode_layers, layer_parts
 from ragcache.prompt import is_canonical, lead_in_for
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,9 @@ class _MemoryHandle:
 
     def stored_layer(self, i: int) -> StoredLayer:
         return StoredLayer("none", self._parts, torch.stack([self.k[i], self.v[i]]))
+
+    def stored_entry(self) -> StoredEntry:
+        return StoredEntry("none", self._parts, torch.stack([self.k, self.v], dim=1))
 
     def close(self) -> None:
         pass
@@ -378,14 +381,13 @@ class WorkerRuntime:
 
     def _stage_kv(self, group: list["_Opened"]) -> CachedKV:
         """Every layer of every segment of the pass's requests, in row order, decoded into the staging
-        buffer: per layer one :func:`~ragcache.kvstore.codec.decode_layers` over all the pass's
-        segments (a fixed number of kernels however many chunks and requests)."""
+        buffer by one :func:`~ragcache.kvstore.codec.decode_entries` (a fixed number of kernels however
+        many layers, chunks and requests)."""
         ops = self.ops
         staged = self._staging(sum(o.load.params.ctx_len for o in group))
-        for i in range(ops.num_layers):
-            k, v = decode_layers([s for o in group for s in o.stored_layers(i, self)], ops.dtype, ops.device)
-            staged[0, i].copy_(k)
-            staged[1, i].copy_(v)
+        k, v = decode_entries([e for o in group for e in o.stored_entries(self)], ops.dtype, ops.device)
+        staged[0].copy_(k)
+        staged[1].copy_(v)
         return CachedKV(k_pre=staged[0], v=staged[1])
 
     def _serve(self, group: list["_Opened"], block_size: int, t_step: float) -> list[ContextStats]:
@@ -453,6 +455,17 @@ class _Opened:
         except (CorruptEntryError, TierError, OSError) as exc:
             self._recompute(j, runtime, exc, f"at layer {i}")
             return self.handles[j].stored_layer(i)
+
+    def stored_entries(self, runtime: "WorkerRuntime") -> list[StoredEntry]:
+        """Every segment's whole entry, in row order (recomputed where damaged)."""
+        out = []
+        for j in range(len(self.handles)):
+            try:
+                out.append(self.handles[j].stored_entry())
+            except (CorruptEntryError, TierError, OSError) as exc:
+                self._recompute(j, runtime, exc, "when read whole")
+                out.append(self.handles[j].stored_entry())
+        return out
 
     def stored_layers(self, i: int, runtime: "WorkerRuntime") -> list[StoredLayer]:
         """Layer i of every segment, in row order."""
