@@ -115,6 +115,13 @@ def test_targets_depend_on_the_prompt_length_class():
     # the probe's share and the compute floor are reported in the stage table, not judged
     assert not {"question_probe_share", "blend_worker_vs_floor"} & set(
         ttft_targets(modes(1500.0), {"stages_s": {"question_probe_s": 0.2}, "worker_vs_floor": 1.5}))
+    # the operators one blend dispatched: judged against a constant, whatever the prompt's length
+    assert "blend_aten_ops" not in short
+    ops = {"total_median": 4200, "per_layer_median": 140.0, "aten_median": 3900, "n": 3}
+    counted = ttft_targets(modes(6100.0), None, ops)["blend_aten_ops"]
+    assert counted["value"] == 4200 and counted["max"] == TARGETS["blend_ops_max"] and counted["met"] is False
+    assert "140 per layer" in counted["note"]
+    assert ttft_targets(modes(1500.0), None, {**ops, "total_median": 900})["blend_aten_ops"]["met"] is True
 
 
 def test_agreed_prefix_counts_tokens_until_the_first_divergence():

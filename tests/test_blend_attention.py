@@ -153,3 +153,21 @@ def test_torch_attention_plans_once_per_query_set(monkeypatch):
         torch.testing.assert_close(out, reference_attention(q_all[index], positions[index], k, v, positions),
                                    atol=1e-5, rtol=1e-5)
     assert len(made) == 2
+
+
+def test_masked_attention_is_the_reference_in_one_call_for_every_request():
+    from ragcache.blend import masked_attention
+
+    g = torch.Generator().manual_seed(21)
+    sizes = [40, 25, 33]
+    starts = [0, 40, 65, 98]
+    positions = torch.cat([torch.arange(n) + 3 for n in sizes])  # each request's context from position 3
+    k, v = torch.randn(98, 2, 16, generator=g), torch.randn(98, 2, 16, generator=g)
+    index = torch.tensor([0, 1, 2, 17, 39, 40, 41, 64, 65, 80, 81, 97])
+    q = torch.randn(index.numel(), 4, 16, generator=g)
+    expected = torch_attention(positions, 0.25, starts)(0, q, index, k, v)
+    torch.testing.assert_close(masked_attention(positions, 0.25, starts)(0, q, index, k, v), expected, atol=1e-5,
+                               rtol=1e-5)
+    one = masked_attention(positions[:40], 0.25)(0, q[:5], index[:5], k[:40], v[:40])
+    torch.testing.assert_close(one, torch_attention(positions[:40], 0.25)(0, q[:5], index[:5], k[:40], v[:40]),
+                               atol=1e-5, rtol=1e-5)

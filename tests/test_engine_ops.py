@@ -310,3 +310,71 @@ def test_exercise_calls_every_adapter_method_and_reports_failures():
         ops.layers[0].self_attn.qkv_proj.weight[0, 0] = math.nan
     with pytest.raises(FloatingPointError, match="non-finite values in layer 0"):
         exercise(ops, ids)
+
+
+# ---- the adapter's fused paths ------------------------------------------------------------------
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_qkv_rope_rotates_where_the_projection_wrote_and_equals_qkv_then_rope(architecture):
+    torch.manual_seed(0)
+    model = fake_model(architecture, layers=2)
+    if architecture == "Qwen3ForCausalLM":
+        add_head_norms(model)
+    ops = adapter_for(model)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    positions = torch.arange(40, 48)
+    with torch.inference_mode():
+        hidden = ops.embed(ids)
+        q, k, v = ops.qkv(1, hidden)
+        expected_q, expected_k = ops.rope(1, positions, q, k)
+        got_q, got_k, got_v = ops.qkv_rope(1, hidden, positions)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k) and torch.equal(got_v, v)
+
+
+def test_keys_of_every_layer_move_in_one_call_as_layer_by_layer():
+    torch.manual_seed(1)
+    ops = adapter_for(fake_model("LlamaForCausalLM", layers=3))
+    assert ops.rotate_keys_ is not None  # every layer shares one rotary module
+    from ragcache.blend.rope import move_all_keys_, move_keys
+
+    k_pre = torch.randn(3, 10, KV_HEADS, HEAD_DIM)
+    positions = torch.arange(100, 110)
+    expected = [move_keys(ops, layer, k_pre[layer], positions) for layer in range(3)]
+    with torch.inference_mode():
+        moved = move_all_keys_(ops, k_pre.clone(), positions)
+    for layer in range(3):
+        torch.testing.assert_close(moved[layer], expected[layer], rtol=0, atol=1e-6)
+    own = fake_model("LlamaForCausalLM", layers=2)
+    own.model.layers[1].self_attn.rotary_emb = vllm_rope({"rope_type": "default", "rope_theta": 5e4})
+    assert adapter_for(own).rotate_keys_ is None  # layers that rotate differently are moved one by one
+
+
+def test_finish_layer_takes_the_residual_its_qkv_left_and_adds_again_for_another_stream():
+    torch.manual_seed(2)
+    ops = adapter_for(fake_model("LlamaForCausalLM", layers=2))
+    with torch.inference_mode():
+        hidden = ops.embed(torch.tensor([7, 8, 9]))
+        hidden = ops.finish_layer(0, hidden, torch.randn(3, HEADS, HEAD_DIM))  # a stream with a residual
+        attn = torch.randn(3, HEADS, HEAD_DIM)
+        ops.qkv(1, hidden)
+        after_qkv = ops.finish_layer(1, hidden, attn)  # the residual the input norm computed
+        fresh = ops.finish_layer(1, hidden.clone(), attn)  # another tensor: added again
+    assert torch.equal(after_qkv, fresh)
+
+
+def test_the_adapter_over_vllm_style_modules_computes_what_transformers_does():
+    from hf_ops import hf_layer_kv, tiny_llama
+    from vllm_style import vllm_style_llama
+
+    from ragcache.blend import compute_kv, move_keys
+
+    hf = tiny_llama()
+    ops = VLLMLlamaOps(vllm_style_llama(hf))
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(50)
+    k_pre, v = compute_kv(ops, ids, positions)
+    expected = hf_layer_kv(hf, ids, positions)
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(move_keys(ops, layer, k_pre[layer], positions), expected[layer][0], atol=1e-5,
+                                   rtol=1e-5)
+        torch.testing.assert_close(v[layer], expected[layer][1], atol=1e-5, rtol=1e-5)

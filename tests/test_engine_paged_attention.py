@@ -172,3 +172,60 @@ def test_an_engine_whose_blend_runs_torch_on_an_accelerator_warns_at_start(caplo
     with caplog.at_level("WARNING", logger="ragcache.engine.base"):
         object.__new__(EngineBase)._worker_ready({"device": "cpu", "attention": "kernel", "attention_reason": ""})
     assert not [r for r in caplog.records if r.name == "ragcache.engine.base"]
+
+
+class FlashAttentionImpl(SimpleNamespace):
+    """Stands for vLLM's CUDA FlashAttention implementation class of that name."""
+
+
+def reference_flash_varlen(q, k_cache, v_cache, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k,
+                           softmax_scale, causal, block_table, out, **_):
+    """``vllm_flash_attn.flash_attn_varlen_func`` over a paged cache, in torch: segment i's queries
+    ``cu_seqlens_q[i]:[i+1]`` see the first ``seqused_k[i]`` tokens of its blocks, causal bottom-right."""
+    assert causal and k_cache.shape[1] == BLOCK  # [num_blocks, block_size, Hkv, D]
+    for i in range(len(seqused_k)):
+        lo, hi, used = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(seqused_k[i])
+        keys = k_cache[block_table[i].long()].flatten(0, 1)[:used]  # [used, Hkv, D]
+        values = v_cache[block_table[i].long()].flatten(0, 1)[:used]
+        positions = torch.arange(used)
+        out[lo:hi] = causal_attention(q[lo:hi], positions[used - (hi - lo):], keys, values, positions, softmax_scale)
+    assert max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) and max_seqlen_k == int(seqused_k.max())
+    return out
+
+
+def test_the_flash_path_runs_each_recomputed_run_as_a_segment_over_its_requests_blocks(monkeypatch):
+    import sys
+    from types import ModuleType
+
+    from ragcache.engine.paged_attention import FlashPagedAttention, engine_attention, flash_available
+
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    cache = torch.zeros(8, num_kv_heads, BLOCK, 2 * head_dim)  # vLLM's FlashAttention layout, as its CPU backend's
+    impl = FlashAttentionImpl(scale=head_dim ** -0.5, sliding_window=(-1, -1), alibi_slopes=None, logits_soft_cap=0,
+                              sinks=None, kv_cache_dtype="auto", vllm_flash_attn_version=3)
+    layer = SimpleNamespace(impl=impl, kv_cache=cache)
+    assert "vllm_flash_attn" in flash_available([layer])  # this host's vLLM has no CUDA extensions
+    stub = ModuleType("vllm.vllm_flash_attn")
+    stub.flash_attn_varlen_func = reference_flash_varlen
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", stub)
+    assert flash_available([layer]) is None
+    choice = choose_attention("auto", [layer], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              dtype=torch.float32, scaling=impl.scale)
+    assert choice.path == "kernel" and "FlashAttention 3" in choice.reason
+    g = torch.Generator().manual_seed(9)
+    sizes, blocks = [300, 140], [[5, 1, 3], [0, 6]]  # two requests' contexts, scattered blocks
+    ks = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in sizes]
+    vs = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in sizes]
+    for k, v, ids in zip(ks, vs, blocks):  # the blend writes the layer's K/V first
+        pos = torch.arange(k.shape[0])
+        block, offset = torch.tensor(ids)[pos // BLOCK], pos % BLOCK
+        cache[block, :, offset, :head_dim] = k
+        cache[block, :, offset, head_dim:] = v
+    attention = engine_attention([layer], blocks, BLOCK, starts=[0, 300, 440], caches=None, num_heads=num_heads,
+                                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.float32)
+    assert isinstance(attention, FlashPagedAttention)
+    index = torch.tensor([0, 1, 2, 57, 58, 299, 300, 301, 420, 439])  # runs in both requests, one at each edge
+    q = torch.randn(index.numel(), num_heads, head_dim, generator=g)
+    reference = torch_attention(torch.cat([torch.arange(n) for n in sizes]), impl.scale, [0, 300, 440])
+    expected = reference(0, q, index, torch.cat(ks), torch.cat(vs))
+    torch.testing.assert_close(attention(0, q, index, None, None), expected, atol=1e-5, rtol=0)

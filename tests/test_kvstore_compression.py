@@ -102,6 +102,50 @@ def test_decoding_a_layer_of_more_entries_takes_no_more_kernels():
     assert kernels(2) == kernels(12) <= 20
 
 
+def _stored_entries(form: str, lengths: list[int]) -> list:
+    from ragcache.kvstore.codec import StoredEntry
+
+    out = []
+    for j, t in enumerate(lengths):
+        k, v = kv_like_a_model(tokens=t, seed=j)
+        parts = layer_parts(form, torch.float16 if form != "none" else torch.float32, t, 2, 64)
+        out.append(StoredEntry(form, parts, encode(k, v, form, torch.float32 if form == "none" else torch.float16)))
+    return out
+
+
+@pytest.mark.parametrize("form", ["none", "int8", "int4"])
+def test_every_layer_of_many_entries_decodes_as_each_layer_alone(form):
+    from ragcache.kvstore.codec import StoredLayer, decode_entries, decode_layers
+
+    entries = _stored_entries(form, [7, 40, 1, 23])
+    k, v = decode_entries(entries, torch.bfloat16, torch.device("cpu"))
+    layers = entries[0].record.shape[0]
+    assert k.shape == v.shape == (layers, 71, 2, 64) and k.dtype == v.dtype == torch.bfloat16
+    for i in range(layers):
+        ki, vi = decode_layers([StoredLayer(e.form, e.parts, e.record[i]) for e in entries], torch.bfloat16,
+                               torch.device("cpu"))
+        assert torch.equal(k[i], ki) and torch.equal(v[i], vi), i
+    mixed = entries[:2] + _stored_entries("none", [5])  # a chunk computed during the request among stored ones
+    k, v = decode_entries(mixed, torch.float32, torch.device("cpu"))
+    assert k.shape == (layers, 52, 2, 64)
+    assert torch.equal(v[:, 47:], decode_entries(mixed[2:], torch.float32, torch.device("cpu"))[1])
+
+
+def test_decoding_every_layer_of_more_entries_dispatches_no_more_operators():
+    """What the worker stages for a blend: every layer of every chunk in a fixed number of operators
+    (views included) whatever the number of chunks."""
+    from ragcache.blend.opcount import count_ops
+    from ragcache.kvstore.codec import decode_entries
+
+    def ops(n: int) -> int:
+        entries = _stored_entries("int8", [30] * n)
+        with count_ops() as counted:
+            decode_entries(entries, torch.bfloat16, torch.device("cpu"))
+        return counted.total
+
+    assert ops(2) == ops(12) <= 100
+
+
 def test_a_group_of_zeros_and_tiny_values_round_trips_without_dividing_by_zero():
     k, v = kv_like_a_model(tokens=5)
     k[:, :, :, 7] = 0.0  # a channel that is zero on every token

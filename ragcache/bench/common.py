@@ -44,6 +44,7 @@ TARGETS = {
     "blend_nll_rel_max": 0.05,          # blend gold NLL at most 5% above full's (below is better)
     "hotset_last_vs_first_min": 0.9,    # speedup of the last 10 questions >= 90% of the first 10
     "disk_vs_cpu_ttft_max": 1.2,        # disk-tier blend TTFT <= 1.2x cpu-tier, pipeline_overlap on
+    "blend_ops_max": 1000,              # operators one blend dispatches in the worker (any length, any device)
 }
 #: prompt-length classes by mean prompt tokens: short below ``mid``, long from ``long`` on
 PROMPT_LENGTHS = {"mid": 2500, "long": 5000}

@@ -101,6 +101,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
                 if v.mode == "prefix":
                     warm_prefix_cache(engine, chunks, prefix_warmup)
                 gens[v.name] = engine.generate(prompt, v.options(max_tokens), logprobs=-1)
+            ops = _blend_ops(engine, prompt, main) if main is not None else None
             gold_ids = answer_ids(engine, ex.answers[0]) if (nll and ex.answers) else []
             gold = _continuation_nlls(engine, prompt, gold_ids, variants)
             own = _continuation_nlls(engine, prompt, gens["full"].token_ids if nll else [], variants)
@@ -111,6 +112,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
                 "passages": len(chunks), "prompt_tokens": len(prompt.token_ids), "ctx_tokens": prompt.ctx_len,
                 "gold_answer_tokens": len(gold_ids), "full_answer_tokens": len(gens["full"].token_ids),
                 "precompute": pre.to_dict(), "order": [v.name for v in order], "results": results,
+                "blend_ops": ops,
             })
             brief = "  ".join(f"{v.name} {results[v.name]['ttft_s']:.2f}s" for v in variants)
             say(f"[{i + 1}/{len(examples)}] example {ex.index}: {len(prompt.token_ids)} tokens | {brief} "
@@ -121,6 +123,19 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
         if plain is not None:
             plain.close()
     return result()
+
+
+def _blend_ops(engine: "BlendEngine", prompt: "AssembledPrompt", main: Variant) -> dict[str, Any] | None:
+    """The operators the worker dispatched for one untimed ``main`` blend of ``prompt`` (the whole load:
+    store reads, the blend, the paged-cache writes): ``total``, ``per_layer``, ``aten`` and the ten
+    most frequent by name; None when the worker counted nothing (e.g. the load failed)."""
+    steps = engine.count_load_ops([prompt], main.options())
+    if not steps:
+        return None
+    step = steps[-1]
+    ops, layers = step["ops"], max(int(step["layers"]), 1)
+    return {"total": ops["total"], "per_layer": round(ops["total"] / layers, 1), "aten": ops["aten"],
+            "layers": layers, "top": dict(list(ops["by_name"].items())[:10])}
 
 
 def _plain_generation(engine: "BlendEngine", plain: PlainVLLM, prompt: "AssembledPrompt",
@@ -189,6 +204,10 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
         main["blend"] = summaries[main_name]
     sweep = [summaries[v.name] for v in variants if v.mode == "blend"]
     stages = with_floor(stage_table(summaries, main_name), *layers)
+    counted = [r["blend_ops"] for r in records if r.get("blend_ops")]
+    blend_ops = ({"total_median": median([c["total"] for c in counted]),
+                  "per_layer_median": median([c["per_layer"] for c in counted]),
+                  "aten_median": median([c["aten"] for c in counted]), "n": len(counted)} if counted else None)
     return {
         # the passages a prompt had (--passages caps them; the demo set has 5 per question)
         "benchmark": "ttft", "n": len(records), "passages": max((r["passages"] for r in records), default=passages),
@@ -197,7 +216,7 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
         "ratios": sorted({v.ratio for v in variants if v.ratio is not None}),
         "selections": sorted({v.selection for v in variants if v.selection}),
         "modes": main, "sweep": sweep, "variants": summaries, "stages": stages,
-        "targets": ttft_targets(main, stages),
+        "blend_ops": blend_ops, "targets": ttft_targets(main, stages, blend_ops),
         "run_s": round(run_s, 1), "examples": records,
     }
 
@@ -295,7 +314,8 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
             "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None}
 
 
-def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any] | None = None,
+                 blend_ops: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The targets a ttft run measures, by the prompts' length class (:func:`~ragcache.bench.common.
     prompt_length`); ``met`` is None where a mode was not run.
 
@@ -304,6 +324,8 @@ def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any
     prefill on the same prompts. Short prompts add answers equal to full's and gold F1 against
     full's; mid-length ones answers equal to full's and first-token KL; long ones KL. The worker's
     compute floor and the question probe's share are reported in the stage table, not judged here.
+    With ``blend_ops`` (the operators one blend dispatched in the worker, :func:`_blend_ops`), their
+    median is judged against a constant: a blend's size must not grow with its prompt.
     """
     blend, reuse, plain, full = main.get("blend"), main.get("reuse"), main.get(PLAIN), main.get("full")
     out: dict[str, Any] = {}
@@ -346,6 +368,11 @@ def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any
         # paired per example, like every speedup here: plain's "speedup" is TTFT(full) / TTFT(plain)
         out["full_vs_plain"] = target(plain["speedup_median"], TARGETS["full_vs_plain_max"], "max",
                                       "median per-example TTFT(full, ragcache's engine) / TTFT(plain vLLM)")
+    if blend_ops:
+        out["blend_aten_ops"] = target(
+            blend_ops["total_median"], TARGETS["blend_ops_max"], "max",
+            f"median operators (aten:: and the engine's own, top-level, torch profiler) one blend dispatched in the "
+            f"worker: {blend_ops['per_layer_median']:g} per layer")
     if stages and stages.get("ratio_one_vs_plain") is not None:
         out["ratio_one_vs_plain"] = target(stages["ratio_one_vs_plain"], TARGETS["ratio_one_vs_plain_max"], "max",
                                            "median TTFT of blend at ratio 1 (own layer-wise path) / plain vLLM's")

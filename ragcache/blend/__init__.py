@@ -7,8 +7,14 @@ Must not import vLLM or transformers, nor anything above it in ragcache: an engi
 implements ``DecoderOps`` and hands tensors and callables in.
 """
 
-from ragcache.blend.attention import Attention, CausalPlan, causal_attention, causal_plan, expand_kv_heads, torch_attention
-from ragcache.blend.forward import BlendResult, LoadLayer, OnLayer, WriteRows, blend_kv, compute_kv, reuse_kv
+from ragcache.blend.attention import (
+    Attention, CausalPlan, causal_attention, causal_plan, expand_kv_heads, masked_attention, torch_attention,
+)
+from ragcache.blend.forward import (
+    BlendRequest, BlendResult, OnLayer, WriteRows, blend_batch, blend_kv, compute_kv, decide_budgets, reuse_kv,
+)
+from ragcache.blend.plan import BlendPlan, plan_blend, recompute_layers
+from ragcache.blend.reused import CachedKV, LoadLayer
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
 from ragcache.blend.select import (
@@ -29,8 +35,12 @@ from ragcache.blend.select import (
 __all__ = [
     "SELECTIONS",
     "Attention",
+    "masked_attention",
     "torch_attention",
+    "BlendPlan",
+    "BlendRequest",
     "BlendResult",
+    "CachedKV",
     "Budget",
     "BudgetRule",
     "Selection",
@@ -44,7 +54,11 @@ __all__ = [
     "LoadLayer",
     "OnLayer",
     "WriteRows",
+    "blend_batch",
     "blend_kv",
+    "decide_budgets",
+    "plan_blend",
+    "recompute_layers",
     "CausalPlan",
     "causal_attention",
     "causal_plan",

@@ -20,7 +20,7 @@ Must not import vLLM, transformers, or anything above blend/ in ragcache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -217,9 +217,14 @@ def causal_attention(
     return out.contiguous()
 
 
-def torch_attention(positions: torch.LongTensor, scaling: float) -> Attention:
+def torch_attention(positions: torch.LongTensor, scaling: float, starts: Sequence[int] | None = None) -> Attention:
     """The reference :data:`Attention` of a context at ``positions`` ``[N]``: :func:`causal_attention`
     over the ``k``/``v`` it is handed (the engine's cache is not read).
+
+    With ``starts`` (``[0, N_0, N_0 + N_1, ..., N]``) the context is several requests' contexts one
+    after another (a batched blend): each request's queries attend over its own rows only, one
+    :func:`causal_attention` per request (the reference path; an engine's varlen kernel serves a
+    batch in one call).
 
     The :class:`CausalPlan` of the last query set is kept while the same ``index`` tensor comes
     back (the blend's selective layers pass one per request), so only the first layer reads
@@ -227,15 +232,69 @@ def torch_attention(positions: torch.LongTensor, scaling: float) -> Attention:
     calls (pass a new tensor).
 
     Args:
-        positions: ``[N]`` int64 absolute positions of the context tokens (ascending).
+        positions: ``[N]`` int64 absolute positions of the context tokens (ascending within a request).
         scaling: softmax scale.
+        starts: the first row of every request and N, or None for one request.
     """
-    last: list = [None, None, None]  # [index the plan is for (kept alive, so `is` is safe), its positions, plan]
+    bounds = [0, positions.numel()] if starts is None else list(starts)
+    last: list = [None, None]  # [index the plans are for (kept alive, so `is` is safe), per request plans]
+
+    def plans(index: torch.LongTensor) -> list:
+        """Per request with queries: (query slice a:b, key slice lo:hi, query positions, plan)."""
+        index = index.to(positions.device)
+        if len(bounds) == 2:  # one request: no slicing
+            q_positions = positions if index.numel() == positions.numel() else positions[index]
+            return [(None, None, None, None, q_positions, causal_plan(q_positions, positions))]
+        cuts = torch.searchsorted(index, torch.tensor(bounds, device=index.device)).tolist()
+        out = []
+        for lo, hi, a, b in zip(bounds[:-1], bounds[1:], cuts[:-1], cuts[1:]):
+            if a < b:
+                keys = positions[lo:hi]
+                q_positions = keys if b - a == hi - lo else keys[index[a:b] - lo]
+                out.append((a, b, lo, hi, q_positions, causal_plan(q_positions, keys)))
+        return out
 
     def attend(layer: int, q: torch.Tensor, index: torch.LongTensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if last[0] is not index:
-            q_positions = positions if index.numel() == positions.numel() else positions[index.to(positions.device)]
-            last[:] = [index, q_positions, causal_plan(q_positions, positions)]
-        return causal_attention(q, last[1], k, v, positions, scaling, plan=last[2])
+            last[:] = [index, plans(index)]
+        if len(bounds) == 2:
+            q_positions, plan = last[1][0][4:]
+            return causal_attention(q, q_positions, k, v, positions, scaling, plan=plan)
+        outs = [causal_attention(q[a:b], q_positions, k[lo:hi], v[lo:hi], positions[lo:hi], scaling, plan=plan)
+                for a, b, lo, hi, q_positions, plan in last[1]]
+        return outs[0] if len(outs) == 1 else torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
 
     return attend
+
+
+def masked_attention(positions: torch.LongTensor, scaling: float, starts: Sequence[int] | None = None) -> Attention:
+    """An :data:`Attention` in one SDPA call per layer whatever the number of requests and runs: every
+    query over every row, with a mask that keeps a query to its own request's rows at positions up to
+    its own (``starts`` as :func:`torch_attention`'s; None for one request).
+
+    For an accelerator where no engine kernel is available: one kernel launch per layer instead of
+    one per request and block of queries, at the cost of computing the masked-out scores (the mask
+    is made once per query set). On a CPU :func:`torch_attention` is faster: it skips the keys past
+    each block of queries.
+
+    Args:
+        positions: ``[N]`` int64 absolute positions of the rows (ascending within a request).
+        scaling: softmax scale.
+        starts: the first row of every request and N, or None for one request.
+    """
+    bounds = torch.tensor([0, positions.numel()] if starts is None else list(starts), device=positions.device)
+    request = torch.searchsorted(bounds[1:], torch.arange(positions.numel(), device=positions.device), right=True)
+    last: list = [None, None]  # [index the mask is for, mask [1, 1, n, N]]
+
+    def attend(layer: int, q: torch.Tensor, index: torch.LongTensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if last[0] is not index:
+            rows = index.to(positions.device)
+            visible = (request[None, :] == request[rows, None]) & (positions[None, :] <= positions[rows, None])
+            last[:] = [index, visible[None, None]]
+        num_heads = q.shape[1]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], expand_kv_heads(k, num_heads),
+                                             expand_kv_heads(v, num_heads), attn_mask=last[1], scale=scaling)
+        return out[0].transpose(0, 1)  # [n, Hq, D]
+
+    return attend
+

@@ -1,8 +1,9 @@
 """Layer-wise forwards over ``DecoderOps``: chunk KV precompute, CacheBlend, and plain reuse.
 
-Owns: ``compute_kv`` (a plain prefill that returns pre-RoPE K and V), ``blend_kv`` (CacheBlend's
-selective recompute), ``reuse_kv`` (cached KV moved to its new positions, nothing recomputed),
-``BlendResult``, and the layer prefetch that overlaps loading layer i+1 with computing layer i.
+Owns: ``compute_kv`` (a plain prefill that returns pre-RoPE K and V), ``blend_batch`` (CacheBlend's
+selective recompute for every blend of an engine step in one pass) and ``blend_kv`` (one blend),
+``reuse_kv`` (cached KV moved to its new positions, nothing recomputed), :class:`BlendRequest`,
+:class:`BlendResult`, and the phases a blend's plan (:mod:`ragcache.blend.plan`) is executed in.
 Must not import vLLM, transformers, or anything above blend/ in ragcache.
 
 CacheBlend (Yao et al., EuroSys'25): the KV of each retrieved chunk was computed without the other
@@ -10,7 +11,17 @@ chunks in view, so its cross-chunk attention is missing. Recomputing the KV of a
 high-KV-deviation (HKVD) tokens in every layer and reusing the rest restores most of it (§4.2
 "selective KV recompute"); the HKVD tokens are chosen once, at an early check layer where every
 token is computed in full (§4.3); loading the KV of the next layer overlaps with recomputing the
-current one (§5, pipelining KV loading and recompute).
+current one (§5, pipelining KV loading and recompute; :mod:`ragcache.blend.reused`).
+
+A blend is a plan (:func:`~ragcache.blend.plan.plan_blend`: budget, probe, depth, refinement) run in
+phases, each a short function here: :func:`_prefill_to_check` (the layers before the check layer
+for every token, and the check layer's fresh KV), :func:`_probe` (the question tail alone over the
+reused KV), :func:`decide_budgets` (the one place the budget is decided after the probe),
+:func:`_select` / :func:`_refine` (which tokens), and :func:`_selective_layers` (only those tokens,
+in every later layer). Several blends of one engine step run as one pass (:func:`blend_batch`):
+their context tokens are concatenated, projections and MLP run on all their selected tokens at once,
+the attention is one call of the engine's varlen kernel, and the number of operators a pass
+dispatches does not grow with its requests, chunks or runs (:mod:`ragcache.blend.opcount`).
 
 Tensors handed to ``on_layer`` are created under ``torch.inference_mode()`` and may alias what
 ``load_layer`` returned: copy them out (e.g. into the engine's paged cache), do not modify them.
@@ -18,47 +29,41 @@ Tensors handed to ``on_layer`` are created under ``torch.inference_mode()`` and 
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ragcache.blend.attention import Attention, torch_attention
+from ragcache.blend.attention import Attention, masked_attention, torch_attention
 from ragcache.blend.ops import DecoderOps
-from ragcache.blend.rope import move_keys
+from ragcache.blend.plan import DEVIATIONS, BlendPlan, plan_blend, recompute_layers
+from ragcache.blend.reused import CachedKV, LoadLayer, open_reused
 from ragcache.blend.select import (
     Budget,
     BudgetRule,
     Selection,
+    TailMasks,
     adaptive_budget,
     check_mask,
     deviation_scores,
-    hkvd_budget,
     impact_scores,
+    select_grouped,
+    tail_attention,
     value_error,
-    question_attention,
-    select_tokens,
 )
+from ragcache.blend.stages import StageClock, Timed, synchronize
 
-LoadLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""``load_layer(layer) -> (k_pre [N, Hkv, D], v [N, Hkv, D])``: one layer of the cached context KV,
-K before RoPE, in prompt order. May return tensors on another device or dtype (they are moved).
-The blend writes recomputed rows into the returned V in place: return tensors nobody else reads
-(e.g. a fresh ``torch.cat`` of the chunks' layers), not views of a cache."""
+__all__ = ["DEVIATIONS", "BlendRequest", "BlendResult", "CachedKV", "LoadLayer", "OnLayer", "WriteRows", "blend_batch",
+           "blend_kv", "compute_kv", "decide_budgets", "recompute_layers", "reuse_kv"]
 
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 """``on_layer(layer, k [N, Hkv, D], v [N, Hkv, D])``: the final K (post-RoPE) and V of every context
-token in one layer, called once per layer in layer order."""
+token in one layer, called once per layer in layer order (for a batch: every request's rows, in order)."""
 
 WriteRows = Callable[[int, torch.LongTensor, torch.Tensor, torch.Tensor], None]
 """``write_rows(layer, index [n], k [n, Hkv, D], v [n, Hkv, D])``: overwrite the rows ``index``
 (int64, ascending) of ``layer``'s K (post-RoPE) and V where ``on_layer`` already wrote the whole layer."""
-
-DEVIATIONS = ("value", "key")
 
 
 @dataclass
@@ -89,7 +94,8 @@ class BlendResult:
             attention); both: ``move_keys_s`` (the reused K rotated to the new positions),
             ``load_wait_s`` (= load_s) and ``cache_write_s`` (= on_layer_s).
             On an accelerator the stage times include only the launch unless kernels finish within
-            the stage.
+            the stage. In a batched pass every request reports the pass's times (what it waited).
+        batch: how many blends ran in the same pass (1 alone).
     """
 
     selected: torch.LongTensor
@@ -101,142 +107,7 @@ class BlendResult:
     stages: dict[str, float] = field(default_factory=dict)
     recomputed_layers: int = 0
     budget: Budget | None = None
-
-
-class _LayerLoader:
-    """Calls ``load_layer`` for a fixed sequence of layers, in that order.
-
-    With ``prefetch``, the next layer in the sequence is loaded in one background thread while the
-    caller computes the current one (torch and file I/O release the GIL, so the two overlap). The
-    first layer starts loading at construction.
-    """
-
-    def __init__(
-        self,
-        ops: DecoderOps,
-        load_layer: LoadLayer,
-        layers: Iterable[int],
-        num_tokens: int,
-        prefetch: bool,
-        clock: "_Stages | None" = None,
-    ) -> None:
-        self._ops = ops
-        self._clock = clock
-        self._load_layer = load_layer
-        self._shape = (num_tokens, ops.num_kv_heads, ops.head_dim)
-        self._layers = deque(layers)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ragcache-blend-load") if prefetch else None
-        self._next: tuple[int, Future] | None = None
-        self.wait_s = 0.0
-        self._submit_next()
-
-    def __enter__(self) -> _LayerLoader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def _load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.inference_mode():
-            k_pre, v = self._load_layer(layer)
-            if tuple(k_pre.shape) != self._shape or tuple(v.shape) != self._shape:
-                raise ValueError(
-                    f"load_layer({layer}) returned k {tuple(k_pre.shape)}, v {tuple(v.shape)}; expected {self._shape}"
-                )
-            return (
-                k_pre.to(device=self._ops.device, dtype=self._ops.dtype),
-                v.to(device=self._ops.device, dtype=self._ops.dtype),
-            )
-
-    def _submit_next(self) -> None:
-        if self._pool is not None and self._layers:
-            layer = self._layers.popleft()
-            self._next = (layer, self._pool.submit(self._load, layer))
-
-    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached ``(k_pre [N, Hkv, D], v [N, Hkv, D])`` of ``layer`` on ``ops.device`` in ``ops.dtype``."""
-        start = time.perf_counter()
-        if self._pool is None:
-            if not self._layers or self._layers.popleft() != layer:
-                raise RuntimeError(f"layer {layer} requested out of the planned order")
-            kv = self._load(layer)
-        else:
-            if self._next is None or self._next[0] != layer:
-                raise RuntimeError(f"layer {layer} requested out of the planned order")
-            kv = self._next[1].result()
-            self._submit_next()
-        waited = time.perf_counter() - start
-        self.wait_s += waited
-        if self._clock is not None:
-            self._clock.inner("load_wait_s", waited)
-        return kv
-
-
-class _Stages:
-    """Seconds per named stage: ``with stages("name"): ...`` adds the block's wall time.
-
-    Time spent inside a :class:`_Timer` (an engine callback, the attention, a wait for a load) is
-    booked to that timer's stage and taken out of the stage that was open around it, so the stages
-    add up to the wall time without double counting.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._name: str | None = None
-        self._open: str | None = None
-        self._t0 = 0.0
-
-    def __call__(self, name: str) -> "_Stages":
-        self._name = name
-        return self
-
-    def __enter__(self) -> None:
-        self._open, self._t0 = self._name, time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.add(self._open, time.perf_counter() - self._t0)
-        self._open = None
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    def inner(self, name: str | dict[str, str], seconds: float) -> None:
-        """Book ``seconds`` spent in a timed callable: to ``name`` (or, for a dict, to the name it
-        gives the open stage) and out of the open stage."""
-        if isinstance(name, dict):
-            name = name.get(self._open or "", next(iter(name.values())))
-        self.add(name, seconds)
-        if self._open is not None:
-            self.add(self._open, -seconds)
-
-
-class _Timer:
-    """A callable timed into ``clock`` under ``stage`` (see :meth:`_Stages.inner`)."""
-
-    def __init__(self, fn: Callable, clock: _Stages, stage: str | dict[str, str]) -> None:
-        self._fn = fn
-        self._clock = clock
-        self._stage = stage
-        self.seconds = 0.0
-
-    def __call__(self, *args):
-        start = time.perf_counter()
-        try:
-            return self._fn(*args)
-        finally:
-            dt = time.perf_counter() - start
-            self.seconds += dt
-            self._clock.inner(self._stage, dt)
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for queued kernels, so that wall-clock timings on an accelerator are real."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        backend = getattr(torch, device.type, None)
-        if backend is not None and hasattr(backend, "synchronize"):
-            backend.synchronize(device)
+    batch: int = 1
 
 
 def _check_positions(token_ids: torch.Tensor, positions: torch.Tensor) -> int:
@@ -245,6 +116,27 @@ def _check_positions(token_ids: torch.Tensor, positions: torch.Tensor) -> int:
     if positions.shape != token_ids.shape:
         raise ValueError(f"positions {tuple(positions.shape)} do not match token_ids {tuple(token_ids.shape)}")
     return token_ids.shape[0]
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (no operator when it is there already)."""
+    return t if t.device == torch.device(device) else t.to(device)
+
+
+def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+
+
+def _qkv_rope(ops: DecoderOps, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ops.qkv`` with q and k rotated to ``positions``: the adapter's ``qkv_rope`` where it has one
+    (rotated where the projection wrote them), else ``qkv`` then ``rope``."""
+    fused = getattr(ops, "qkv_rope", None)
+    if fused is not None:
+        return fused(layer, hidden, positions)
+    q, k, v = ops.qkv(layer, hidden)
+    q, k = ops.rope(layer, positions, q, k)
+    return q, k, v
 
 
 def compute_kv(
@@ -303,231 +195,510 @@ def compute_kv(
     return k_out, v_out
 
 
-@dataclass
-class _Context:
-    """One blend's inputs on the compute device (set up by :func:`blend_kv`).
+@dataclass(frozen=True, eq=False)
+class BlendRequest:
+    """One blend's inputs (see :func:`blend_kv` for each field): the context, the question tail,
+    where its chunks start, which tokens are exact or forced, and the knobs of its plan.
 
-    Attributes:
-        ids, positions: ``[N]`` context token ids and positions.
-        tail_ids, tail_positions: ``[T]`` the question tail's ids and positions, or None when the
-            selection does not score by the question.
-        forced, exact: ``[N]`` bool masks (see :func:`blend_kv`), or None.
-        everything: ``[N]`` the index of every context token (the queries of a full layer).
+    Raises (on construction):
+        ValueError: empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``.
     """
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    tail_ids: torch.Tensor | None
-    tail_positions: torch.Tensor | None
-    forced: torch.Tensor | None
-    exact: torch.Tensor | None
-    everything: torch.Tensor = field(init=False)
+    token_ids: torch.LongTensor
+    positions: torch.LongTensor
+    recompute_ratio: float
+    check_layer: int
+    deviation: str
+    selection: Selection = field(default_factory=lambda: Selection("deviation"))
+    min_recompute_tokens: int = 0
+    recompute_depth: float = 1.0
+    tail_ids: torch.LongTensor | None = None
+    segment_starts: Sequence[int] = (0,)
+    exact: torch.Tensor | None = None
+    forced: torch.Tensor | None = None
+    budget_rule: BudgetRule | None = None
 
     def __post_init__(self) -> None:
-        self.everything = torch.arange(self.ids.shape[0], device=self.ids.device)
+        n = _check_positions(self.token_ids, self.positions)
+        check_mask(self.forced, n, "forced")
+        check_mask(self.exact, n, "exact")
 
     @property
-    def n(self) -> int:
-        return self.ids.shape[0]
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    def plan(self, num_layers: int) -> BlendPlan:
+        """This blend's :class:`~ragcache.blend.plan.BlendPlan` on a model of ``num_layers``.
+
+        Raises:
+            ValueError: see :func:`~ragcache.blend.plan.plan_blend`.
+        """
+        tail = self.tail_ids
+        return plan_blend(num_tokens=self.num_tokens, num_layers=num_layers,
+                          num_forced=int(self.forced.sum()) if self.forced is not None else 0,
+                          has_tail=tail is not None and tail.dim() == 1 and tail.shape[0] > 0,
+                          recompute_ratio=self.recompute_ratio, min_recompute_tokens=self.min_recompute_tokens,
+                          recompute_depth=self.recompute_depth, check_layer=self.check_layer,
+                          deviation=self.deviation, selection=self.selection)
+
+    def pass_key(self, num_layers: int) -> tuple:
+        """Blends with equal keys can run in one pass of :func:`blend_batch`: the same layers computed
+        in full, probed and refined in, the same selection and deviation."""
+        return (self.plan(num_layers).schedule, self.selection, self.deviation)
 
 
-class _QuestionScores:
-    """The attention each context token receives from the question tail, summed over the layers seen."""
+class _Batch:
+    """The blends of one pass on the compute device: their context tokens one after another (the
+    pass's "rows": request r owns rows ``starts[r] .. starts[r + 1]``), and their question tails."""
 
-    def __init__(self, scaling: float, heads: str = "mean") -> None:
-        self.scaling = scaling
-        self.heads = heads  # pooling over query heads (question_attention)
-        self.total: torch.Tensor | None = None  # [N] float32
+    def __init__(self, ops: DecoderOps, requests: Sequence[BlendRequest], probe: bool) -> None:
+        device = ops.device
+        self.size = len(requests)
+        self.sizes = [r.num_tokens for r in requests]
+        self.starts = [0]
+        for size in self.sizes:
+            self.starts.append(self.starts[-1] + size)
+        self.n = self.starts[-1]
+        self.starts_t = torch.tensor(self.starts, device=device)
+        self.ids = _on(_cat([r.token_ids for r in requests]), device)
+        self.positions = _on(_cat([r.positions for r in requests]), device)
+        self.forced, self.exact = (self._mask([getattr(r, name) for r in requests], device) for name in ("forced", "exact"))
+        self.segment_starts = [list(r.segment_starts) for r in requests]
+        self.everything = torch.arange(self.n, device=device)
+        self.tail_sizes = [r.tail_ids.shape[0] for r in requests] if probe else []
+        self.tail_ids = self.tail_positions = self.all_positions = None
+        if probe:  # tail token j of request r sits at its context's last position + 1 + j
+            self.tail_ids = _on(_cat([r.tail_ids for r in requests]), device)
+            sizes = torch.tensor(self.tail_sizes, device=device)
+            first = torch.cumsum(sizes, 0) - sizes
+            last = self.positions[self.starts_t[1:] - 1]
+            self.tail_positions = (last + 1 - first).repeat_interleave(sizes) + torch.arange(sum(self.tail_sizes),
+                                                                                            device=device)
+            self.all_positions = torch.cat([self.positions, self.tail_positions])  # rows, then tails
+
+    def _mask(self, masks: list[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
+        if all(m is None for m in masks):
+            return None
+        return _on(_cat([torch.zeros(n, dtype=torch.bool) if m is None else m for m, n in zip(masks, self.sizes)]),
+                   device)
+
+    def request_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64: the request each of ``rows`` belongs to."""
+        return torch.searchsorted(self.starts_t[1:], rows, right=True)
+
+    def split(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Ascending ``rows`` as each request's own token indices."""
+        if self.size == 1:
+            return [rows]
+        cuts = torch.searchsorted(rows, self.starts_t).tolist()
+        return [rows[a:b] - lo for a, b, lo in zip(cuts[:-1], cuts[1:], self.starts)]
+
+
+class _QuestionProbe:
+    """The attention the question tails give the context rows, summed over the layers probed
+    (:func:`~ragcache.blend.select.tail_attention` over the requests padded to the longest)."""
+
+    def __init__(self, ops: DecoderOps, batch: _Batch, heads: str) -> None:
+        device = ops.device
+        self.scaling = ops.scaling
+        self.size = batch.size
+        sizes, tails = torch.tensor(batch.sizes, device=device), torch.tensor(batch.tail_sizes, device=device)
+        n_max, t_max = max(batch.sizes), max(batch.tail_sizes)
+        self.masks = TailMasks.of(sizes, tails, n_max, t_max, ops.num_heads, ops.num_heads // ops.num_kv_heads, heads,
+                                  ops.dtype, device)
+        if batch.size > 1:  # padded positions read a real row (masked out), so no gather reads past the end
+            j, t = torch.arange(n_max, device=device), torch.arange(t_max, device=device)
+            self.ctx_index = batch.starts_t[:-1, None] + j.minimum(sizes[:, None] - 1)  # [R, N]
+            self.ctx_valid = j < sizes[:, None]
+            tail_first = torch.cumsum(tails, 0) - tails
+            self.tail_index = tail_first[:, None] + t.minimum(tails[:, None] - 1)  # [R, T]
+            self.tail_rows = torch.arange(batch.size * t_max, device=device).view(batch.size, t_max)[
+                t < tails[:, None]]  # [sum T]: the real tail rows of [R * T]
+        self.total: torch.Tensor | None = None  # [R, N] float32
         self.layers = 0
+        self._mean: torch.Tensor | None = None
 
     def attend(self, q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.Tensor, v_ctx: torch.Tensor,
                v_tail: torch.Tensor) -> torch.Tensor:
-        """The tail's attention output ``[T, Hq, D]`` over the context and itself; adds the layer's scores."""
-        out, s = question_attention(q_tail, k_ctx, k_tail, self.scaling, v_ctx=v_ctx, v_tail=v_tail, heads=self.heads)
-        self.total = s if self.total is None else self.total + s
+        """The tails' attention output ``[sum T, Hq, D]`` over their contexts (rows ``[S, Hkv, D]``) and
+        themselves (``[sum T, ...]``); adds the layer's scores."""
+        if self.size == 1:
+            out, scores = tail_attention(q_tail, torch.cat([k_ctx, k_tail]), torch.cat([v_ctx, v_tail]), self.scaling,
+                                         self.masks)
+        else:
+            out, scores = tail_attention(
+                q_tail[self.tail_index], torch.cat([k_ctx[self.ctx_index], k_tail[self.tail_index]], dim=1),
+                torch.cat([v_ctx[self.ctx_index], v_tail[self.tail_index]], dim=1), self.scaling, self.masks)
+        self.total = scores if self.total is None else self.total.add_(scores)
         self.layers += 1
-        return out
+        self._mean = None
+        return out if self.size == 1 else out[self.tail_rows]
 
     def mean(self) -> torch.Tensor:
-        """``[N]`` float32: the scores averaged over the layers seen."""
-        return self.total / max(self.layers, 1)
+        """``[S]`` float32: each row's score averaged over the layers seen."""
+        if self._mean is None:
+            total = self.total / max(self.layers, 1)
+            self._mean = total[0] if self.size == 1 else total[self.ctx_valid]
+        return self._mean
 
 
-def _full_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, on_layer: OnLayer,
-                attention: Attention, question: _QuestionScores | None) -> torch.Tensor:
-    """One layer for every context token (and the tail, when ``question`` scores it): fresh K/V of the
-    context to ``on_layer``, the context's causal attention through ``attention``, the tail's over the
-    context and itself. ``hidden`` ``[N(+T), hidden]`` -> the layer's output, same shape (§4.3: the
+@dataclass
+class _Rows:
+    """The rows the selective layers compute: ``rows`` ``[n]`` ascending, their residual stream
+    ``hidden`` ``[n, ...]`` and ``positions`` ``[n]``, and (with a recompute depth) the layer each
+    stops before, ``stop`` ``[n]``."""
+
+    rows: torch.Tensor
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    stop: torch.Tensor | None = None
+
+    def keep(self, mask: torch.Tensor) -> "_Rows":
+        return _Rows(self.rows[mask], self.hidden[mask], self.positions[mask],
+                     None if self.stop is None else self.stop[mask])
+
+
+def _full_layer(ops: DecoderOps, layer: int, batch: _Batch, hidden: torch.Tensor, emit: OnLayer,
+                attend: Attention, question: _QuestionProbe | None) -> torch.Tensor:
+    """One layer for every context row (and the tails, when ``question`` scores them): fresh K/V of the
+    context to ``emit``, the context's causal attention through ``attend``, the tails' over their
+    contexts and themselves. ``hidden`` ``[S(+T), ...]`` -> the layer's output, same shape (§4.3: the
     layers up to the check layer are computed in full)."""
-    n = ctx.n
-    all_pos = ctx.positions if question is None else torch.cat([ctx.positions, ctx.tail_positions])
-    q, k, v = ops.qkv(layer, hidden)  # [N(+T), Hq, D], [N(+T), Hkv, D], [N(+T), Hkv, D]
-    q, k = ops.rope(layer, all_pos, q, k)
+    n = batch.n
+    if question is None:
+        q, k, v = _qkv_rope(ops, layer, hidden, batch.positions)  # [S, Hq, D], [S, Hkv, D], [S, Hkv, D]
+        emit(layer, k, v)
+        return ops.finish_layer(layer, hidden, attend(layer, q, batch.everything, k, v))
+    q, k, v = _qkv_rope(ops, layer, hidden, batch.all_positions)  # [S+T, ...]
     k_ctx, v_ctx = k[:n], v[:n]
-    on_layer(layer, k_ctx, v_ctx)
-    attn = attention(layer, q[:n], ctx.everything, k_ctx, v_ctx)  # [N, Hq, D]
-    if question is not None:
-        attn = torch.cat([attn, question.attend(q[n:], k_ctx, k[n:], v_ctx, v[n:])])  # [N+T, Hq, D]
+    emit(layer, k_ctx, v_ctx)
+    attn = attend(layer, q[:n], batch.everything, k_ctx, v_ctx)  # [S, Hq, D]
+    attn = torch.cat([attn, question.attend(q[n:], k_ctx, k[n:], v_ctx, v[n:])])  # [S+T, Hq, D]
     return ops.finish_layer(layer, hidden, attn)
 
 
-def _check_layer_kv(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, on_layer: OnLayer,
-                    question: _QuestionScores | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The check layer's fresh Q/K/V of every context token (K/V to ``on_layer``), and the tail's output.
-
-    Returns:
-        ``(q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], hidden_tail [T, hidden] or None)``; the tail
-        has gone through the whole check layer (its attention scores are added to ``question``).
-    """
-    n = ctx.n
-    all_pos = ctx.positions if question is None else torch.cat([ctx.positions, ctx.tail_positions])
-    q, k, v = ops.qkv(layer, hidden)
-    q, k = ops.rope(layer, all_pos, q, k)
-    on_layer(layer, k[:n], v[:n])
-    hidden_tail = None
-    if question is not None:
-        attn_tail = question.attend(q[n:], k[:n], k[n:], v[:n], v[n:])  # [T, Hq, D]
-        hidden_tail = ops.finish_layer(layer, hidden[n:], attn_tail)  # [T, hidden]
-    return q[:n], k[:n], v[:n], hidden_tail
-
-
-def _question_probe(ops: DecoderOps, layers: range, ctx: _Context, hidden_tail: torch.Tensor,
-                    loader: "_LayerLoader", move: Callable[[int, torch.Tensor], torch.Tensor],
-                    question: _QuestionScores, on_layer: OnLayer | None = None,
-                    keep_v: Collection[int] = ()) -> dict[int, torch.Tensor]:
-    """The question tail alone through ``layers`` over the reused KV of the context (ProphetKV-style
-    scores fused over layers, ICML'26): each layer's cached K is loaded and moved to the context's
-    positions (``move(layer, k_pre)``); no context token is computed. The layers are not kept: with
-    ``on_layer`` each goes to the engine's cache now (the selective pass then overwrites only the
-    recomputed rows), without it the selective pass loads them again (cheaper than holding every
-    layer's KV, see :func:`blend_kv`). Returns the cached V ``[N, Hkv, D]`` of the layers in
-    ``keep_v`` that are among ``layers`` (for :func:`_refine`), by layer."""
+def _probe(ops: DecoderOps, batch: _Batch, layers: range, kv, question: _QuestionProbe, hidden_tail: torch.Tensor,
+           emit: OnLayer | None, keep_v: Collection[int] = ()) -> dict[int, torch.Tensor]:
+    """The question tails alone through ``layers`` over the reused KV of their contexts (ProphetKV-style
+    scores fused over layers, ICML'26); no context token is computed. With ``emit`` each reused layer
+    goes to the engine's cache now (the selective layers then write only their rows); without it the
+    selective layers read it again. Returns the reused V ``[S, Hkv, D]`` of the layers in ``keep_v``
+    that are among ``layers`` (for :func:`_refine`)."""
     kept: dict[int, torch.Tensor] = {}
     for layer in layers:
-        k_pre, v_cached = loader.get(layer)
+        k, v = kv.get(layer)  # [S, Hkv, D], moved to the context's positions
         if layer in keep_v:
-            kept[layer] = v_cached
-        k_moved = move(layer, k_pre)  # [N, Hkv, D]
-        if on_layer is not None:
-            on_layer(layer, k_moved, v_cached)
-        q_t, k_t, v_t = ops.qkv(layer, hidden_tail)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-        q_t, k_t = ops.rope(layer, ctx.tail_positions, q_t, k_t)
-        attn = question.attend(q_t, k_moved, k_t, v_cached, v_t)  # [T, Hq, D]
+            kept[layer] = v
+        if emit is not None:
+            emit(layer, k, v)
+        q_t, k_t, v_t = _qkv_rope(ops, layer, hidden_tail, batch.tail_positions)  # [T, Hq, D], [T, Hkv, D] x2
+        attn = question.attend(q_t, k, k_t, v, v_t)  # [T, Hq, D]
         if layer < ops.num_layers - 1:
             hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
     return kept
 
 
-def _select(ops: DecoderOps, layer: int, ctx: _Context, budget: int, selection: Selection, deviation: str,
-            segment_starts: Sequence[int], fresh: tuple[torch.Tensor, torch.Tensor] | None,
-            cached: tuple[torch.Tensor, torch.Tensor] | None, question: _QuestionScores | None,
-            scores_matter: bool) -> torch.Tensor:
-    """``[n]`` ascending indices of the tokens to recompute (§4.3 and :func:`select_tokens`).
+@dataclass
+class _Checked:
+    """What :func:`_prefill_to_check` leaves: the check layer's fresh ``q`` ``[S, Hq, D]``, ``k``, ``v``
+    ``[S, Hkv, D]``, the residual stream entering it ``hidden`` ``[S(+T), ...]``, and its reused
+    ``cached`` ``(k, v)`` (K moved)."""
 
-    ``fresh`` and ``cached`` are the check layer's ``(k, v)``: fresh (post-RoPE) and cached (K
-    before RoPE), compared for the KV deviation (None when the selection does not measure it).
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    hidden: torch.Tensor
+    cached: tuple[torch.Tensor, torch.Tensor]
+
+
+def _prefill_to_check(ops: DecoderOps, batch: _Batch, plan: BlendPlan, kv, question: _QuestionProbe | None,
+                      emit: OnLayer, attend: Attention, clock: StageClock, probe_emit: OnLayer | None) -> _Checked:
+    """Layers ``0 .. check_layer - 1`` for every row (and the tails), the check layer's fresh Q/K/V of
+    every row (K/V to ``emit``), then the question probe from the check layer on (§4.3)."""
+    n, layer = batch.n, plan.check_layer
+    with clock("full_layers_s"):
+        hidden = ops.embed(batch.ids if question is None else torch.cat([batch.ids, batch.tail_ids]))
+        for i in range(layer):
+            hidden = _full_layer(ops, i, batch, hidden, emit, attend, question)
+        q, k, v = _qkv_rope(ops, layer, hidden, batch.positions if question is None else batch.all_positions)
+        emit(layer, k[:n], v[:n])
+        hidden_tail = None
+        if question is not None:  # the tails go through the whole check layer
+            attn_tail = question.attend(q[n:], k[:n], k[n:], v[:n], v[n:])  # [T, Hq, D]
+            hidden_tail = ops.finish_layer(layer, hidden[n:], attn_tail)
+    cached = kv.get(layer)
+    if question is not None:
+        with clock("question_probe_s"):
+            _probe(ops, batch, plan.probe_layers, kv, question, hidden_tail, probe_emit)
+    return _Checked(q[:n], k[:n], v[:n], hidden, cached)
+
+
+def decide_budgets(requests: Sequence[BlendRequest], plans: Sequence[BlendPlan], question: _QuestionProbe | None,
+                   batch: _Batch) -> list[Budget]:
+    """The recompute budget of each blend, decided here and nowhere else, after the question probe.
+
+    A blend with a :class:`~ragcache.blend.select.BudgetRule` and question scores gets the adaptive
+    budget (:func:`~ragcache.blend.select.adaptive_budget`: the question's attention left on reused
+    KV, over the tokens that may be chosen and whose KV moved, neither forced nor exact); every other
+    blend keeps its plan's budget (the ratio's, ``hkvd_budget``).
     """
-    scores: dict[str, torch.Tensor] = {}
-    if not scores_matter:  # the choice cannot depend on the scores: zeros stand for them
-        zeros = torch.zeros(ctx.n, device=ops.device)
-        scores = {"deviation": zeros, **({"question": zeros} if selection.needs_question else {})}
-    else:
-        if question is not None:
-            scores["question"] = question.mean()
-        if selection.needs_deviation:
-            if deviation == "value":
-                scores["deviation"] = deviation_scores(cached[1], fresh[1])
-            else:
-                scores["deviation"] = deviation_scores(move_keys(ops, layer, cached[0], ctx.positions), fresh[0])
-    return select_tokens(budget, selection, forced=ctx.forced, exact=ctx.exact, segment_starts=segment_starts,
-                         **scores)
-
-
-def _adapt(ctx: _Context, question: _QuestionScores, rule: BudgetRule, ratio: float, min_tokens: int) -> Budget:
-    """The request's recompute budget from the question's attention (:func:`~ragcache.blend.select.
-    adaptive_budget`), over the tokens that may be chosen and whose KV moved (neither forced nor exact)."""
-    movable = torch.ones(ctx.n, dtype=torch.bool, device=ctx.ids.device)
-    for mask in (ctx.exact, ctx.forced):
+    if question is None or all(r.budget_rule is None for r in requests):
+        return [plan.fixed for plan in plans]
+    scores = question.mean()  # [S]
+    movable = torch.ones(batch.n, dtype=torch.bool, device=scores.device)
+    for mask in (batch.exact, batch.forced):
         if mask is not None:
             movable &= ~mask
-    return adaptive_budget(question.mean(), movable, ratio=ratio, min_tokens=min_tokens, rule=rule)
+    out = []
+    for request, plan, lo, hi in zip(requests, plans, batch.starts[:-1], batch.starts[1:]):
+        if request.budget_rule is None:
+            out.append(plan.fixed)
+        else:
+            out.append(adaptive_budget(scores[lo:hi], movable[lo:hi], ratio=request.recompute_ratio,
+                                       min_tokens=request.min_recompute_tokens, rule=request.budget_rule))
+    return out
 
 
-def _refine(ops: DecoderOps, ctx: _Context, layer: int, candidates: torch.Tensor, hidden: torch.Tensor,
-            reused_v: torch.Tensor, error: torch.Tensor | None, question: _QuestionScores, budget: int,
-            selection: Selection, segment_starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradual filtering at ``layer`` (CacheBlend §4.3, weighted by the question): of the question's
-    ``candidates`` ``[m]``, which have been through layers ``0 .. layer - 1`` (``hidden`` ``[m, ...]``
-    entering ``layer``), keep ``budget`` (plus the forced ones) by impact
-    (:func:`~ragcache.blend.select.impact_scores`: question attention x the L2 error of their reused
-    V, here against ``reused_v`` ``[N, Hkv, D]`` of ``layer``, plus ``error`` ``[m]``, the error
-    summed over the layers before it, or None).
+def _select(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan], request: BlendRequest, tokens: Sequence[int],
+            checked: _Checked | None, question: _QuestionProbe | None) -> torch.Tensor:
+    """``[n]`` ascending rows to recompute, ``tokens[r]`` of request r's plus its forced ones (§4.3 and
+    :func:`~ragcache.blend.select.select_grouped`): by the question's attention, by the KV deviation at
+    the check layer (the fresh V, or K with ``deviation="key"``, against the reused one), or both."""
+    selection, scores = request.selection, {}
+    if not any(plan.scores_matter for plan in plans):  # the choice cannot depend on the scores: zeros stand for them
+        zeros = torch.zeros(batch.n, device=ops.device)
+        scores = {"deviation": zeros, **({"question": zeros} if selection.needs_question else {})}
+    else:
+        if selection.needs_question:
+            scores["question"] = question.mean()
+        if selection.needs_deviation:
+            which = 1 if request.deviation == "value" else 0
+            scores["deviation"] = deviation_scores(checked.cached[which], (checked.k, checked.v)[which])
+    return select_grouped(tokens, selection, forced=batch.forced, exact=batch.exact,
+                          segment_starts=batch.segment_starts, starts=batch.starts, **scores)
+
+
+class _Refinement:
+    """Gradual filtering at layer ``at`` (CacheBlend §4.3, weighted by the question; fast path only):
+    the question's candidates go through layers ``0 .. at - 1``, their reused V's error is summed over
+    layers ``1 .. at`` (``reused_v`` by layer), and at ``at`` each refining blend keeps its budget
+    among them by impact (:func:`~ragcache.blend.select.impact_scores`); the others keep every
+    candidate (they have as many as their budget)."""
+
+    def __init__(self, at: int, reused_v: dict[int, torch.Tensor]) -> None:
+        self.at = at
+        self.reused_v = reused_v
+        self.error: torch.Tensor | None = None  # [m] float32
+
+    def observe(self, layer: int, rows: torch.Tensor, fresh_v: torch.Tensor) -> None:
+        """A layer before ``at``: add the candidates' V error there."""
+        e = value_error(fresh_v, self.reused_v[layer][rows])  # [m]
+        self.error = e if self.error is None else self.error + e
+
+    def cut(self, ops: DecoderOps, batch: _Batch, selection: Selection, tokens: Sequence[int], sel: _Rows,
+            question: _QuestionProbe) -> _Rows:
+        """The candidates ``sel`` (entering layer ``at``) cut to ``tokens[r]`` per request (plus the forced)."""
+        _, _, fresh_v = ops.qkv(self.at, sel.hidden)  # [m, Hkv, D]
+        total = value_error(fresh_v, self.reused_v[self.at][sel.rows])  # [m]
+        if self.error is not None:
+            total += self.error
+        impact = impact_scores(question.mean(), sel.rows, total)
+        # no exact mask here: it would rank an exact candidate below every non-candidate; an exact
+        # token's reused V has no error, so its impact already ranks it last among the candidates
+        final = select_grouped(tokens, selection, question=impact, forced=batch.forced,
+                               segment_starts=batch.segment_starts, starts=batch.starts)
+        keep = torch.isin(sel.rows, final)
+        # a run the question trimmed may be taken whole here: its tokens outside the candidates have not
+        # been through the layers before, so the budget they held goes to the best remaining candidates
+        request = batch.request_of(sel.rows)
+        counts = [torch.bincount(r, minlength=batch.size) for r in (batch.request_of(final), request, request[keep])]
+        short = counts[0].minimum(counts[1]) - counts[2]  # [R]
+        if int(short.max()) > 0:
+            rest = impact[sel.rows].masked_fill(keep, -1.0)
+            order = torch.argsort(rest, descending=True, stable=True)
+            order = order[torch.argsort(request[order], stable=True)]  # by request, best first
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.shape[0], device=order.device) - (torch.cumsum(counts[1], 0)
+                                                                              - counts[1])[request[order]]
+            keep |= rank < short[request]
+        return sel.keep(keep)
+
+
+def _selective_layer(ops: DecoderOps, layer: int, sel: _Rows, k_all: torch.Tensor | None,
+                     v_all: torch.Tensor | None, emit: OnLayer, attend: Attention, write_rows: WriteRows | None,
+                     last: bool, observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+    """One layer after the check layer for the selected rows only (§4.2, selective KV recompute).
+
+    ``k_all`` / ``v_all`` ``[S, Hkv, D]`` hold the reused KV at the new positions; the selected rows
+    are replaced by their fresh K/V (in place), the layer's final K/V go to ``emit``, and the
+    selected queries attend over them through ``attend``. With ``k_all = v_all = None`` the engine
+    already holds the layer's reused KV (the question probe wrote it): only the selected rows go to
+    ``write_rows``, and ``attend`` reads the layer back from the engine's cache. Returns the rows'
+    residual stream leaving the layer (with ``last``: no row needs it, only their K/V are written,
+    and ``sel.hidden`` is returned). ``observe(layer, rows, v)`` sees the fresh V before any write.
+    """
+    q, k, v = _qkv_rope(ops, layer, sel.hidden, sel.positions)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
+    if observe is not None:
+        observe(layer, sel.rows, v)
+    if k_all is None:
+        write_rows(layer, sel.rows, k, v)
+    else:
+        k_all.index_copy_(0, sel.rows, k)
+        v_all.index_copy_(0, sel.rows, v)
+        emit(layer, k_all, v_all)
+    if last:
+        return sel.hidden
+    return ops.finish_layer(layer, sel.hidden, attend(layer, q, sel.rows, k_all, v_all))
+
+
+def _selective_layers(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan], kv, sel: _Rows,
+                      refine: tuple[_Refinement, Callable[[_Rows], _Rows]] | None, emit: OnLayer, attend: Attention,
+                      write_rows: WriteRows | None, written: Collection[int], clock: StageClock) -> torch.Tensor:
+    """The selected rows through every layer from the plan's first selective layer (the fast path's
+    refinement at its layer; each request's rows stop at its depth unless forced); returns every row
+    recomputed in some layer."""
+    num_layers, plan = ops.num_layers, plans[0]
+    stops = {p.depth_end for p in plans if p.depth_end < num_layers}
+    forced = any(p.num_forced for p in plans)
+    recomputed = sel.rows
+
+    def observe(layer: int, rows: torch.Tensor, fresh_v: torch.Tensor) -> None:  # timed as selection
+        t0 = time.perf_counter()
+        refine[0].observe(layer, rows, fresh_v)
+        clock.inner("select_s", time.perf_counter() - t0)
+
+    for layer in plan.selective_layers:
+        if layer in stops and sel.rows.numel() > 0:  # a request's rows keep their reused KV from here on
+            if sel.stop is None:
+                depth = torch.tensor([p.depth_end for p in plans], device=sel.rows.device)[batch.request_of(sel.rows)]
+                sel.stop = depth if batch.forced is None else depth.masked_fill(batch.forced[sel.rows], num_layers)
+            sel = sel.keep(sel.stop > layer)
+        # no row needs an output after the model's last layer, nor after the last layer every row stops at
+        last = layer == num_layers - 1 or not (forced or any(p.depth_end > layer + 1 for p in plans))
+        k_all = v_all = None
+        if layer not in written:
+            k_all, v_all = kv.get(layer)  # [S, Hkv, D] each (ours to modify)
+            if refine is not None and 1 <= layer <= refine[0].at:
+                refine[0].reused_v[layer] = v_all  # read before the selective layer writes its rows
+        if refine is not None and layer == refine[0].at:  # the candidates -> the budget (timed as selection)
+            t0 = time.perf_counter()
+            sel = refine[1](sel)
+            recomputed = sel.rows
+            clock.inner("select_s", time.perf_counter() - t0)
+        seen = observe if refine is not None and 1 <= layer < refine[0].at else None
+        if sel.rows.numel() > 0:
+            sel.hidden = _selective_layer(ops, layer, sel, k_all, v_all, emit, attend, write_rows, last, seen)
+        elif k_all is not None:
+            emit(layer, k_all, v_all)
+    return recomputed
+
+
+def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLayer | CachedKV, *, on_layer: OnLayer,
+                attention: Attention | None = None, write_rows: WriteRows | None = None,
+                prefetch: bool = True) -> list[BlendResult]:
+    """CacheBlend for several blends in one pass (one engine step's), each as :func:`blend_kv` alone.
+
+    The requests' context tokens are the pass's rows, request after request (``load``, ``on_layer``,
+    ``write_rows`` and ``attention`` see every request's rows in that order; ``attention`` must keep
+    each request's queries to its own rows, as vLLM's varlen kernel does with a block table per
+    request, or :func:`~ragcache.blend.attention.torch_attention` given the requests' ``starts``).
+    Projections and MLP run once per layer on every request's tokens; the question tails are probed
+    together (padded to the longest); the selection is one grouped call. The operators a pass
+    dispatches do not grow with its requests, chunks or runs (except with a chunk cap or chunk heads,
+    chosen request by request, and torch's reference attention, one call per request).
+
+    Args:
+        requests: blends with equal :meth:`BlendRequest.pass_key` (group the others into passes of their own).
+        load: the cached KV of every row: per layer (:data:`~ragcache.blend.reused.LoadLayer`, ``[S,
+            Hkv, D]``) or every layer at once (:class:`~ragcache.blend.reused.CachedKV`).
+        on_layer, attention, write_rows, prefetch: as :func:`blend_kv`.
 
     Returns:
-        ``(selected [n], hidden [n, ...])``: the kept candidates, ascending, and their rows.
+        one :class:`BlendResult` per request, in order (indices within its own context).
+
+    Raises:
+        ValueError: as :func:`blend_kv`, or requests whose pass keys differ.
     """
-    _, _, fresh_v = ops.qkv(layer, hidden)  # [m, Hkv, D]
-    total = value_error(fresh_v, reused_v[candidates])  # [m]
-    if error is not None:
-        total += error
-    impact = impact_scores(question.mean(), candidates, total)
-    # no exact mask here: it would rank an exact candidate below every non-candidate; an exact
-    # token's reused V has no error, so its impact already ranks it last among the candidates
-    final = select_tokens(budget, selection, question=impact, forced=ctx.forced, segment_starts=segment_starts)
-    keep = torch.isin(candidates, final)
-    # a run the question trimmed may be taken whole here: its tokens outside the candidates have not
-    # been through the layers before, so the budget they held goes to the best remaining candidates
-    short = min(final.numel(), candidates.numel()) - int(keep.sum())
-    if short > 0:
-        rest = impact[candidates].masked_fill(keep, -1.0)
-        keep[torch.topk(rest, short).indices] = True
-    return candidates[keep], hidden[keep]
+    if not requests:
+        return []
+    plans = [r.plan(ops.num_layers) for r in requests]
+    plan, first = plans[0], requests[0]
+    if any((p.schedule, r.selection, r.deviation) != (plan.schedule, first.selection, first.deviation)
+           for p, r in zip(plans, requests)):
+        raise ValueError("blends of one pass must share their schedule, selection and deviation "
+                         "(group them by BlendRequest.pass_key)")
+    writes = write_rows is not None and attention is not None
+    start, clock = time.perf_counter(), StageClock()
+    emit, rows = Timed(on_layer, clock, "cache_write_s"), Timed(write_rows, clock, "cache_write_s")
+    with torch.inference_mode():
+        batch = _Batch(ops, requests, plan.probe)
+        with open_reused(ops, load, plan.load_order(writes), batch.positions, prefetch, clock) as kv:
+            attend = Timed(attention or _reference_attention(ops, batch), clock,
+                           {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
+            question = _QuestionProbe(ops, batch, first.selection.question_heads) if plan.probe else None
+            probe_emit = emit if writes else None
+            checked, reused_v = None, {}
+            if plan.fast_path:
+                # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
+                # positions is layer 0's fresh KV: no context token is computed in full; the question tail
+                # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
+                if question is not None:
+                    with clock("question_probe_s"):
+                        keep_v = range(1, plan.refine_at + 1) if plan.refine_at is not None else ()
+                        reused_v = _probe(ops, batch, plan.probe_layers, kv, question, ops.embed(batch.tail_ids),
+                                          probe_emit, keep_v)
+            else:
+                checked = _prefill_to_check(ops, batch, plan, kv, question, emit, attend, clock, probe_emit)
+            with clock("select_s"):
+                budgets = decide_budgets(requests, plans, question, batch)
+                tokens = [b.tokens for b in budgets]
+                refining = [p.refines(t) for p, t in zip(plans, tokens)]
+                selected = _select(ops, batch, plans, first, [p.candidate_budget(t) if r else t
+                                                              for p, t, r in zip(plans, tokens, refining)],
+                                   checked, question)  # [n]
+            with clock("selective_layers_s"):
+                sel = _first_selective(ops, batch, plan, selected, checked, attend)
+                refine = None
+                if any(refining):
+                    refinement = _Refinement(plan.refine_at, reused_v)
+                    refine = (refinement, lambda s: refinement.cut(ops, batch, first.selection, tokens, s, question))
+                recomputed = _selective_layers(ops, batch, plans, kv, sel, refine, emit, attend, rows,
+                                               set(plan.probe_layers) if writes else set(), clock)
+            synchronize(ops.device)
+        elapsed, write_s = time.perf_counter() - start, emit.seconds + rows.seconds
+    return [BlendResult(selected=part, num_recomputed=int(part.numel()), num_tokens=p.num_tokens, load_s=kv.wait_s,
+                        compute_s=elapsed - kv.wait_s - write_s, on_layer_s=write_s, stages=dict(clock.seconds),
+                        recomputed_layers=p.depth_end if part.numel() > 0 else 0, budget=b, batch=batch.size)
+            for part, p, b in zip(batch.split(recomputed), plans, budgets)]
 
 
-def _selective_layer(ops: DecoderOps, layer: int, ctx: _Context, hidden: torch.Tensor, selected: torch.Tensor,
-                     k_all: torch.Tensor | None, v_all: torch.Tensor | None, on_layer: OnLayer, attention: Attention,
-                     write_rows: WriteRows | None = None, *, last: bool = False,
-                     observe_v: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
-    """One layer after the check layer for the selected tokens only (§4.2, selective KV recompute).
-
-    ``k_all`` / ``v_all`` ``[N, Hkv, D]`` hold the reused KV at the new positions; the selected rows
-    are replaced by their fresh K/V (in place), the layer's final K/V go to ``on_layer``, and the
-    selected queries attend over them through ``attention``. With ``k_all = v_all = None`` the
-    engine already holds the layer's reused KV (the question probe wrote it): only the selected rows
-    go to ``write_rows``, and ``attention`` reads the layer back from the engine's cache.
-    ``hidden`` ``[n, hidden]`` -> the layer's output for the selected tokens (with ``last``, the
-    model's last layer or the last one these tokens are recomputed in, no output is needed: only
-    their K/V are written and ``hidden`` is returned). ``observe_v(layer, v [n, Hkv, D])`` sees the
-    selected tokens' fresh V before any row is written.
-    """
-    q, k, v = ops.qkv(layer, hidden)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
-    if observe_v is not None:
-        observe_v(layer, v)
-    q, k = ops.rope(layer, ctx.positions[selected], q, k)
-    if k_all is None:
-        write_rows(layer, selected, k, v)
-    else:
-        k_all.index_copy_(0, selected, k)
-        v_all.index_copy_(0, selected, v)
-        on_layer(layer, k_all, v_all)
-    if last:
-        return hidden
-    attn = attention(layer, q, selected, k_all, v_all)  # [n, Hq, D]
-    return ops.finish_layer(layer, hidden, attn)
+def _reference_attention(ops: DecoderOps, batch: _Batch) -> Attention:
+    """blend/'s own attention where the engine hands none: on a CPU :func:`~ragcache.blend.attention.
+    torch_attention` (blocks of queries, each over the keys it can see), elsewhere :func:`~ragcache.blend.
+    attention.masked_attention` (one launch per layer for every request)."""
+    fn = torch_attention if torch.device(ops.device).type == "cpu" else masked_attention
+    return fn(batch.positions, ops.scaling, batch.starts)
 
 
-def recompute_layers(recompute_depth: float, num_layers: int, check_layer: int) -> int:
-    """How many layers, from the first, the selected tokens are recomputed in (:func:`blend_kv`'s
-    ``recompute_depth``): ``ceil(recompute_depth * num_layers)``, at least ``check_layer + 1``."""
-    return min(num_layers, max(check_layer + 1, math.ceil(round(recompute_depth * num_layers, 9))))
+def _first_selective(ops: DecoderOps, batch: _Batch, plan: BlendPlan, selected: torch.Tensor,
+                     checked: _Checked | None, attend: Attention) -> _Rows:
+    """The selected rows entering the first selective layer: embedded (fast path), or through the
+    check layer's attention over every row's fresh KV and the rest of that layer."""
+    positions = batch.positions[selected]
+    if checked is None:
+        return _Rows(selected, ops.embed(batch.ids[selected]), positions)  # [n, hidden]
+    hidden = checked.hidden[:batch.n][selected]
+    if selected.numel() > 0 and plan.check_layer < ops.num_layers - 1:
+        hidden = ops.finish_layer(plan.check_layer, hidden,
+                                  attend(plan.check_layer, checked.q[selected], selected, checked.k, checked.v))
+    return _Rows(selected, hidden, positions)
 
 
 def blend_kv(
     ops: DecoderOps,
     token_ids: torch.LongTensor,
     positions: torch.LongTensor,
-    load_layer: LoadLayer,
+    load_layer: LoadLayer | CachedKV,
     *,
     recompute_ratio: float,
     min_recompute_tokens: int = 0,
@@ -547,24 +718,26 @@ def blend_kv(
 ) -> BlendResult:
     """CacheBlend: fuse the cached KV of the context tokens, recomputing only a selected share.
 
-    Procedure (CacheBlend §4.2-4.3), one step function each:
+    Procedure (CacheBlend §4.2-4.3): a plan (:meth:`BlendRequest.plan`), then one phase function each
+    (:func:`blend_batch` runs them, here for one blend):
 
-    1. Layers ``0 .. check_layer - 1`` (:func:`_full_layer`): a plain prefill of all N tokens (cached
+    1. Layers ``0 .. check_layer - 1`` (:func:`_prefill_to_check`): a plain prefill of all N tokens (cached
        KV is not loaded). With ``tail_ids`` (the question tail that follows the context), the tail
        goes along, so its queries see the exact context of these layers.
-    2. Layer ``check_layer`` (:func:`_check_layer_kv`): fresh Q/K/V of all N tokens. For the
+    2. Layer ``check_layer``: fresh Q/K/V of all N tokens. For the
        question's attention the tail then goes on alone through every later layer over the reused
-       KV (moved to its positions) (:func:`_question_probe`), a probe as cheap as decoding T
+       KV (moved to its positions) (:func:`_probe`), a probe as cheap as decoding T
        tokens; the scores are averaged over all layers (exact up to the check layer, over reused KV
        after it), in the spirit of ProphetKV (ICML'26). The probed layers are not kept (the memory
        they held cost more in page faults): with ``write_rows`` each goes to ``on_layer`` as the
        probe leaves it and step 3 writes only the recomputed rows; without it step 3 loads and
-       moves those layers again. The tokens to
-       recompute are chosen by :func:`_select` under ``selection``: by KV deviation (the fresh V,
+       moves those layers again. The budget is decided after the probe
+       (:func:`decide_budgets`: the ratio's, or the adaptive one with ``budget_rule``), and the tokens
+       to recompute are chosen by :func:`_select` under ``selection``: by KV deviation (the fresh V,
        or K with ``deviation="key"``, against the cached one), by the attention the question tail
        gives each context token, or a hybrid, token by token or in runs (``selection.granule``).
        Only the selected tokens' attention and MLP are computed.
-    3. Layers ``check_layer + 1 ..`` (:func:`_selective_layer`): only the selected tokens go
+    3. Layers ``check_layer + 1 ..`` (:func:`_selective_layers`): only the selected tokens go
        forward. K = cached K moved to ``positions`` with the selected rows replaced by their fresh
        K, V likewise; the selected queries attend over all N keys with the exact causal mask by
        position. With ``recompute_depth`` < 1 they stop after the first ``ceil(depth * L)`` layers
@@ -576,7 +749,7 @@ def blend_kv(
     computed from layer 0 (step 3 from layer 0), which saves a projection pass over all N tokens.
     There, with ``selection.candidates`` > 1, the question picks that many times the budget, they
     go through layers ``0 .. R - 1`` (R = ``selection.refine_layer``), and at layer R the budget is
-    kept among them by impact (:func:`_refine`: the question's attention times their reused V's
+    kept among them by impact (:class:`_Refinement`: the question's attention times their reused V's
     error summed over layers 1 .. R, CacheBlend's gradual filtering); only the kept tokens go on,
     the dropped ones keep the fresh KV of the layers they went through.
 
@@ -593,8 +766,10 @@ def blend_kv(
         ops: the model's per-layer callables.
         token_ids: ``[N]`` int64 context token ids, in prompt order.
         positions: ``[N]`` int64 absolute positions of those tokens in the prompt (ascending).
-        load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])`` cached KV of the context
-            (rows of forced tokens are ignored and may hold anything finite). Called in this order:
+        load_layer: the cached KV of the context (rows of forced tokens are ignored and may hold
+            anything finite): every layer at once (:class:`~ragcache.blend.reused.CachedKV`: K moved
+            in place in one call, no layer loaded twice), or ``layer -> (k_pre [N, Hkv, D], v [N,
+            Hkv, D])`` (:data:`~ragcache.blend.reused.LoadLayer`), called in this order:
             the check layer (unless the fast path below skips it), the question probe's layers, then
             every layer after the check layer (from layer 0 on the fast path) that ``write_rows``
             does not cover, so without ``write_rows`` a probed layer is loaded twice; with
@@ -647,189 +822,31 @@ def blend_kv(
             outside ``[0, num_layers)``, an unknown ``deviation``, a question-aware selection without
             ``tail_ids``, or ``load_layer`` returning tensors of the wrong shape.
     """
-    num_tokens = _check_positions(token_ids, positions)
-    num_layers = ops.num_layers
-    budget = hkvd_budget(recompute_ratio, num_tokens, min_recompute_tokens)  # validates the ratio and the floor
-    if not 0 <= check_layer < num_layers:
-        raise ValueError(f"check_layer must be in [0, {num_layers}), got {check_layer}")
-    if not 0.0 < recompute_depth <= 1.0:
-        raise ValueError(f"recompute_depth must be in (0, 1], got {recompute_depth}")
-    if deviation not in DEVIATIONS:
-        raise ValueError(f"deviation must be one of {DEVIATIONS}, got {deviation!r}")
-    selection = selection or Selection("deviation")
-    check_mask(forced, num_tokens, "forced")
-    check_mask(exact, num_tokens, "exact")
-    if selection.needs_question and (tail_ids is None or tail_ids.dim() != 1 or tail_ids.shape[0] == 0):
-        raise ValueError(f"selection {selection.strategy!r} needs the question tail's token ids (tail_ids)")
-    # With no budget, or a budget that covers every token, the choice does not depend on the scores:
-    # skip the question probe (~3% of a ratio-1.0 blend) and score with zeros.
-    num_forced = int(forced.sum()) if forced is not None else 0
-    scores_matter = 0 < budget < num_tokens - num_forced
-    use_tail = selection.needs_question and scores_matter
-    # the selected tokens go forward through layers < depth_end; after it only the forced ones do
-    depth_end = recompute_layers(recompute_depth, num_layers, check_layer) if scores_matter else num_layers
-
-    # Which layers the cached KV is loaded for, in order (see load_layer): the question probe's, then
-    # the selective layers' again. The probe's moved layers are not kept for the selective pass:
-    # holding every layer's K/V (~140 MB for 6k tokens of SmolLM2) made a request touch that much
-    # fresh memory whenever the heap had no room for it (e.g. the first blend after an ingest), and
-    # those page faults cost more than loading and moving a layer twice (docs/benchmarks.md).
-    fast_path = check_layer == 0 and not (selection.needs_deviation and scores_matter)
-    # question selection refined at layer R (_refine): the question picks more, layer R keeps the budget
-    candidate_budget = min(math.ceil(round(selection.candidates * budget, 9)), num_tokens - num_forced)
-    refine_at = selection.refine_layer
-    refine = fast_path and use_tail and depth_end > refine_at and candidate_budget > budget
-    probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
-    probe_end = min(probe_end, num_layers)
-    probe_layers = range(0 if fast_path else check_layer + 1, probe_end) if use_tail else range(0)
-    selective_layers = range(0 if fast_path else check_layer + 1, num_layers)
-    written = set(probe_layers) if write_rows is not None and attention is not None else set()  # by the probe
-    plan = (([] if fast_path else [check_layer]) + list(probe_layers)
-            + [layer for layer in selective_layers if layer not in written])
-
-    start = time.perf_counter()
-    clock = _Stages()
-    emit = _Timer(on_layer, clock, "cache_write_s")
-    # the ratio's budget, unless the question's attention changes it (_adapt)
-    floor = " (blend.min_recompute_tokens)" if budget > math.ceil(round(recompute_ratio * num_tokens, 9)) else ""
-    chosen = Budget(tokens=budget, centre=budget, reason=f"fixed: {budget} tokens, ratio {recompute_ratio:g}{floor}")
-    with torch.inference_mode(), _LayerLoader(ops, load_layer, plan, num_tokens, prefetch, clock) as loader:
-        ctx = _Context(
-            ids=token_ids.to(ops.device), positions=positions.to(ops.device),
-            tail_ids=tail_ids.to(ops.device) if use_tail else None,
-            tail_positions=(positions[-1] + 1 + torch.arange(tail_ids.shape[0])).to(ops.device) if use_tail else None,
-            forced=None if forced is None else forced.to(ops.device),
-            exact=None if exact is None else exact.to(ops.device),
-        )
-        attend = _Timer(attention or torch_attention(ctx.positions, ops.scaling), clock,
-                        {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
-        question = _QuestionScores(ops.scaling, selection.question_heads) if use_tail else None
-        move = _Timer(lambda layer, k_pre: move_keys(ops, layer, k_pre, ctx.positions), clock, "move_keys_s")
-        probe_emit = emit if written else None
-        rows = _Timer(write_rows, clock, "cache_write_s") if written else None
-
-        # the refinement (fast path): reused V [N, Hkv, D] of layers 1 .. R, and the candidates' V error [m]
-        # summed over the layers they have been through
-        reused_v: dict[int, torch.Tensor] = {}
-        error: torch.Tensor | None = None
-        if fast_path:
-            # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
-            # positions is layer 0's fresh KV: no context token is computed in full; the question tail
-            # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
-            if question is not None:
-                with clock("question_probe_s"):
-                    reused_v.update(_question_probe(ops, probe_layers, ctx, ops.embed(ctx.tail_ids), loader, move,
-                                                    question, probe_emit, range(1, refine_at + 1) if refine else ()))
-            with clock("select_s"):
-                if budget_rule is not None and question is not None:
-                    chosen = _adapt(ctx, question, budget_rule, recompute_ratio, min_recompute_tokens)
-                    budget = chosen.tokens
-                    candidate_budget = min(math.ceil(round(selection.candidates * budget, 9)), num_tokens - num_forced)
-                    refine = refine and candidate_budget > budget
-                selected = _select(ops, 0, ctx, candidate_budget if refine else budget, selection, deviation,
-                                   segment_starts, None, None, question, scores_matter)  # [n]
-            with clock("selective_layers_s"):
-                hidden = ops.embed(ctx.ids[selected])  # [n, hidden]
-        else:
-            # 1. Before the check layer: plain prefill of all tokens (and the tail, if it is needed).
-            with clock("full_layers_s"):
-                hidden = ops.embed(ctx.ids if question is None else torch.cat([ctx.ids, ctx.tail_ids]))  # [N(+T), hidden]
-                for layer in range(check_layer):
-                    hidden = _full_layer(ops, layer, ctx, hidden, emit, attend, question)
-            # 2. Check layer: fresh K/V of all tokens, the question probe, the selection.
-            with clock("full_layers_s"):
-                q, k, v, hidden_tail = _check_layer_kv(ops, check_layer, ctx, hidden, emit, question)
-            k_pre_cached, v_cached = loader.get(check_layer)  # [N, Hkv, D] each
-            if question is not None:
-                with clock("question_probe_s"):
-                    _question_probe(ops, probe_layers, ctx, hidden_tail, loader, move, question, probe_emit)
-            with clock("select_s"):
-                if budget_rule is not None and question is not None:
-                    chosen = _adapt(ctx, question, budget_rule, recompute_ratio, min_recompute_tokens)
-                    budget = chosen.tokens
-                selected = _select(ops, check_layer, ctx, budget, selection, deviation, segment_starts, (k, v),
-                                   (k_pre_cached, v_cached), question, scores_matter)  # [n]
-            # 3. The selected tokens through the check layer's attention, then every later layer.
-            with clock("selective_layers_s"):
-                if selected.numel() > 0 and check_layer < num_layers - 1:
-                    hidden = ops.finish_layer(check_layer, hidden[:ctx.n][selected],
-                                              attend(check_layer, q[selected], selected, k, v))  # [n, hidden]
-        recomputed = selected  # every token recomputed in some layer
-
-        def refined(layer: int) -> None:  # the candidates -> the budget (timed as selection)
-            nonlocal selected, hidden, recomputed
-            t0 = time.perf_counter()
-            selected, hidden = _refine(ops, ctx, layer, selected, hidden, reused_v[layer], error, question, budget,
-                                       selection, segment_starts)
-            recomputed = selected
-            clock.inner("select_s", time.perf_counter() - t0)
-
-        def observe(layer: int, fresh_v: torch.Tensor) -> None:  # a layer before R: add the candidates' V error
-            nonlocal error
-            t0 = time.perf_counter()
-            e = value_error(fresh_v, reused_v[layer][selected])  # [m]
-            error = e if error is None else error + e
-            clock.inner("select_s", time.perf_counter() - t0)
-
-        with clock("selective_layers_s"):
-            for layer in selective_layers:
-                if layer == depth_end and selected.numel() > 0:  # the rest keep their reused KV from here
-                    if ctx.forced is None:
-                        selected = selected[:0]
-                    else:
-                        keep = ctx.forced[selected]
-                        selected, hidden = selected[keep], hidden[keep]
-                # the layer before depth_end needs no output for tokens that stop there
-                last = layer == num_layers - 1 or (layer == depth_end - 1 and ctx.forced is None)
-                seen = observe if refine and 1 <= layer < refine_at else None  # the candidates' V error
-                if layer in written:  # the probe wrote the reused KV: only the recomputed rows change
-                    if refine and layer == refine_at:
-                        refined(layer)
-                    if selected.numel() > 0:
-                        hidden = _selective_layer(ops, layer, ctx, hidden, selected, None, None, emit, attend, rows,
-                                                  last=last, observe_v=seen)
-                    continue
-                k_pre, v_all = loader.get(layer)  # [N, Hkv, D] each (ours to modify)
-                if refine and 1 <= layer <= refine_at:
-                    reused_v[layer] = v_all  # read before the selective layer writes its rows
-                if refine and layer == refine_at:
-                    refined(layer)
-                k_all = move(layer, k_pre)
-                if selected.numel() > 0:
-                    hidden = _selective_layer(ops, layer, ctx, hidden, selected, k_all, v_all, emit, attend, last=last,
-                                              observe_v=seen)
-                else:
-                    emit(layer, k_all, v_all)
-        _synchronize(ops.device)
-
-    elapsed = time.perf_counter() - start
-    write_s = emit.seconds + (rows.seconds if rows is not None else 0.0)
-    return BlendResult(
-        selected=recomputed,
-        num_recomputed=int(recomputed.numel()),
-        num_tokens=num_tokens,
-        load_s=loader.wait_s,
-        compute_s=elapsed - loader.wait_s - write_s,
-        on_layer_s=write_s,
-        stages=clock.seconds,
-        recomputed_layers=depth_end if recomputed.numel() > 0 else 0,
-        budget=chosen,
-    )
+    request = BlendRequest(token_ids=token_ids, positions=positions, recompute_ratio=recompute_ratio,
+                           check_layer=check_layer, deviation=deviation, selection=selection or Selection("deviation"),
+                           min_recompute_tokens=min_recompute_tokens, recompute_depth=recompute_depth,
+                           tail_ids=tail_ids, segment_starts=segment_starts, exact=exact, forced=forced,
+                           budget_rule=budget_rule)
+    return blend_batch(ops, [request], load_layer, on_layer=on_layer, attention=attention, write_rows=write_rows,
+                       prefetch=prefetch)[0]
 
 
 def reuse_kv(
     ops: DecoderOps,
     positions: torch.LongTensor,
-    load_layer: LoadLayer,
+    load_layer: LoadLayer | CachedKV,
     on_layer: OnLayer,
     prefetch: bool = True,
 ) -> BlendResult:
     """The ``reuse`` mode: every layer's cached K moved to ``positions``, V as is, nothing recomputed.
 
+    Several requests' contexts one after another are reused alike (reuse needs no boundaries).
+
     Args:
         ops: the model's per-layer callables (only ``rope`` is used).
         positions: ``[N]`` int64 absolute positions of the context tokens in the prompt.
-        load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])``, called for every layer in order.
+        load_layer: ``layer -> (k_pre [N, Hkv, D], v [N, Hkv, D])``, called for every layer in order,
+            or every layer at once (:class:`~ragcache.blend.reused.CachedKV`).
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None`` with K post-RoPE.
         prefetch: load layer i+1 in a background thread while layer i is moved.
 
@@ -842,26 +859,15 @@ def reuse_kv(
     if positions.dim() != 1 or positions.shape[0] == 0:
         raise ValueError(f"positions must be a non-empty [N] tensor, got shape {tuple(positions.shape)}")
     num_tokens = positions.shape[0]
-    start = time.perf_counter()
-    clock = _Stages()
-    emit = _Timer(on_layer, clock, "cache_write_s")
-    with torch.inference_mode(), _LayerLoader(ops, load_layer, range(ops.num_layers), num_tokens, prefetch,
-                                              clock) as loader:
-        positions = positions.to(ops.device)
-        for layer in range(ops.num_layers):
-            k_pre_cached, v_cached = loader.get(layer)  # [N, Hkv, D] each
-            with clock("move_keys_s"):
-                k = move_keys(ops, layer, k_pre_cached, positions)
-            emit(layer, k, v_cached)
-        _synchronize(ops.device)
+    start, clock = time.perf_counter(), StageClock()
+    emit = Timed(on_layer, clock, "cache_write_s")
+    with torch.inference_mode():
+        positions = _on(positions, ops.device)
+        with open_reused(ops, load_layer, range(ops.num_layers), positions, prefetch, clock) as kv:
+            for layer in range(ops.num_layers):
+                emit(layer, *kv.get(layer))
+            synchronize(ops.device)
         selected = torch.empty(0, dtype=torch.long, device=ops.device)
     elapsed = time.perf_counter() - start
-    return BlendResult(
-        selected=selected,
-        num_recomputed=0,
-        num_tokens=num_tokens,
-        load_s=loader.wait_s,
-        compute_s=elapsed - loader.wait_s - emit.seconds,
-        on_layer_s=emit.seconds,
-        stages=clock.seconds,
-    )
+    return BlendResult(selected=selected, num_recomputed=0, num_tokens=num_tokens, load_s=kv.wait_s,
+                       compute_s=elapsed - kv.wait_s - emit.seconds, on_layer_s=emit.seconds, stages=clock.seconds)

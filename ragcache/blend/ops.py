@@ -28,6 +28,14 @@ class DecoderOps(Protocol):
     (``[n, hidden]``, or e.g. vLLM's ``(hidden_states, residual)`` pair as ``[n, 2, hidden]``); the
     blend only selects, slices and concatenates its rows.
 
+    Optional: ``qkv_rope(layer, hidden, positions [n]) -> (q, k, v)``, :meth:`qkv` with q and k then
+    rotated to ``positions`` (the values of ``qkv`` followed by ``rope``, without the copies an
+    out-of-place ``rope`` makes); the blend calls it wherever it rotates what ``qkv`` returned.
+    ``rotate_keys_(positions [n], k [n, Hkv, D]) -> None``, rotating contiguous keys in
+    place with the rotary embedding every layer shares (absent, or None, when the layers' rotaries
+    differ): the blend then moves the cached K of every layer with one call
+    (:func:`~ragcache.blend.rope.move_all_keys_`) instead of one ``rope`` per layer.
+
     Attributes:
         num_layers: number of decoder layers.
         num_heads: query heads per layer (Hq).

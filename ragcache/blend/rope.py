@@ -38,3 +38,34 @@ def move_keys(ops: DecoderOps, layer: int, k_pre: torch.Tensor, positions: torch
         raise ValueError(f"positions {tuple(positions.shape)} do not match k_pre {tuple(k_pre.shape)}")
     _, k = ops.rope(layer, positions, None, k_pre)
     return k
+
+
+def move_all_keys_(ops: DecoderOps, k_pre: torch.Tensor, positions: torch.LongTensor) -> torch.Tensor:
+    """Every layer's pre-RoPE keys rotated to ``positions``, in place.
+
+    One rotary call for all layers where the adapter can rotate keys in place with a rotary
+    embedding every layer shares (an optional ``rotate_keys_(positions [n], k [n, Hkv, D])`` of the
+    :class:`~ragcache.blend.ops.DecoderOps`): a constant number of operators, and no new memory, for
+    a whole context. Otherwise :func:`move_keys` layer by layer, copied back.
+
+    Args:
+        ops: the model's per-layer callables.
+        k_pre: ``[L, T, Hkv, D]`` keys before RoPE of the model's L layers, on ``ops.device`` in
+            ``ops.dtype``; overwritten.
+        positions: ``[T]`` int64 absolute positions the keys take.
+
+    Returns:
+        ``k_pre``, now post-RoPE.
+
+    Raises:
+        ValueError: if ``k_pre`` is not 4-D or its length differs from ``positions``.
+    """
+    if k_pre.dim() != 4 or positions.dim() != 1 or positions.shape[0] != k_pre.shape[1]:
+        raise ValueError(f"k_pre {tuple(k_pre.shape)} is not [L, T, Hkv, D] for positions {tuple(positions.shape)}")
+    rotate = getattr(ops, "rotate_keys_", None)
+    if rotate is not None and k_pre.is_contiguous():
+        rotate(positions.repeat(k_pre.shape[0]), k_pre.view(-1, *k_pre.shape[2:]))
+        return k_pre
+    for layer in range(k_pre.shape[0]):
+        k_pre[layer].copy_(move_keys(ops, layer, k_pre[layer], positions))
+    return k_pre

@@ -308,7 +308,8 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     """The question tail's attention over the context and itself, and what each context token receives.
 
     The tail follows the context: tail token i sees every context token and tail tokens ``<= i``.
-    Query heads share their KV head in groups (GQA) without expanding K or V.
+    Query heads share their KV head in groups (GQA) without expanding K or V. One request's form of
+    :func:`tail_attention`.
 
     Args:
         q_tail: ``[T, Hq, D]`` post-RoPE queries of the tail tokens.
@@ -329,35 +330,104 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     Raises:
         ValueError: ``heads`` is not one of :data:`QUESTION_HEADS`.
     """
-    if heads not in QUESTION_HEADS:
-        raise ValueError(f"heads must be one of {QUESTION_HEADS}, got {heads!r}")
-    t, num_heads, head_dim = q_tail.shape
-    n, num_kv_heads, _ = k_ctx.shape
+    t, num_heads, _ = q_tail.shape
+    n = k_ctx.shape[0]
+    masks = TailMasks.of(torch.tensor([n]), torch.tensor([t]), n, t, num_heads, num_heads // k_ctx.shape[1], heads,
+                         q_tail.dtype, q_tail.device)
+    values = None if v_ctx is None or v_tail is None else torch.cat([v_ctx, v_tail])
+    out, scores = tail_attention(q_tail, torch.cat([k_ctx, k_tail]), values, scaling, masks)
+    return out, scores[0]
+
+
+@dataclass(frozen=True)
+class TailMasks:
+    """What :func:`tail_attention` needs to know of a padded batch of question tails, made once per batch.
+
+    R requests, each with ``N_r`` context tokens (padded to ``N``) followed by ``T_r`` tail tokens
+    (padded to ``T``); the keys of request r are its context then its tail, ``P = N + T`` columns.
+
+    Attributes:
+        bias: ``[R, 1, G * T, P]`` in the model's dtype: 0 where tail query (g, t) may see the key,
+            ``-inf`` at padded context keys, padded tail keys and later tail tokens (causal).
+        pool: how the weights become per-token scores: ``"mean"``: ``[R, 1, Hq * T]`` with
+            ``1 / (Hq * T_r)`` for real queries, 0 for padded ones; ``"max"``: ``[R, 1, 1, T]`` with
+            ``1 / T_r`` and 0.
+        num_ctx: N, the padded context length (the first N key columns).
+        num_tail: T, the padded tail length.
+    """
+
+    bias: torch.Tensor
+    pool: torch.Tensor
+    num_ctx: int
+    num_tail: int
+
+    @classmethod
+    def of(cls, ctx_lengths: torch.Tensor, tail_lengths: torch.Tensor, num_ctx: int, num_tail: int, num_heads: int,
+           group: int, heads: str, dtype: torch.dtype, device: torch.device) -> "TailMasks":
+        """Masks for tails of ``tail_lengths`` ``[R]`` (int64, >= 1) after contexts of ``ctx_lengths`` ``[R]``,
+        padded to ``num_tail`` and ``num_ctx``; ``group`` query heads per KV head.
+
+        Raises:
+            ValueError: ``heads`` is not one of :data:`QUESTION_HEADS`.
+        """
+        if heads not in QUESTION_HEADS:
+            raise ValueError(f"heads must be one of {QUESTION_HEADS}, got {heads!r}")
+        ctx_lengths, tail_lengths = ctx_lengths.to(device), tail_lengths.to(device)
+        t = torch.arange(num_tail, device=device)
+        ctx_hidden = torch.arange(num_ctx, device=device) >= ctx_lengths[:, None]  # [R, N]
+        tail_hidden = (t[None, :] > t[:, None]) | (t[None, None, :] >= tail_lengths[:, None, None])  # [R, T, T]
+        hidden = torch.cat([ctx_hidden[:, None, :].expand(-1, num_tail, -1), tail_hidden], dim=2)  # [R, T, P]
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        bias = bias.repeat(1, group, 1).unsqueeze(1)  # [R, 1, G * T, P]: rows (g, t)
+        per_tail = (t[None, :] < tail_lengths[:, None]).to(dtype) / tail_lengths[:, None].to(dtype)  # [R, T]
+        if heads == "mean":
+            pool = (per_tail / num_heads).repeat(1, num_heads).unsqueeze(1)  # [R, 1, Hq * T]: rows (h, t)
+        else:
+            pool = per_tail[:, None, None, :]  # [R, 1, 1, T]
+        return cls(bias=bias, pool=pool, num_ctx=num_ctx, num_tail=num_tail)
+
+
+def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scaling: float, masks: TailMasks
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Question tails' attention over their contexts and themselves, for a padded batch of R requests.
+
+    The question probe's attention (ProphetKV-style scores, ICML'26): what each context token receives
+    from the tail's queries is the per-token score; the output is the tail's attention output. A
+    constant number of operators whatever R, N and T: one matmul for the logits, one masked softmax,
+    one matmul for the scores and one for the output.
+
+    Args:
+        q: ``[R, T, Hq, D]`` post-RoPE tail queries (padded rows are ignored); ``[T, Hq, D]`` for R = 1.
+        k: ``[R, P, Hkv, D]`` post-RoPE keys: the context (padded to N) then the tail (to T);
+            ``[P, Hkv, D]`` for R = 1.
+        v: values in the same layout as ``k``, or None for the scores alone.
+        scaling: softmax scale.
+        masks: :class:`TailMasks` of this padding.
+
+    Returns:
+        ``(out [R * T, Hq, D] or None, scores [R, N] float32)``; ``scores`` pooled over the heads as
+        ``masks`` says and averaged over each request's real tail tokens (0 at padded tokens).
+    """
+    num_heads, head_dim = q.shape[-2:]
+    r, t, p, num_kv_heads = masks.bias.shape[0], masks.num_tail, k.shape[-3], k.shape[-2]
     g = num_heads // num_kv_heads
-    # rows ordered (group member, tail token): [Hkv, G * T, D]; batched matmuls over the KV heads
-    q = (q_tail * scaling).reshape(t, num_kv_heads, g, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, g * t,
-                                                                                          head_dim)
+    # rows ordered (group member, tail token): [R, Hkv, G * T, D]; matmuls batched over R and the KV heads
+    query = (q * scaling).view(r, t, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(
+        r, num_kv_heads, g * t, head_dim)
     # In the model's dtype: softmax accumulates in float32 inside. No float32 copy of these
-    # [Hkv, G*T, N] tensors (a conversion per layer cost more than the matmuls around them), and the
-    # matmuls read K and V through strided views and write into one buffer (no copies, no cat).
-    logits = torch.empty(num_kv_heads, g * t, n + t, dtype=q.dtype, device=q.device)  # [Hkv, G*T, N+T]
-    torch.bmm(q, k_ctx.permute(1, 2, 0), out=logits[..., :n])
-    torch.bmm(q, k_tail.permute(1, 2, 0), out=logits[..., n:])
-    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1).repeat(g, 1)  # [G*T, T]: tail i sees <= i
-    logits[..., n:].masked_fill_(future, float("-inf"))
-    weights = torch.softmax(logits, dim=-1)  # [Hkv, G*T, N+T]
-    # sums over the tail tokens accumulate in float32 inside and are rounded to the model's dtype once
-    # (relative error <= 2^-8 in bfloat16: far below the differences the selection ranks by)
-    if heads == "mean":
-        scores = weights[..., :n].sum(dim=1).sum(dim=0, dtype=torch.float32) / (num_heads * t)  # [N]
+    # [R, Hkv, G*T, P] tensors (a conversion per layer cost more than the matmuls around them).
+    logits = torch.matmul(query, k.movedim(-3, -1)).add_(masks.bias)  # [R, Hkv, G*T, P]
+    weights = torch.softmax(logits, dim=-1)
+    # the pooled sum over queries (and heads) accumulates in float32 inside the matmul, rounded once
+    n = masks.num_ctx
+    if masks.pool.dim() == 3:  # mean over heads and tail tokens
+        scores = torch.matmul(masks.pool, weights.view(r, num_heads * t, p)[..., :n]).view(r, n).float()  # [R, N]
     else:  # per query head: the mean over the tail tokens, then the most attentive head
-        per_head = weights[..., :n].reshape(num_kv_heads * g, t, n).sum(dim=1)  # [Hq, N]
-        scores = per_head.amax(dim=0).to(torch.float32) / t  # [N]
-    if v_ctx is None or v_tail is None:
+        scores = torch.matmul(masks.pool, weights.view(r, num_heads, t, p)[..., :n]).amax(dim=1).view(r, n).float()
+    if v is None:
         return None, scores
-    out = (torch.bmm(weights[..., :n], v_ctx.permute(1, 0, 2))
-           + torch.bmm(weights[..., n:], v_tail.permute(1, 0, 2)))  # [Hkv, G*T, D]
-    return out.reshape(num_kv_heads, g, t, head_dim).permute(2, 0, 1, 3).reshape(t, num_heads, head_dim), scores
+    out = torch.matmul(weights, v.transpose(-3, -2))  # [R, Hkv, G*T, D]
+    return out.view(r, num_kv_heads, g, t, head_dim).permute(0, 3, 1, 2, 4).reshape(r * t, num_heads, head_dim), scores
 
 
 def value_error(fresh_v: torch.Tensor, reused_v: torch.Tensor) -> torch.Tensor:
@@ -394,12 +464,14 @@ def impact_scores(question: torch.Tensor, candidates: torch.Tensor, error: torch
     return impact
 
 
-def _ranks(scores: torch.Tensor) -> torch.Tensor:
-    """Scores mapped to their rank in [0, 1] (the smallest 0, the largest 1); ties keep one order."""
-    n = scores.shape[0]
-    ranks = torch.empty(n, dtype=torch.float32, device=scores.device)
-    ranks[torch.argsort(scores, stable=True)] = torch.arange(n, device=scores.device, dtype=torch.float32)
-    return ranks / max(n - 1, 1)
+def _ranks(scores: torch.Tensor, group: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Scores mapped to their rank within their group, in [0, 1] (the smallest 0, the largest 1); ties
+    keep the tokens' order. ``group`` ``[S]`` int64 ascending, ``sizes`` / ``starts`` ``[G]`` per group."""
+    order = torch.argsort(scores, stable=True)
+    order = order[torch.argsort(group[order], stable=True)]  # by group, ascending score within it
+    ranks = torch.empty(scores.shape[0], dtype=torch.float32, device=scores.device)
+    ranks[order] = (torch.arange(scores.shape[0], device=scores.device) - starts[group[order]]).float()
+    return ranks / (sizes[group] - 1).clamp(min=1).float()
 
 
 def _chunk_ids(num_tokens: int, segment_starts: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -441,6 +513,38 @@ def select_tokens(
     scores = deviation if deviation is not None else question
     if scores is None:
         raise ValueError("select_tokens needs deviation or question scores")
+    return select_grouped([budget], selection, deviation=deviation, question=question, forced=forced, exact=exact,
+                          segment_starts=[segment_starts], starts=[0, scores.shape[0]])
+
+
+def select_grouped(
+    budgets: Sequence[int],
+    selection: Selection,
+    *,
+    deviation: torch.Tensor | None = None,
+    question: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+    exact: torch.Tensor | None = None,
+    segment_starts: Sequence[Sequence[int]],
+    starts: Sequence[int],
+) -> torch.LongTensor:
+    """:func:`select_tokens` for several requests at once, over their tokens concatenated.
+
+    Request g owns tokens ``starts[g] .. starts[g + 1]`` of the scores and masks, chooses
+    ``budgets[g]`` of them (plus its forced ones) exactly as :func:`select_tokens` would alone, and its
+    chunks start at ``segment_starts[g]`` (indices within the request). Without chunk heads or a chunk
+    cap the choice dispatches a constant number of operators whatever the number of requests, chunks
+    and runs; with either, the requests are chosen one after the other.
+
+    Returns:
+        ``[n]`` int64 indices into the concatenation, ascending.
+
+    Raises:
+        ValueError: a score the strategy needs is missing, or shapes disagree.
+    """
+    scores = deviation if deviation is not None else question
+    if scores is None:
+        raise ValueError("select_tokens needs deviation or question scores")
     num_tokens = scores.shape[0]
     device = scores.device
     for name, s in (("deviation", deviation), ("question", question)):
@@ -452,9 +556,22 @@ def select_tokens(
         raise ValueError(f"selection {selection.strategy!r} needs the question's attention scores")
     check_mask(forced, num_tokens, "forced")
     check_mask(exact, num_tokens, "exact")
-    forced = torch.zeros(num_tokens, dtype=torch.bool, device=device) if forced is None else forced.to(device)
-    exact = torch.zeros(num_tokens, dtype=torch.bool, device=device) if exact is None else exact.to(device)
+    if len(starts) != len(budgets) + 1 or starts[0] != 0 or starts[-1] != num_tokens:
+        raise ValueError(f"group starts {list(starts)} do not cover {num_tokens} tokens in {len(budgets)} groups")
+    if selection.chunk_head_tokens > 0 or selection.max_chunk_share < 1.0:
+        parts = []
+        for g, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+            part = (lambda t: None if t is None else t[lo:hi])
+            parts.append(lo + _select_structured(budgets[g], selection, part(deviation), part(question), part(forced),
+                                                 part(exact), segment_starts[g]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    # every chunk of every request, as global token indices; runs never cross a chunk
+    chunk_starts = sorted({lo + c for g, lo in enumerate(starts[:-1]) for c in segment_starts[g]})
+    group_starts = torch.tensor(starts, dtype=torch.long, device=device)  # [G + 1]
+    tokens = torch.arange(num_tokens, device=device)
+    group = torch.searchsorted(group_starts[1:], tokens, right=True)  # [S]
+    sizes = group_starts[1:] - group_starts[:-1]
     if selection.strategy == "deviation":
         score = deviation.float()
     elif selection.strategy == "question":
@@ -463,16 +580,96 @@ def select_tokens(
         w = selection.question_weight
         score = torch.zeros(num_tokens, dtype=torch.float32, device=device)
         if w < 1:
-            score += (1 - w) * _ranks(deviation.float())
+            score += (1 - w) * _ranks(deviation.float(), group, sizes, group_starts)
         if w > 0:
-            score += w * _ranks(question.float())
+            score += w * _ranks(question.float(), group, sizes, group_starts)
     # priority: forced tokens are added apart; exact tokens come after every other candidate
+    # (every score is >= 0: exact tokens rank below all others, forced never)
+    priority = score if exact is None else score.masked_fill(exact.to(device), -1.0)
+    limit = torch.tensor(budgets, dtype=torch.float32, device=device)
+    if forced is not None:
+        forced = forced.to(device)
+        priority = priority.masked_fill(forced, float("-inf"))
+        limit = limit.minimum(sizes.float() - torch.zeros_like(limit).index_add_(0, group, forced.float()))
+    picked = _best_runs(priority, tokens, group, torch.tensor(chunk_starts, dtype=torch.long, device=device),
+                        selection.granule, limit)
+    return (picked if forced is None else picked | forced).nonzero().squeeze(1)
+
+
+def _best_runs(priority: torch.Tensor, tokens: torch.Tensor, group: torch.Tensor, chunk_starts: torch.Tensor,
+               granule: int, limit: torch.Tensor) -> torch.Tensor:
+    """``[S]`` bool: per group, ``limit[g]`` open tokens chosen run by run, best run first (the module
+    docstring), with a constant number of operators whatever the number of groups, chunks and runs.
+
+    Args:
+        priority: ``[S]`` float32; ``-inf`` marks tokens that may not be chosen, exact tokens are
+            ``-1`` (below every other score, which is >= 0).
+        tokens: ``arange(S)``.
+        group: ``[S]`` int64, ascending: the group (request) of each token.
+        chunk_starts: ``[C]`` int64 ascending, from 0: the first token of every chunk of every group.
+        granule: run length (1: every token is its own run).
+        limit: ``[G]`` float32, tokens to choose per group, at most its open tokens.
+    """
+    num_tokens, device = priority.shape[0], priority.device
+    chunk = torch.searchsorted(chunk_starts, tokens, right=True) - 1  # [S]
+    run_key = chunk * (num_tokens + 1) + (tokens - chunk_starts[chunk]) // granule  # ascending along the tokens
+    new_run = torch.ones(num_tokens, dtype=torch.bool, device=device)
+    new_run[1:] = run_key[1:] != run_key[:-1]
+    run_of = torch.cumsum(new_run, 0) - 1  # [S] run index of each token
+    bounds = torch.cat([new_run.nonzero().squeeze(1), tokens[-1:] + 1])  # [R + 1]
+    num_runs = bounds.shape[0] - 1
+    open_ = priority > float("-inf")
+    count = torch.zeros(num_runs, device=device).index_add_(0, run_of, open_.float())  # open tokens per run
+    total = torch.zeros(num_runs, device=device).index_add_(0, run_of, priority.masked_fill(~open_, 0.0))
+    run_score = (total / count.clamp(min=1)).masked_fill(count == 0, float("-inf"))  # [R] mean of open tokens
+    run_group = group[bounds[:-1]]
+    # runs by group, best first within a group; take a run while the tokens before it leave room
+    order = torch.argsort(run_score, descending=True, stable=True)
+    order = order[torch.argsort(run_group[order], stable=True)]
+    ordered_group, ordered_count = run_group[order], count[order]
+    per_group = torch.zeros(limit.shape[0], device=device).index_add_(0, run_group, count)
+    before = ordered_count.cumsum(0) - ordered_count - (per_group.cumsum(0) - per_group)[ordered_group]
+    room = limit[ordered_group]
+    take = (before < room) & (ordered_count > 0)
+    # only the last run a group takes can overshoot: drop its worst open tokens
+    over = (before + ordered_count - room).clamp(min=0) * take
+    taken = torch.zeros(num_runs, dtype=torch.bool, device=device).index_put_((order,), take)
+    drop = torch.zeros(num_runs, device=device).index_put_((order,), over)
+    by_run = torch.argsort(priority, stable=True)
+    by_run = by_run[torch.argsort(run_of[by_run], stable=True)]  # by run, ascending priority (closed first)
+    closed = (bounds[1:] - bounds[:-1]) - count  # [R]
+    rank = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    rank[by_run] = (tokens - bounds[run_of[by_run]]).float()
+    return taken[run_of] & open_ & (rank - closed[run_of] >= drop[run_of])
+
+
+def _select_structured(budget: int, selection: Selection, deviation: torch.Tensor | None,
+                       question: torch.Tensor | None, forced: torch.Tensor | None, exact: torch.Tensor | None,
+                       segment_starts: Sequence[int]) -> torch.LongTensor:
+    """One request's :func:`select_tokens` with chunk heads or a per-chunk cap (``[n]`` ascending)."""
+    scores = deviation if deviation is not None else question
+    num_tokens = scores.shape[0]
+    device = scores.device
+    forced = torch.zeros(num_tokens, dtype=torch.bool, device=device) if forced is None else forced.to(device)
+    exact = torch.zeros(num_tokens, dtype=torch.bool, device=device) if exact is None else exact.to(device)
+    everyone = (torch.zeros(num_tokens, dtype=torch.long, device=device), torch.tensor([num_tokens], device=device),
+                torch.tensor([0], device=device))
+    if selection.strategy == "deviation":
+        score = deviation.float()
+    elif selection.strategy == "question":
+        score = question.float()
+    else:
+        w = selection.question_weight
+        score = torch.zeros(num_tokens, dtype=torch.float32, device=device)
+        if w < 1:
+            score += (1 - w) * _ranks(deviation.float(), *everyone)
+        if w > 0:
+            score += w * _ranks(question.float(), *everyone)
     candidates = ~forced
     budget = min(budget, int(candidates.sum()))
     chosen = forced.clone()
     if budget <= 0:
         return chosen.nonzero().squeeze(1)
-    # every score is >= 0: exact tokens rank below all others, forced (and already chosen) never
     priority = score.clone()
     priority[exact] = -1.0
     priority[forced] = float("-inf")
@@ -492,22 +689,22 @@ def select_tokens(
         priority[heads] = float("-inf")
     if budget <= 0:
         return chosen.nonzero().squeeze(1)
-    capped = selection.max_chunk_share < 1.0
-    if selection.granule == 1 and not capped:
-        top = torch.topk(priority, budget, sorted=False).indices
-        chosen[top] = True
+    if selection.max_chunk_share >= 1.0:
+        tokens = torch.arange(num_tokens, device=device)
+        chunk_starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
+        chosen |= _best_runs(priority, tokens, everyone[0], chunk_starts, selection.granule,
+                             torch.tensor([float(budget)], device=device))
         return chosen.nonzero().squeeze(1)
-    cap = None
-    if capped:
-        cap = max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))
+    cap = max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))
     picked = _take_runs(priority, budget, selection.granule, segment_starts, cap, chosen & ~forced)
     chosen[picked] = True
     return chosen.nonzero().squeeze(1)
 
 
 def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts: Sequence[int],
-               cap: int | None, taken: torch.Tensor) -> torch.Tensor:
-    """``budget`` token indices chosen run by run, best run first (see the module docstring).
+               cap: int, taken: torch.Tensor) -> torch.Tensor:
+    """``budget`` token indices chosen run by run, best run first, at most ``cap`` per chunk (see the
+    module docstring; :func:`_best_runs` is the same without a cap).
 
     Args:
         priority: ``[N]`` float32; ``-inf`` marks tokens that may not be chosen (forced or already
@@ -515,8 +712,8 @@ def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts
         budget: tokens to choose, at most the number of open tokens.
         granule: run length (1: every token is its own run).
         segment_starts: first index of every chunk, ascending, from 0.
-        cap: at most this many chosen tokens per chunk (counting ``taken``), or None; when every
-            chunk is at its cap the rest is filled from the skipped runs, best first.
+        cap: at most this many chosen tokens per chunk (counting ``taken``); when every chunk is at
+            its cap the rest is filled from the skipped runs, best first.
         taken: ``[N]`` bool, tokens chosen already (they count against the cap).
 
     Returns:
@@ -540,7 +737,7 @@ def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts
     run_score = (total / count.clamp(min=1)).masked_fill(count == 0, float("-inf"))  # [R] mean of open tokens
     order = torch.argsort(run_score, descending=True, stable=True).tolist()
     bounds_l, count_l, chunk_of_run = bounds.tolist(), count.long().tolist(), chunk[bounds[:-1]].tolist()
-    used = torch.bincount(chunk[taken], minlength=int(chunk.max()) + 1).tolist() if cap is not None else None
+    used = torch.bincount(chunk[taken], minlength=int(chunk.max()) + 1).tolist()
     runs: list[int] = []
     skipped: list[int] = []
     left = budget
@@ -548,13 +745,12 @@ def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts
         if left <= 0 or count_l[r] == 0:
             break
         c = chunk_of_run[r]
-        if used is not None and used[c] >= cap:
+        if used[c] >= cap:
             skipped.append(r)
             continue
         runs.append(r)
         left -= count_l[r]
-        if used is not None:
-            used[c] += count_l[r]
+        used[c] += count_l[r]
     for r in skipped:  # every chunk at its cap: fill from the skipped runs, best first
         if left <= 0:
             break
@@ -562,7 +758,7 @@ def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts
         left -= count_l[r]
     chosen_runs = torch.zeros(num_runs, dtype=torch.bool, device=device)
     chosen_runs[torch.tensor(runs, dtype=torch.long, device=device)] = True
-    picked = chosen_runs[run_of] & open_  # [N]: a few kernels, not one per run (on a GPU each is a launch)
+    picked = chosen_runs[run_of] & open_  # [N]
     if left < 0:  # the last run overshot: drop its worst tokens
         last = runs[-1]
         lo, hi = bounds_l[last], bounds_l[last + 1]

@@ -46,10 +46,11 @@ log = logging.getLogger(__name__)
 def accelerator_blend_warning(device: str, attention: str) -> str | None:
     """The start-up warning for a blend that runs ragcache's torch path on an accelerator, or None.
 
-    On an accelerator the blend's layer-wise forward calls torch SDPA (vLLM's CUDA attention
-    backends are not called) and issues many small kernels per layer: on an NVIDIA H200 it was 3-8x
-    slower than a full prefill, except for Llama-3-8B-size layers on 6k tokens (0.87-1.24x its
-    speed; docs/benchmarks.md, "GPU"), so a user there is told to measure before relying on it.
+    Where vLLM's FlashAttention backend is not in use (another backend, or ``blend.attention =
+    "torch"``) the blend's layer-wise forward calls torch SDPA, one request at a time: on an NVIDIA H200
+    that path was 3-8x slower than a full prefill, except for Llama-3-8B-size layers on 6k tokens
+    (0.87-1.24x its speed; docs/benchmarks.md, "GPU"), so a user there is told to measure before
+    relying on it.
 
     Args:
         device: the engine's device (``str(torch.device)``), e.g. ``"cuda:0"``.
@@ -57,8 +58,8 @@ def accelerator_blend_warning(device: str, attention: str) -> str | None:
     """
     if device.split(":")[0] == "cpu" or attention != "torch":
         return None
-    return (f"blend on {device} runs ragcache's own layer-wise forward with torch SDPA (vLLM's attention backend "
-            "is not called there yet); on an NVIDIA H200 that was 3-8x slower than a full prefill, except for 8B-size "
+    return (f"blend on {device} runs ragcache's own layer-wise forward with torch SDPA (not vLLM's FlashAttention "
+            "backend); on an NVIDIA H200 that was 3-8x slower than a full prefill, except for 8B-size "
             "layers on 6k-token prompts (about even; docs/benchmarks.md, \"GPU\"): compare "
             "`ragcache bench ttft --modes full,blend` on your model and set engine.mode = \"full\" where blend is not "
             "sooner")

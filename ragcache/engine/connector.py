@@ -103,7 +103,10 @@ class RagcacheConnector(KVConnectorBase_V1):
         """Fill the paged cache with the final context K/V of every request in this step's metadata.
 
         Runs synchronously before the step's forward (the claim is not asynchronous): the whole
-        context is written (all layers), so ``wait_for_layer_load`` has nothing to wait for.
+        context is written (all layers), so ``wait_for_layer_load`` has nothing to wait for. The
+        step's loads go to the worker together (:meth:`WorkerRuntime.load_step
+        <ragcache.engine.worker.WorkerRuntime.load_step>`), which serves the blends that can share a
+        pass in one.
 
         A load that raises is not re-raised (it would stop vLLM's engine with every request in it):
         vLLM recomputes that request's context instead (:meth:`_load_failed`).
@@ -116,11 +119,13 @@ class RagcacheConnector(KVConnectorBase_V1):
             return
         if self.runtime is None:
             raise RuntimeError("ragcache connector used before ragcache_init; create engines with BlendEngine")
+        try:
+            done = self.runtime.load_step(meta.loads, self.block_size)
+        except Exception as exc:  # a failure must not take the engine (and every request) down
+            done = dict.fromkeys((load.req_id for load in meta.loads), exc)
         for load in meta.loads:
-            try:
-                self._done[load.req_id] = self.runtime.load_request(load, self.block_size).to_dict()
-            except Exception as exc:  # one request's failure must not take the engine (and every request) down
-                self._done[load.req_id] = self._load_failed(load, exc)
+            got = done[load.req_id]
+            self._done[load.req_id] = self._load_failed(load, got) if isinstance(got, Exception) else got.to_dict()
 
     def _load_failed(self, load: LoadRequest, exc: Exception) -> dict[str, Any]:
         """A load that raised: its context blocks are reported to vLLM as not loaded
@@ -129,7 +134,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         by full prefill, its stats say why (``ContextStats.load_error``), the log has the traceback."""
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         log.warning("ragcache could not serve the context of request %s (%s); vLLM prefills the whole prompt "
-                    "instead", load.req_id, error, exc_info=True)
+                    "instead", load.req_id, error, exc_info=exc)
         self._load_errors.update(load.block_ids[:-(-load.params.ctx_len // self.block_size)])
         return ContextStats(load_error=error).to_dict()
 
@@ -170,8 +175,10 @@ class RagcacheConnector(KVConnectorBase_V1):
         Side-effect free. Requests without ragcache params claim nothing. At least one prompt token
         (the tail) is always left for vLLM to prefill.
 
-        Pacing: the worker loads (blends) a step's requests one after the other before the step's
-        forward, so every request admitted into a step waits for all of them. Once the step holds
+        Pacing: the worker loads (blends) a step's requests before the step's forward (in one pass
+        where they can share it, :meth:`WorkerRuntime.load_step
+        <ragcache.engine.worker.WorkerRuntime.load_step>`), so every request admitted into a step
+        waits for all of them. Once the step holds
         ``step_tokens`` context tokens (``engine.connector_step_tokens``), another request is
         deferred to a later step (``None``: vLLM keeps it waiting and asks again); the first load
         of a step always goes. Under load this serves requests one by one as they arrive, as vLLM's

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from ragcache.chunks import Chunk
 from ragcache.config import Settings
@@ -140,11 +140,13 @@ class BlendEngine(EngineBase):
 
     # ---- requests --------------------------------------------------------------------------
 
-    def generate_many(self, prompts: Sequence[AssembledPrompt], options: QueryOptions = DEFAULTS, *,
+    def generate_many(self, prompts: Sequence[AssembledPrompt],
+                      options: QueryOptions | Sequence[QueryOptions] = DEFAULTS, *,
                       logprobs: int | None = None) -> list[Generation]:
         """Run several prompts as one batch (concurrent in vLLM), each answered as ``options`` say
         (mode, max_tokens, recompute ratio, selection, sampling; the settings' defaults where unset;
-        greedy decoding unless ``options.sampling`` says otherwise).
+        greedy decoding unless ``options.sampling`` says otherwise); one options per prompt, or one
+        for all.
 
         Args:
             logprobs: when set, the first generated token's top-``logprobs`` log-probabilities are
@@ -155,7 +157,10 @@ class BlendEngine(EngineBase):
             BlendUnavailableError: reuse/blend on a model whose adapter is missing or failed the
                 start-up self-check; ContextBeyondWindowError: a context beyond its sliding window.
         """
-        reqs = [self._request(p, options, logprobs=logprobs) for p in prompts]
+        per_prompt = [options] * len(prompts) if isinstance(options, QueryOptions) else list(options)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} options for {len(prompts)} prompts: give one per prompt, or one")
+        reqs = [self._request(p, o, logprobs=logprobs) for p, o in zip(prompts, per_prompt)]
         t0 = time.perf_counter()
         with self._lock:
             outs = self.llm.generate([r.inputs for r in reqs], [r.sampling for r in reqs], use_tqdm=False)
@@ -166,6 +171,26 @@ class BlendEngine(EngineBase):
                  logprobs: int | None = None) -> Generation:
         """One prompt; see :meth:`generate_many`."""
         return self.generate_many([prompt], options, logprobs=logprobs)[0]
+
+    def count_load_ops(self, prompts: Sequence[AssembledPrompt],
+                       options: QueryOptions | Sequence[QueryOptions] = DEFAULTS) -> list[dict[str, Any]]:
+        """The operators the worker dispatched to serve the contexts of ``prompts``, run as one batch
+        (:meth:`generate_many`, one token each) with the worker's operator count armed
+        (:meth:`WorkerRuntime.count_ops <ragcache.engine.worker.WorkerRuntime.count_ops>`).
+
+        Returns one record per engine step that loaded contexts (``requests``, ``modes``,
+        ``ctx_tokens``, ``layers``, ``ops``); the requests' answers are discarded. The profiler
+        slows these requests down: do not time them.
+        """
+        each = [options] * len(prompts) if isinstance(options, QueryOptions) else list(options)
+        one_token = [o.model_copy(update={"max_tokens": 1}) for o in each]
+        with self._lock:
+            self.llm.collective_rpc(Rpc.OP_COUNTS, args=(len(prompts),))
+            try:
+                self.generate_many(prompts, one_token)
+            finally:
+                counts = self.llm.collective_rpc(Rpc.OP_COUNTS, args=(0,))[0]
+        return counts
 
     def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int],
                               options: QueryOptions = DEFAULTS) -> list[float]:

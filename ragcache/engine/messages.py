@@ -15,7 +15,7 @@ Flow of one reuse/blend request (its options validated once upstream, :mod:`ragc
 
     driver (BlendEngine)  --BlendParams.from_options(...).to_dict()-->  kv_transfer_params["ragcache"]
     scheduler connector   --LoadRequest(params=BlendParams)-->  worker connector
-    worker (WorkerRuntime.load_request)  --ContextStats-->  worker connector
+    worker (WorkerRuntime.load_step)  --ContextStats-->  worker connector
     worker connector  --build_connector_worker_meta-->  scheduler connector
     scheduler connector.request_finished  --ContextStats.to_dict()-->  RequestOutput.kv_transfer_params
     driver  --RequestMetrics.from_output(...)-->  Generation.metrics / Answer.metrics
@@ -56,8 +56,10 @@ class Rpc:
     STORE_DELETE = "ragcache_store_delete"
     STORE_FLUSH = "ragcache_store_flush"
     OPS_PROBE = "ragcache_ops_probe"
+    OP_COUNTS = "ragcache_op_counts"
 
-    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_HOLDERS, STORE_DELETE, STORE_FLUSH, OPS_PROBE)
+    ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_HOLDERS, STORE_DELETE, STORE_FLUSH, OPS_PROBE,
+           OP_COUNTS)
 
 
 #: the [blend] settings every reuse/blend request carries

@@ -41,25 +41,31 @@ CPU_IMPL = "CPUAttentionBackendImpl"
 
 @dataclass(frozen=True)
 class QueryRuns:
-    """A strictly ascending set of context token indices as the kernel's varlen query batch.
+    """Ascending rows of one or more requests' contexts as the kernel's varlen query batch.
 
     Attributes:
-        index: ``[n]`` int64, the tokens (ascending).
+        index: ``[n]`` int64, the rows (ascending).
         query_start_loc: ``[R + 1]`` int32, run r holds queries ``query_start_loc[r] .. [r+1]``.
-        seq_lens: ``[R]`` int32, run r's last index + 1 (its queries see the cache up to there).
+        seq_lens: ``[R]`` int32, run r's last token + 1 within its request (its queries see the
+            request's cache up to there).
+        request: ``[R]`` int64, the request each run belongs to.
     """
 
     index: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
+    request: torch.Tensor
 
     @property
     def num_runs(self) -> int:
         return int(self.seq_lens.shape[0])
 
     @classmethod
-    def of(cls, index: torch.Tensor) -> "QueryRuns":
-        """The maximal runs of consecutive indices in ``index`` (``[n]`` int64, strictly ascending, n >= 1).
+    def of(cls, index: torch.Tensor, starts: torch.Tensor | None = None) -> "QueryRuns":
+        """The maximal runs of consecutive rows in ``index`` (``[n]`` int64, strictly ascending, n >= 1)
+        that do not cross a request: request j owns rows ``starts[j] .. starts[j + 1]`` (``starts``
+        ``[R + 1]`` int64; None: one request owning every row). A constant number of operators
+        whatever the number of runs and requests.
 
         Raises:
             ValueError: ``index`` is empty, not 1-D, or not strictly ascending.
@@ -70,11 +76,53 @@ class QueryRuns:
         step = index[1:] - index[:-1]
         if bool((step <= 0).any()):
             raise ValueError("query index must be strictly ascending")
-        ends = torch.nonzero(step != 1).squeeze(1) + 1  # first query of every run after the first
+        if starts is None:
+            request, local, cut = torch.zeros_like(index), index, step != 1
+        else:
+            request = torch.searchsorted(starts[1:], index, right=True)
+            local = index - starts[request]
+            cut = (step != 1) | (request[1:] != request[:-1])
         n = index.numel()
-        bounds = torch.cat([torch.zeros(1, dtype=torch.long), ends, torch.tensor([n])])  # [R + 1]
+        bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(cut).squeeze(1) + 1,
+                            torch.tensor([n])])  # [R + 1]
         return cls(index=index, query_start_loc=bounds.to(torch.int32),
-                   seq_lens=(index[bounds[1:] - 1] + 1).to(torch.int32))
+                   seq_lens=(local[bounds[1:] - 1] + 1).to(torch.int32), request=request[bounds[:-1]])
+
+
+@dataclass(frozen=True)
+class PagedContexts:
+    """Where the contexts of one pass sit in vLLM's paged cache (the pass's rows are its requests'
+    context tokens one after another).
+
+    Attributes:
+        starts: ``[R + 1]`` int64, request j owns rows ``starts[j] .. starts[j + 1]``.
+        tables: ``[R, B]`` int32, each request's block ids in order (padded with 0; never read past
+            the request's own blocks).
+        capacity: ``[R]`` int64, cache slots each request's blocks hold.
+        block_size: tokens per block.
+    """
+
+    starts: torch.Tensor
+    tables: torch.Tensor
+    capacity: torch.Tensor
+    block_size: int
+
+    @classmethod
+    def of(cls, block_ids: Sequence[Sequence[int]], sizes: Sequence[int], block_size: int) -> "PagedContexts":
+        """Requests with blocks ``block_ids[j]`` and ``sizes[j]`` context tokens each."""
+        width = max(len(b) for b in block_ids)
+        tables = torch.tensor([list(b) + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32)
+        starts = torch.tensor([0, *sizes]).cumsum(0)
+        return cls(starts=starts, tables=tables, capacity=torch.tensor([len(b) * block_size for b in block_ids]),
+                   block_size=block_size)
+
+    def slots(self, device: torch.device) -> torch.Tensor:
+        """``[S]`` int64: each row's slot in the paged cache (``block * block_size + offset``)."""
+        sizes = self.starts[1:] - self.starts[:-1]
+        request = torch.repeat_interleave(torch.arange(sizes.shape[0]), sizes)
+        local = torch.arange(int(self.starts[-1])) - self.starts[request]
+        blocks = self.tables.long()[request, local // self.block_size]
+        return (blocks * self.block_size + local % self.block_size).to(device)
 
 
 def kernel_available(attn_layers: Sequence[Any]) -> str | None:
@@ -98,32 +146,73 @@ def kernel_available(attn_layers: Sequence[Any]) -> str | None:
     return None
 
 
-class PagedKernelAttention:
-    """:data:`ragcache.blend.Attention` of one request through vLLM's CPU attention kernel.
+def _heads_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[n, H, D]`` as vLLM's CPU kernels read it: any token stride, dense heads (a view of a
+    projection output is taken as is; anything else is copied)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
 
-    ``attention(layer, q [n, Hq, D], index [n], k, v) -> [n, Hq, D]``: the queries of the context
-    tokens at ``index`` attend causally over the paged cache of ``layer`` (which must already hold
-    the layer's final K/V of the context: the blend calls ``on_layer`` first); ``k``/``v`` are not
-    read. The run plan and the kernel's scheduler metadata are built once per distinct ``index``
-    (the same selection serves every selective layer).
+
+def _split_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CPU backend layer's ``[num_blocks, Hkv, block_size, 2 * D]`` cache as its key and value caches
+    (as ``CPUAttentionBackendImpl.forward`` splits it)."""
+    num_blocks, num_kv_heads, block_size, _ = cache.shape
+    key_cache, value_cache = cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+class KernelCaches:
+    """The key and value caches of every attention layer, split once (not on every call): the layers'
+    paged caches are allocated once by vLLM, so the views stay valid while their storage does."""
+
+    def __init__(self, attn_layers: Sequence[Any]) -> None:
+        self.layers = list(attn_layers)
+        self._views: list[tuple[int, torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
+
+    def __getitem__(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.layers[layer_index].kv_cache
+        known = self._views[layer_index]
+        if known is None or known[0] != cache.data_ptr():
+            known = (cache.data_ptr(), *_split_cache(cache))
+            self._views[layer_index] = known
+        return known[1], known[2]
+
+
+class PagedKernelAttention:
+    """:data:`ragcache.blend.Attention` of one pass's requests through vLLM's CPU attention kernel.
+
+    ``attention(layer, q [n, Hq, D], index [n], k, v) -> [n, Hq, D]``: the queries of the rows at
+    ``index`` attend causally over the paged cache of ``layer`` (which must already hold the layer's
+    final K/V of the contexts: the blend writes them first), each within its own request's blocks;
+    ``k``/``v`` are not read. One kernel call per layer whatever the number of requests and runs: the
+    run plan and the kernel's scheduler metadata are built once per distinct ``index`` (the same
+    selection serves every selective layer).
 
     Args:
         attn_layers: the model's vLLM ``Attention`` modules, one per layer.
-        block_ids: the request's paged-cache block ids (first KV cache group), in order.
+        block_ids: one request's paged-cache block ids in order, or with ``starts`` one such list per request.
         block_size: tokens per block.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
         dtype: the model's compute dtype.
+        starts: ``[R + 1]`` the first row of every request and the number of rows, or None for one request.
+        caches: the layers' split caches (:class:`KernelCaches`), shared across requests; made here when None.
 
     Raises:
-        ValueError: (on call) the queries reach beyond the request's blocks.
+        ValueError: (on call) the queries reach beyond their request's blocks.
     """
 
-    def __init__(self, attn_layers: Sequence[Any], block_ids: Sequence[int], block_size: int, *, num_heads: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, attn_layers: Sequence[Any], block_ids: Sequence[int] | Sequence[Sequence[int]], block_size: int,
+                 *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 starts: Sequence[int] | None = None, caches: KernelCaches | None = None):
         self.layers = list(attn_layers)
+        self.caches = caches or KernelCaches(self.layers)
         self.block_size = block_size
-        self.capacity = len(block_ids) * block_size
-        self.block_table = torch.tensor(list(block_ids), dtype=torch.int32)  # [B]
+        if starts is None:  # one request owning every row
+            self.starts = None
+            self.block_table = torch.tensor(list(block_ids), dtype=torch.int32).unsqueeze(0)  # [1, B]
+            self.capacity = torch.tensor([len(block_ids) * block_size])
+        else:
+            contexts = PagedContexts.of(block_ids, [b - a for a, b in zip(starts[:-1], starts[1:])], block_size)
+            self.starts, self.block_table, self.capacity = contexts.starts, contexts.tables, contexts.capacity
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         self._plans: list[tuple[torch.Tensor, QueryRuns, torch.Tensor, torch.Tensor]] = []  # index, runs, table, md
 
@@ -135,11 +224,11 @@ class PagedKernelAttention:
         from vllm import _custom_ops as ops
         from vllm import envs
 
-        runs = QueryRuns.of(index)
-        if int(runs.seq_lens.max()) > self.capacity:
-            raise ValueError(f"queries reach token {int(runs.seq_lens.max())} but the request has "
-                             f"{self.capacity} cache slots")
-        table = self.block_table.unsqueeze(0).expand(runs.num_runs, -1).contiguous()  # [R, B]
+        runs = QueryRuns.of(index, self.starts)
+        if bool((runs.seq_lens > self.capacity[runs.request]).any()):
+            reach = int((runs.seq_lens - self.capacity[runs.request]).max())
+            raise ValueError(f"queries reach {reach} tokens beyond their request's cache slots")
+        table = self.block_table[runs.request]  # [R, B]
         layer = self.layers[0]
         md = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=runs.num_runs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -157,17 +246,132 @@ class PagedKernelAttention:
         runs, table, md = self._plan(index)
         layer = self.layers[layer_index]
         impl = layer.impl
-        cache = layer.kv_cache  # [num_blocks, Hkv, block_size, 2 * D]
-        num_blocks, num_kv_heads, block_size, _ = cache.shape
-        key_cache, value_cache = cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-        query = q.contiguous()
-        out = torch.empty_like(query)  # [n, Hq, D]
-        ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+        key_cache, value_cache = self.caches[layer_index]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [n, Hq, D]
+        ops.cpu_attention_with_kv_cache(  # reads q through its strides (a view of the projection is fine)
+            query=_heads_dense(q), key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=runs.query_start_loc, seq_lens=runs.seq_lens, scale=impl.scale, causal=True,
             alibi_slopes=impl.alibi_slopes, sliding_window=impl.sliding_window, block_table=table,
             softcap=impl.logits_soft_cap, scheduler_metadata=md, s_aux=impl.sinks,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
+        return out
+
+
+class PagedWriter:
+    """Writes a pass's final K/V into vLLM's paged cache: whole layers (``on_layer``) and recomputed
+    rows (``write_rows``), one call per layer whatever the number of requests.
+
+    On vLLM's CPU backend the cache is written with ``cpu_attn_reshape_and_cache`` over key and value
+    caches split once (:class:`KernelCaches`); any other backend through its own
+    ``impl.do_kv_cache_update``. The slots of a rows index are looked up once per distinct index.
+
+    Args:
+        attn_layers: the model's vLLM ``Attention`` modules.
+        slots: ``[S]`` int64, every row's slot (:meth:`PagedContexts.slots`), on the cache's device.
+        caches: the CPU backend's split caches, or None for another backend.
+    """
+
+    def __init__(self, attn_layers: Sequence[Any], slots: torch.Tensor, caches: KernelCaches | None = None):
+        self.layers = list(attn_layers)
+        self.slots = slots
+        self.caches = caches
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their slots)
+
+    def _write(self, layer_index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        layer = self.layers[layer_index]
+        if self.caches is None:
+            layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slots)
+            return
+        from vllm import _custom_ops as ops
+
+        key_cache, value_cache = self.caches[layer_index]
+        # reads k and v through their strides (as vLLM's own layer hands it views of its projection)
+        ops.cpu_attn_reshape_and_cache(_heads_dense(k), _heads_dense(v), key_cache, value_cache, slots, layer.isa,
+                                       k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                       kv_cache_dtype=layer.impl.kv_cache_dtype)
+
+    def layer(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``on_layer``: every row's K ``[S, Hkv, D]`` (post-RoPE) and V of one layer."""
+        self._write(layer_index, self.slots, k, v)
+
+    def rows(self, layer_index: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write_rows``: rows ``[n]`` of one layer, K/V ``[n, Hkv, D]``."""
+        if self._rows is None or self._rows[0] is not rows:
+            self._rows = (rows, self.slots[rows])
+        self._write(layer_index, self._rows[1], k, v)
+
+
+#: vLLM's CUDA FlashAttention implementation this module calls (by class name: no vLLM import to check)
+FLASH_IMPL = "FlashAttentionImpl"
+
+
+def flash_available(attn_layers: Sequence[Any]) -> str | None:
+    """Why vLLM's CUDA FlashAttention (its ``vllm_flash_attn`` varlen call over the paged cache) cannot
+    serve these attention layers, or None when it can."""
+    if not attn_layers:
+        return "the model has no attention layers"
+    for layer in attn_layers:
+        impl = getattr(layer, "impl", None)
+        if type(impl).__name__ != FLASH_IMPL:
+            return f"vLLM runs attention through {type(impl).__name__}, not FlashAttention"
+        if getattr(impl, "kv_cache_dtype", "auto") != "auto":
+            return f"the KV cache is quantised ({impl.kv_cache_dtype})"
+        if getattr(impl, "dcp_world_size", 1) > 1:
+            return "decode context parallelism splits the KV cache"
+        if not isinstance(getattr(layer, "kv_cache", None), torch.Tensor):
+            return "the layer's paged KV cache is not a single tensor"
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
+    except ImportError as exc:
+        return f"vllm.vllm_flash_attn is not importable ({exc})"
+    return None
+
+
+class FlashPagedAttention(PagedKernelAttention):
+    """:data:`ragcache.blend.Attention` of one pass's requests through vLLM's CUDA FlashAttention.
+
+    The same contract as :class:`PagedKernelAttention` (every run of recomputed rows one varlen
+    segment over its request's blocks, one call per layer), through
+    ``vllm.vllm_flash_attn.flash_attn_varlen_func``: ``cu_seqlens_q`` are the runs' query starts,
+    ``seqused_k`` their ends, ``block_table`` their request's blocks; FlashAttention aligns the causal
+    mask bottom-right, which is exactly a run's queries being the last tokens of the keys it sees.
+    The cache is split as ``FlashAttentionImpl.forward`` of vLLM 0.32 splits it (``[num_blocks, Hkv,
+    block_size, 2 * D]`` -> key and value ``[num_blocks, block_size, Hkv, D]``). Written from vLLM's
+    source; not run on a GPU in this project's tests (none was available): the start-up self-check
+    compares every blend path with vLLM's own prefill before blend is served.
+    """
+
+    def _plan(self, index: torch.Tensor) -> tuple[QueryRuns, torch.Tensor, torch.Tensor]:
+        for known, runs, table, md in self._plans:
+            if known is index:
+                return runs, table, md
+        runs = QueryRuns.of(index, self.starts)
+        if bool((runs.seq_lens > self.capacity[runs.request]).any()):
+            reach = int((runs.seq_lens - self.capacity[runs.request]).max())
+            raise ValueError(f"queries reach {reach} tokens beyond their request's cache slots")
+        device = index.device
+        lengths = runs.query_start_loc[1:] - runs.query_start_loc[:-1]
+        md = (runs.query_start_loc.to(device), runs.seq_lens.to(device), int(lengths.max()), int(runs.seq_lens.max()))
+        table = self.block_table[runs.request].to(device)
+        self._plans = [(index, runs, table, md)] + self._plans[:1]
+        return runs, table, md
+
+    def __call__(self, layer_index: int, q: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        _, table, (query_start_loc, seq_lens, max_q, max_k) = self._plan(index)
+        layer = self.layers[layer_index]
+        impl = layer.impl
+        key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [n, Hq, D]
+        window = getattr(impl, "sliding_window", None)
+        flash_attn_varlen_func(
+            q, key_cache, value_cache, max_seqlen_q=max_q, cu_seqlens_q=query_start_loc, max_seqlen_k=max_k,
+            seqused_k=seq_lens, softmax_scale=impl.scale, causal=True,
+            window_size=list(window) if window is not None and tuple(window) != (-1, -1) else None,
+            softcap=impl.logits_soft_cap or 0.0, alibi_slopes=impl.alibi_slopes, block_table=table, out=out,
+            fa_version=impl.vllm_flash_attn_version, s_aux=getattr(impl, "sinks", None))
         return out
 
 
@@ -292,12 +496,15 @@ def measure_attention(attn_layers: Sequence[Any], *, num_heads: int, num_kv_head
 
 
 def choose_attention(setting: str, attn_layers: Sequence[Any], **shape: Any) -> AttentionChoice:
-    """Resolve ``blend.attention`` for these layers.
+    """Resolve ``blend.attention`` for these layers: the engine's own attention backend where this
+    module can call it, on every device.
 
-    ``torch``: always SDPA. ``kernel``: vLLM's kernel where the backend offers it (else torch, said
-    in the reason). ``auto``: where the kernel is available, whichever of the two is faster on this
-    host in :func:`measure_attention` (the kernel unless torch wins by more than 10%: on some CPUs
-    vLLM's kernel is slow, as its whole prefill is on AVX2-only hosts).
+    ``torch``: always SDPA. ``kernel``: vLLM's own kernel over the paged cache where the backend
+    offers one this module calls (its CPU kernel, or its CUDA FlashAttention), else torch (said in
+    the reason). ``auto``: FlashAttention where vLLM runs it (SDPA's per-request calls are what made
+    the blend slow on a GPU); on CPU, where the kernel is available, whichever of the two is faster on
+    this host in :func:`measure_attention` (the kernel unless torch wins by more than 10%: on some
+    CPUs vLLM's kernel is slow, as its whole prefill is on AVX2-only hosts).
 
     Args:
         setting: ``"auto"``, ``"kernel"`` or ``"torch"``.
@@ -311,6 +518,10 @@ def choose_attention(setting: str, attn_layers: Sequence[Any], **shape: Any) -> 
         raise ValueError(f"blend.attention must be one of {ATTENTION_CHOICES}, got {setting!r}")
     if setting == "torch":
         return AttentionChoice("torch", "blend.attention = torch")
+    if flash_available(attn_layers) is None:
+        version = getattr(attn_layers[0].impl, "vllm_flash_attn_version", None)
+        return AttentionChoice("kernel", f"vLLM FlashAttention{f' {version}' if version else ''} varlen over the "
+                                         f"paged cache, blend.attention = {setting}")
     why_not = kernel_available(attn_layers)
     if why_not is not None:
         return AttentionChoice("torch", f"torch SDPA ({why_not})")
@@ -323,3 +534,12 @@ def choose_attention(setting: str, attn_layers: Sequence[Any], **shape: Any) -> 
                                         f"{kernel_ms:.1f} ms here)", round(kernel_ms, 2), round(torch_ms, 2))
     return AttentionChoice("kernel", f"vLLM CPU kernel ({isa}; measured {kernel_ms:.1f} ms vs torch SDPA "
                                      f"{torch_ms:.1f} ms here)", round(kernel_ms, 2), round(torch_ms, 2))
+
+
+def engine_attention(attn_layers: Sequence[Any], block_ids: Sequence[Sequence[int]], block_size: int, *,
+                     starts: Sequence[int], caches: KernelCaches | None, **shape: Any) -> PagedKernelAttention:
+    """The engine's own attention for one pass (``blend.attention`` resolved to ``kernel``): vLLM's
+    CUDA FlashAttention where the layers run it, else its CPU kernel. ``shape``: ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``dtype``."""
+    kind = FlashPagedAttention if flash_available(attn_layers) is None else PagedKernelAttention
+    return kind(attn_layers, block_ids, block_size, starts=starts, caches=caches, **shape)

@@ -9,13 +9,17 @@ cross the process boundary). KV is computed and stored here, so it never travels
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from ragcache.blend import BudgetRule, Selection, blend_kv, compute_kv, reuse_kv
+from ragcache.blend import BlendRequest, BlendResult, BudgetRule, CachedKV, Selection, blend_batch, compute_kv, reuse_kv
+from ragcache.blend.opcount import count_ops
 from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
 from ragcache.engine.messages import (
@@ -23,10 +27,11 @@ from ragcache.engine.messages import (
 )
 from ragcache.engine.ops import UnsupportedArchitectureError, adapter_for, exercise, kv_layout, sliding_window
 from ragcache.engine.paged_attention import (
-    AttentionChoice, PagedKernelAttention, ScratchKernelAttention, choose_attention,
+    AttentionChoice, KernelCaches, PagedContexts, PagedWriter, ScratchKernelAttention, choose_attention,
+    engine_attention, kernel_available,
 )
 from ragcache.kvstore import CorruptEntryError, KVSpec, TieredStore, TierError
-from ragcache.kvstore.codec import StoredLayer, decode_layers, layer_parts
+from ragcache.kvstore.codec import StoredEntry, StoredLayer, decode_entries, decode_layers, layer_parts
 from ragcache.prompt import is_canonical, lead_in_for
 
 log = logging.getLogger(__name__)
@@ -113,6 +118,9 @@ class _MemoryHandle:
     def stored_layer(self, i: int) -> StoredLayer:
         return StoredLayer("none", self._parts, torch.stack([self.k[i], self.v[i]]))
 
+    def stored_entry(self) -> StoredEntry:
+        return StoredEntry("none", self._parts, torch.stack([self.k, self.v], dim=1))
+
     def close(self) -> None:
         pass
 
@@ -156,13 +164,19 @@ class WorkerRuntime:
         use_eager_logprob_ranks(self.device)
         self.store = TieredStore.from_settings(StoreSettings(**store_settings), spec=spec, device=self.device)
         self.lock = threading.Lock()
+        self._stage: torch.Tensor | None = None  # the staging buffer of a pass's chunk KV (_staging)
+        self._count_steps = 0  # load steps still to count the operators of (count_ops)
+        self._op_counts: list[dict[str, Any]] = []
         self.attention = AttentionChoice("torch", "no DecoderOps adapter")
         self._scratch_attention: ScratchKernelAttention | None = None  # chunk KV precompute on the kernel
+        # vLLM's CPU backend: its caches split once, written and read by its kernels directly
+        self._caches = KernelCaches(self.attn_layers) if self.ops and kernel_available(self.attn_layers) is None \
+            else None
         if self.ops is not None:
             self.attention = choose_attention(attention, self.attn_layers, num_heads=ops.num_heads,
                                               num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim,
                                               dtype=ops.dtype, scaling=ops.scaling)
-            if self.attention.path == "kernel":
+            if self.attention.path == "kernel" and kernel_available(self.attn_layers) is None:
                 self._scratch_attention = ScratchKernelAttention(
                     self.attn_layers, num_heads=ops.num_heads, num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim,
                     dtype=ops.dtype)
@@ -239,125 +253,264 @@ class WorkerRuntime:
         return OpsProbe(self.architecture, self.hf_architectures, adapter, error, self.sliding_window,
                         time.perf_counter() - t0)
 
-    # ---- per request ----------------------------------------------------------------------
+    # ---- per engine step ------------------------------------------------------------------
 
-    def load_request(self, load: LoadRequest, block_size: int) -> ContextStats:
-        """Write the final K/V of the context ``[0, ctx_len)`` of one request into vLLM's paged cache.
+    def load_step(self, loads: Sequence[LoadRequest], block_size: int) -> dict[str, ContextStats | Exception]:
+        """Write the final K/V of the contexts of every request of one engine step into vLLM's paged cache.
 
+        Requests whose blends can share a pass (:meth:`BlendRequest.pass_key
+        <ragcache.blend.BlendRequest.pass_key>`; reuse requests alike) are served by one pass
+        (:func:`ragcache.blend.blend_batch`): their chunk KV staged once into the worker's staging
+        buffer, their selected tokens computed together, their attention one kernel call per layer. A
+        pass that raises is retried request by request, so one bad request does not fail the others.
         Segments whose KV is missing (never ingested, evicted, corrupt) are computed now at their
         canonical place and stored, so the request succeeds and later requests hit.
 
-        Returns:
-            what was done, with timings (see :class:`ragcache.engine.messages.ContextStats`).
+        Returns ``{req_id: ContextStats}``, or the exception a request's load raised in its place
+        (the connector has vLLM prefill that request instead). When armed by :meth:`count_ops`, the
+        operators the step dispatched are counted (:func:`ragcache.blend.opcount.count_ops`).
         """
+        counting = self._count_steps > 0
+        with count_ops() if counting else nullcontext() as counted:
+            done = self._load_step(loads, block_size)
+        if counting:
+            self._count_steps -= 1
+            self._op_counts.append({
+                "requests": len(loads), "modes": [load.params.mode for load in loads],
+                "ctx_tokens": [load.params.ctx_len for load in loads],
+                "layers": self.ops.num_layers if self.ops is not None else 0, "ops": counted.to_dict()})
+        return done
+
+    def _load_step(self, loads: Sequence[LoadRequest], block_size: int) -> dict[str, ContextStats | Exception]:
+        t0 = time.perf_counter()
+        done: dict[str, ContextStats | Exception] = {}
+        passes: dict[tuple, list[_Opened]] = {}
+        for load in loads:
+            try:
+                opened = self._open(load)
+            except Exception as exc:  # one request's failure must not take the step's others down
+                done[load.req_id] = exc
+                continue
+            passes.setdefault(opened.key, []).append(opened)
+        for group in passes.values():
+            try:
+                served = self._serve(group, block_size, t0)
+            except Exception as exc:
+                if len(group) == 1:
+                    served = [exc]
+                else:  # find the request that fails: the others are served alone
+                    log.warning("a batched context load of %d requests failed (%s: %s); serving them one by one",
+                                len(group), type(exc).__name__, exc)
+                    served = []
+                    for opened in group:
+                        try:
+                            served.extend(self._serve([opened], block_size, t0))
+                        except Exception as alone:
+                            served.append(alone)
+            finally:
+                for opened in group:
+                    opened.close()
+            done.update((o.load.req_id, s) for o, s in zip(group, served))
+        return done
+
+    def count_ops(self, steps: int) -> list[dict[str, Any]]:
+        """Count the operators of the next ``steps`` load steps (0: stop counting); returns the counts
+        recorded since the previous call, oldest first: per step ``requests``, ``modes``,
+        ``ctx_tokens`` (per request), ``layers`` and ``ops`` (:meth:`OpCount.to_dict
+        <ragcache.blend.opcount.OpCount.to_dict>`)."""
+        recorded, self._op_counts = self._op_counts, []
+        self._count_steps = max(0, int(steps))
+        return recorded
+
+    # ---- one request's chunks, one pass ----------------------------------------------------
+
+    def _open(self, load: LoadRequest) -> "_Opened":
+        """Open every segment's stored KV (computing the missing ones now) and build the blend request."""
         p = load.params
         t0 = time.perf_counter()
-        device = self.ops.device
         token_ids = load.token_ids
         head_ids = token_ids[: p.lead_in_len]
-        segments = p.segments
-        handles, tiers = [], []
-        missing_tokens = 0
-        missing_s = 0.0
+        opened = _Opened(load)
         with self.lock:
-            for j, seg in enumerate(segments):
+            for j, seg in enumerate(p.segments):
                 handle = self.store.open(seg.key, head=j == 0)  # the head's lookup is counted apart
                 if handle is None:
                     t_miss = time.perf_counter()
                     handle = self._compute_for_request(seg.key, head_ids, seg.start,
                                                        token_ids[seg.start:seg.start + seg.length])
-                    missing_s += time.perf_counter() - t_miss
-                    missing_tokens += seg.length
-                handles.append(handle)
-                tiers.append(handle.tier)
-        open_s = time.perf_counter() - t0 - missing_s
-
+                    opened.missing_s += time.perf_counter() - t_miss
+                    opened.missing_tokens += seg.length
+                opened.handles.append(handle)
+                opened.tiers.append(handle.tier)
+        opened.open_s = time.perf_counter() - t0 - opened.missing_s
+        # one staging copy makes the loads cheap and upfront; a network tier (or an explicit setting)
+        # is read layer by layer in a background thread instead, behind the compute
+        opened.streamed = prefetch_layers(p.pipeline_overlap, self.ops.device, opened.tiers) and (
+            p.pipeline_overlap is True or any(tier in SLOW_TIERS for tier in opened.tiers))
         n = p.ctx_len
-        positions = torch.arange(n, device=device)
-        blocks = torch.tensor(load.block_ids, dtype=torch.long)
-        pos = torch.arange(n)
-        slot_mapping = (blocks[pos // block_size] * block_size + pos % block_size).to(device)
-
-        def layer_of(j: int, i: int) -> StoredLayer:
-            try:
-                return handles[j].stored_layer(i)
-            except (CorruptEntryError, TierError, OSError) as exc:
-                # the entry went bad (or its tier away) mid-read: compute it now, never serve it
-                seg = segments[j]
-                log.warning("chunk KV %s unreadable at layer %d (%s); recomputing it", seg.key, i, exc)
-                handles[j].close()
-                handles[j] = self._compute_for_request(seg.key, head_ids, seg.start,
-                                                       token_ids[seg.start:seg.start + seg.length])
-                tiers[j] = COMPUTED
-                return handles[j].stored_layer(i)
-
-        loaded: set[int] = set()
-
-        def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            loaded.add(i)  # one layer of every chunk, decoded together (a few kernels however many chunks)
-            return decode_layers([layer_of(j, i) for j in range(len(handles))], self.ops.dtype, device)
-
-        def write_slots(i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            layer = self.attn_layers[i]
-            layer.impl.do_kv_cache_update(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slots)
-
-        def write_layer(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            write_slots(i, slot_mapping, k, v)
-
-        def write_rows(i: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            write_slots(i, slot_mapping[index], k, v)
-
-        ids = torch.tensor(token_ids[:n], dtype=torch.long, device=device)
-        attention = None  # torch SDPA inside the blend
-        if self.attention.path == "kernel":
-            ops = self.ops
-            attention = PagedKernelAttention(self.attn_layers, load.block_ids, block_size, num_heads=ops.num_heads,
-                                             num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim, dtype=ops.dtype)
-        prefetch = prefetch_layers(p.pipeline_overlap, device, tiers)
         if p.mode == "reuse":
-            result = reuse_kv(self.ops, positions, load_layer, write_layer, prefetch=prefetch)
+            opened.key = ("reuse", opened.streamed)
+            return opened
+        selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share, p.granule,
+                              None if p.probe_layers < 0 else p.probe_layers, p.question_heads, p.candidates,
+                              p.refine_layer)
+        canonical = [is_canonical(seg.start, head_ids) for seg in p.segments]
+        exact = torch.repeat_interleave(torch.tensor(canonical), torch.tensor([seg.length for seg in p.segments]))
+        tail = token_ids[n:p.question_end or None] if selection.needs_question else None
+        opened.request = BlendRequest(
+            token_ids=torch.tensor(token_ids[:n], dtype=torch.long), positions=torch.arange(n),
+            recompute_ratio=p.recompute_ratio, min_recompute_tokens=p.min_recompute_tokens,
+            recompute_depth=p.recompute_depth, check_layer=p.check_layer, deviation=p.deviation, selection=selection,
+            tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long),
+            segment_starts=[seg.start for seg in p.segments], exact=exact,
+            budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio, max_tokens=p.max_recompute_tokens)
+            if p.budget == "adaptive" else None)
+        opened.key = ("blend", opened.streamed, opened.request.pass_key(self.ops.num_layers))
+        return opened
+
+    def _staging(self, rows: int) -> torch.Tensor:
+        """``[2, L, rows, Hkv, D]`` of the worker's staging buffer (K of every layer, then V), grown
+        when a step needs more and kept: the same memory serves every request (no fresh pages)."""
+        ops = self.ops
+        shape = (2, ops.num_layers, rows, ops.num_kv_heads, ops.head_dim)
+        need = math.prod(shape)
+        if self._stage is None or self._stage.numel() < need:
+            self._stage = None  # free the old buffer first
+            self._stage = torch.empty(need, dtype=ops.dtype, device=ops.device)
+        return self._stage[:need].view(shape)
+
+    def _stage_kv(self, group: list["_Opened"]) -> CachedKV:
+        """Every layer of every segment of the pass's requests, in row order, decoded into the staging
+        buffer by one :func:`~ragcache.kvstore.codec.decode_entries` (a fixed number of kernels however
+        many layers, chunks and requests)."""
+        ops = self.ops
+        staged = self._staging(sum(o.load.params.ctx_len for o in group))
+        k, v = decode_entries([e for o in group for e in o.stored_entries(self)], ops.dtype, ops.device)
+        staged[0].copy_(k)
+        staged[1].copy_(v)
+        return CachedKV(k_pre=staged[0], v=staged[1])
+
+    def _serve(self, group: list["_Opened"], block_size: int, t_step: float) -> list[ContextStats]:
+        """One pass over the requests of ``group`` (equal keys); their stats, in order."""
+        ops, device = self.ops, self.ops.device
+        sizes = [o.load.params.ctx_len for o in group]
+        contexts = PagedContexts.of([o.load.block_ids for o in group], sizes, block_size)
+        writer = PagedWriter(self.attn_layers, contexts.slots(device), self._caches)
+        t_load = time.perf_counter()
+        streamed = group[0].streamed
+        load = _streamed_loader(group, self) if streamed else self._stage_kv(group)
+        stage_s = time.perf_counter() - t_load
+        if group[0].request is None:
+            positions = torch.cat([torch.arange(n) for n in sizes]).to(device)
+            results = [reuse_kv(ops, positions, load, writer.layer, prefetch=streamed)] * len(group)
         else:
-            selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share, p.granule,
-                                  None if p.probe_layers < 0 else p.probe_layers, p.question_heads, p.candidates,
-                                  p.refine_layer)
-            exact = torch.zeros(n, dtype=torch.bool, device=device)
-            for seg in segments:
-                if is_canonical(seg.start, head_ids):
-                    exact[seg.start:seg.start + seg.length] = True
-            tail = token_ids[n:p.question_end or None] if selection.needs_question else None
-            result = blend_kv(
-                self.ops, ids, positions, load_layer,
-                recompute_ratio=p.recompute_ratio, min_recompute_tokens=p.min_recompute_tokens,
-                recompute_depth=p.recompute_depth,
-                check_layer=p.check_layer, deviation=p.deviation,
-                selection=selection, segment_starts=[seg.start for seg in segments], exact=exact,
-                tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long, device=device),
-                # with the kernel (it reads the paged cache) a probed layer is written once, then only its
-                # recomputed rows; blend_kv uses write_rows only with an attention of the engine's own
-                on_layer=write_layer, attention=attention, write_rows=write_rows, prefetch=prefetch,
-                budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio, max_tokens=p.max_recompute_tokens)
-                if p.budget == "adaptive" else None,
-            )
-        recomputed = int(result.num_recomputed)
-        # blend does not load layers below the check layer; a handle promotes its entry to the top
-        # memory tier only once every layer was read, so read the rest (one layer: cheap)
+            attention = None  # torch SDPA inside the blend
+            if self.attention.path == "kernel":
+                attention = engine_attention(self.attn_layers, [o.load.block_ids for o in group], block_size,
+                                             starts=contexts.starts.tolist(), caches=self._caches,
+                                             num_heads=ops.num_heads, num_kv_heads=ops.num_kv_heads,
+                                             head_dim=ops.head_dim, dtype=ops.dtype)
+            # with the kernel (it reads the paged cache) a probed layer is written once, then only its
+            # recomputed rows; blend_batch uses write_rows only with an attention of the engine's own
+            results = blend_batch(ops, [o.request for o in group], load, on_layer=writer.layer, attention=attention,
+                                  write_rows=writer.rows, prefetch=streamed)
         t_rest = time.perf_counter()
-        for i in sorted(set(range(self.ops.num_layers)) - loaded):
-            for j in range(len(handles)):
-                layer_of(j, i)
-        for h in handles:
-            h.close()
+        for o in group:
+            o.read_rest(self)  # a handle promotes its entry only once every layer was read
         promote_s = time.perf_counter() - t_rest
+        return [o.stats(result, stage_s, promote_s, time.perf_counter() - t_step, ops.num_layers)
+                for o, result in zip(group, results)]
+
+
+class _Opened:
+    """One request of a step with its segments' stored KV open (see :meth:`WorkerRuntime._open`)."""
+
+    def __init__(self, load: LoadRequest) -> None:
+        self.load = load
+        self.handles: list[Any] = []
+        self.tiers: list[str] = []
+        self.open_s = self.missing_s = 0.0
+        self.missing_tokens = 0
+        self.streamed = False
+        self.request: BlendRequest | None = None  # None for reuse
+        self.key: tuple = ()
+        self.read: set[int] = set()  # layers read through the streamed loader
+
+    def _recompute(self, j: int, runtime: "WorkerRuntime", exc: Exception, what: str) -> None:
+        """Segment j's entry went bad (or its tier away) mid-read: compute it now, never serve it."""
+        p, token_ids = self.load.params, self.load.token_ids
+        seg = p.segments[j]
+        log.warning("chunk KV %s unreadable %s (%s); recomputing it", seg.key, what, exc)
+        self.handles[j].close()
+        self.handles[j] = runtime._compute_for_request(seg.key, token_ids[: p.lead_in_len], seg.start,
+                                                       token_ids[seg.start:seg.start + seg.length])
+        self.tiers[j] = COMPUTED
+
+    def stored_layer(self, j: int, i: int, runtime: "WorkerRuntime") -> StoredLayer:
+        """Layer i of segment j as stored (:class:`~ragcache.kvstore.codec.StoredLayer`), recomputed
+        when its entry turns out damaged or its tier went away."""
+        self.read.add(i)
+        try:
+            return self.handles[j].stored_layer(i)
+        except (CorruptEntryError, TierError, OSError) as exc:
+            self._recompute(j, runtime, exc, f"at layer {i}")
+            return self.handles[j].stored_layer(i)
+
+    def stored_entries(self, runtime: "WorkerRuntime") -> list[StoredEntry]:
+        """Every segment's whole entry, in row order (recomputed where damaged)."""
+        out = []
+        for j in range(len(self.handles)):
+            try:
+                out.append(self.handles[j].stored_entry())
+            except (CorruptEntryError, TierError, OSError) as exc:
+                self._recompute(j, runtime, exc, "when read whole")
+                out.append(self.handles[j].stored_entry())
+        return out
+
+    def stored_layers(self, i: int, runtime: "WorkerRuntime") -> list[StoredLayer]:
+        """Layer i of every segment, in row order."""
+        return [self.stored_layer(j, i, runtime) for j in range(len(self.handles))]
+
+    def read_rest(self, runtime: "WorkerRuntime") -> None:
+        """After a streamed load: read the layers the blend did not (below the check layer), so that a
+        handle promotes its entry (it does once every layer was read). Staged loads read them all."""
+        if not self.streamed:
+            return
+        for i in sorted(set(range(runtime.ops.num_layers)) - self.read):
+            for j in range(len(self.handles)):
+                self.stored_layer(j, i, runtime)  # read, not decoded
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()
+
+    def stats(self, result: BlendResult, stage_s: float, promote_s: float, worker_s: float,
+              num_layers: int) -> ContextStats:
+        n = self.load.params.ctx_len
+        recomputed = int(result.num_recomputed)
+        stages = {"open_s": self.open_s, "missing_compute_s": self.missing_s, **result.stages,
+                  "promote_s": promote_s}
+        stages["load_wait_s"] = stages.get("load_wait_s", 0.0) + stage_s  # the staging copy is the load
         return ContextStats(
             ctx_tokens=n, reused_tokens=n - recomputed, recomputed_tokens=recomputed,
-            missing_computed_tokens=missing_tokens, chunk_tiers=tiers[1:], head_tier=tiers[0],
-            load_s=open_s + result.load_s, compute_s=missing_s + result.compute_s, write_s=result.on_layer_s,
-            worker_s=time.perf_counter() - t0,
-            stages={"open_s": open_s, "missing_compute_s": missing_s, **result.stages, "promote_s": promote_s},
-            recomputed_layers=result.recomputed_layers, model_layers=self.ops.num_layers,
+            missing_computed_tokens=self.missing_tokens, chunk_tiers=self.tiers[1:], head_tier=self.tiers[0],
+            load_s=self.open_s + stage_s + result.load_s, compute_s=self.missing_s + result.compute_s,
+            write_s=result.on_layer_s, worker_s=worker_s, stages=stages,
+            recomputed_layers=result.recomputed_layers, model_layers=num_layers,
             recompute_budget=result.budget.tokens if result.budget is not None else 0,
             budget_reason=result.budget.reason if result.budget is not None else "",
         )
+
+
+def _streamed_loader(group: list[_Opened], runtime: WorkerRuntime):
+    """``load_layer`` over a pass's requests: one layer of every segment, in row order, decoded on the
+    engine's device in its dtype."""
+    device, dtype = runtime.ops.device, runtime.ops.dtype
+
+    def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return decode_layers([s for o in group for s in o.stored_layers(i, runtime)], dtype, device)
+
+    return load_layer
 
 
 class RagcacheWorkerExtension:
@@ -388,6 +541,11 @@ class RagcacheWorkerExtension:
         """See :meth:`WorkerRuntime.precompute`: ``PrecomputeItem.to_list()`` rows in,
         ``PrecomputeReport.to_dict()`` out."""
         return self._ragcache.precompute(head_ids, [PrecomputeItem.from_list(i) for i in items]).to_dict()
+
+    def ragcache_op_counts(self, steps: int = 0) -> list[dict[str, Any]]:
+        """See :meth:`WorkerRuntime.count_ops`: arm the count of the next ``steps`` load steps and
+        return the counts recorded since the previous call."""
+        return self._ragcache.count_ops(steps)
 
     def ragcache_store_stats(self) -> dict[str, Any]:
         """Per-tier stats of the worker's store (``TieredStore.stats``)."""

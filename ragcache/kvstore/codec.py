@@ -290,6 +290,88 @@ def decode_layers(layers: "list[StoredLayer]", dtype: torch.dtype,
     return _dequantise(form, qk, k_scale, dtype), _dequantise(form, qv, v_scale[..., None], dtype)
 
 
+@dataclass(frozen=True)
+class StoredEntry:
+    """Every layer of one entry as it was stored and read, not yet dequantised (what
+    :meth:`ragcache.kvstore.handle.KVHandle.stored_entry` returns, :func:`decode_entries` decodes).
+
+    Attributes:
+        form: the entry's stored form.
+        parts: its layer layout (:func:`layer_parts`).
+        record: ``[L, 2, T, H, D]`` floats (``none``) or uint8 ``[L, record bytes]``, on the CPU or the
+            compute device; a memory tier's entry itself, or the caller's own tensor. Never modified.
+    """
+
+    form: str
+    parts: tuple[Part, ...]
+    record: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.parts[0].shape[0]
+
+
+def _part_index(entries: "list[StoredEntry]", part: int, device: torch.device) -> torch.Tensor:
+    """int64 byte offsets, within the entries' records concatenated along their bytes, of part ``part``
+    of every entry in order (a fixed number of kernels however many entries)."""
+    sizes = [e.parts[part].nbytes for e in entries]
+    starts, at = [], 0
+    for e in entries:
+        starts.append(at + sum(p.nbytes for p in e.parts[:part]))
+        at += record_nbytes(e.parts)
+    meta = torch.tensor([starts, sizes], dtype=torch.long)  # one host tensor, one copy
+    meta = meta if meta.device == device else meta.to(device)
+    first = torch.cumsum(meta[1], 0) - meta[1]  # where each entry's part begins in the output
+    shift = torch.repeat_interleave(meta[0] - first, meta[1], output_size=sum(sizes))
+    return torch.arange(sum(sizes), device=device).add_(shift)
+
+
+def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every layer of several entries, concatenated along their tokens in the given order:
+    each ``[L, sum T, H, D]`` in ``dtype`` on ``device`` (new tensors).
+
+    Entries of one stored form are decoded together in a number of kernels that grows with neither
+    the entries nor the layers: the records are concatenated once, each part gathered with one index
+    (K's per-channel scales repeated over each entry's tokens), then dequantised once. Entries of
+    different forms (a chunk computed during a request among stored ones) are decoded one by one.
+
+    Raises:
+        ValueError: no entries.
+    """
+    if not entries:
+        raise ValueError("decode_entries needs at least one entry")
+    non_blocking = device.type != "cpu"
+
+    def on_device(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == device else t.to(device=device, non_blocking=non_blocking)
+
+    form = entries[0].form
+    if any(e.form != form for e in entries):
+        ks, vs = zip(*(decode_entries([e], dtype, device) for e in entries))
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+    if form == "none":
+        kv = torch.cat([on_device(e.record) for e in entries], dim=2).to(dtype=dtype)  # [L, 2, N, H, D], new
+        return kv[:, 0], kv[:, 1]
+    layers = entries[0].record.shape[0]
+    record = torch.cat([on_device(e.record) for e in entries], dim=1)  # [L, sum record bytes]
+    n = sum(e.num_tokens for e in entries)
+    qk_part, _, _, vs_part = entries[0].parts
+    heads, qdim = qk_part.shape[1], qk_part.shape[2]
+
+    def gathered(part: int) -> torch.Tensor:
+        return record.index_select(1, _part_index(entries, part, device))
+
+    qk = gathered(0).view(qk_part.dtype).view(layers, n, heads, qdim)
+    qv = gathered(2).view(qk_part.dtype).view(layers, n, heads, qdim)
+    counts = torch.tensor([e.num_tokens for e in entries], dtype=torch.long)
+    counts = counts if counts.device == device else counts.to(device)
+    k_scale = gathered(1).view(SCALE_DTYPE).view(layers, len(entries), heads, -1)
+    k_scale = torch.repeat_interleave(k_scale, counts, dim=1, output_size=n)  # [L, N, H, D]
+    v_scale = gathered(3).view(vs_part.dtype).view(layers, n, heads)
+    return _dequantise(form, qk, k_scale, dtype), _dequantise(form, qv, v_scale[..., None], dtype)
+
+
 def decode_all(form: str, parts: tuple[Part, ...], kv: torch.Tensor, dtype: torch.dtype,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every layer, each ``[L, T, H, D]`` in ``dtype`` on ``device`` (new tensors);

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ragcache.kvstore.codec import StoredLayer, decode_layer
+from ragcache.kvstore.codec import StoredEntry, StoredLayer, decode_layer
 from ragcache.kvstore.entry import CorruptEntryError, KVMeta, StoredKV, TierError
 from ragcache.kvstore.format import EntryReader
 
@@ -146,6 +146,33 @@ class KVHandle:
         self._read[i] = True
         owner.record_read(self._pos, self.key, self.meta.layer_nbytes)
         return StoredLayer(self.meta.compression, self._parts, t)
+
+    def stored_entry(self) -> StoredEntry:
+        """Every layer as stored, read whole and checked but not dequantised (for
+        :func:`ragcache.kvstore.codec.decode_entries`, which decodes many entries at once): a memory
+        tier's entry itself, or the buffer promotion keeps; never to be modified. Counts as reading
+        every layer (``close`` then promotes).
+
+        Raises: as :meth:`stored_layer` (any layer's checksum).
+        """
+        if self._reader is None:
+            raise RuntimeError("KVHandle is closed")
+        owner = self._owner
+        try:
+            t = self._reader.read_all()
+        except CorruptEntryError as exc:
+            owner.read_failed(self._pos, self.key, exc, self._head)
+            self.close()
+            raise
+        except OSError as exc:
+            owner.read_failed(self._pos, self.key, exc, self._head)
+            self.close()
+            raise TierError(f"reading {self.key!r} from {self.tier}: {exc}") from exc
+        if self._buf is not None:
+            self._buf = t  # the entry as read is what promotion keeps
+        self._read = [True] * self.meta.num_layers
+        owner.record_read(self._pos, self.key, self.meta.layer_nbytes * self.meta.num_layers)
+        return StoredEntry(self.meta.compression, self._parts, t)
 
     def close(self) -> None:
         """Release the reader; promote the entry if it was read completely. Idempotent."""

@@ -76,6 +76,11 @@ class VLLMLlamaOps:
         reason = self._refuse(model)
         if reason:
             raise TypeError(f"{type(model).__name__}: {reason}")
+        rotary = attn0.rotary_emb
+        # every layer rotates with the same module (vLLM's get_rope caches it): keys of all layers move in one call
+        self.rotate_keys_ = self._rotate_keys_ if all(layer.self_attn.rotary_emb is rotary
+                                                      for layer in self.layers) else None
+        self._residual: tuple[torch.Tensor, torch.Tensor] | None = None  # (stream, its residual), see qkv
 
     # ---- family hooks ----------------------------------------------------------------------
 
@@ -109,17 +114,29 @@ class VLLMLlamaOps:
         input norm included.
 
         Q and K are returned after the family's per-head norms (:meth:`_qk_norm`), i.e. exactly what
-        vLLM feeds its ``rotary_emb``: the stored pre-RoPE K.
+        vLLM feeds its ``rotary_emb``: the stored pre-RoPE K. All three may be views of one projection
+        output (read them, do not write into them).
         """
         mod = self.layers[layer]
-        attn = mod.self_attn
-        x, _ = mod.input_layernorm(hidden[:, 0], hidden[:, 1])
-        qkv, _ = attn.qkv_proj(x)
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        n = hidden.shape[0]
-        q, k = self._qk_norm(layer, q.reshape(n, self.num_heads, self.head_dim),
-                             k.reshape(n, self.num_kv_heads, self.head_dim))
-        return q, k, v.reshape(n, self.num_kv_heads, self.head_dim)
+        x, residual = mod.input_layernorm(*hidden.unbind(1))
+        self._residual = (hidden, residual)  # finish_layer of the same stream reads it instead of adding again
+        qkv, _ = mod.self_attn.qkv_proj(x)
+        q, k, v = qkv.view(hidden.shape[0], -1, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)  # [n, H, D] views
+        q, k = self._qk_norm(layer, q, k)
+        return q, k, v
+
+    def qkv_rope(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`qkv`, then q and k rotated to ``positions`` ``[n]`` with the layer's rotary in place in
+        the projection's own output, as ``LlamaAttention.forward`` does (no copies): the same values
+        as :meth:`qkv` followed by :meth:`rope` (``qkv_rope`` of :class:`ragcache.blend.DecoderOps`)."""
+        q, k, v = self.qkv(layer, hidden)
+        n = q.shape[0]
+        if positions.device != q.device or positions.dtype != torch.long:
+            positions = positions.to(device=q.device, dtype=torch.long)
+        q2, k2 = self.layers[layer].self_attn.rotary_emb(positions, q.view(n, -1), k.view(n, -1))
+        return q2.view(n, self.num_heads, self.head_dim), k2.view(n, self.num_kv_heads, self.head_dim), v
 
     def rope(self, layer: int, positions: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor
              ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -130,7 +147,8 @@ class VLLMLlamaOps:
         """
         rotary = self.layers[layer].self_attn.rotary_emb
         n = k.shape[0]
-        positions = positions.to(device=k.device, dtype=torch.long)
+        if positions.device != k.device or positions.dtype != torch.long:
+            positions = positions.to(device=k.device, dtype=torch.long)
         k2 = k.reshape(n, -1).clone()
         if q is None:
             k_rot, _ = rotary(positions, k2, None)  # k in the query slot: rotary works per head_dim slice
@@ -140,11 +158,24 @@ class VLLMLlamaOps:
         return (q_rot.reshape(n, self.num_heads, self.head_dim),
                 k_rot.reshape(n, self.num_kv_heads, self.head_dim))
 
+    def _rotate_keys_(self, positions: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate k ``[n, Hkv, D]`` (contiguous) to ``positions`` ``[n]`` in place with the rotary every
+        layer shares (``rotate_keys_`` of :class:`ragcache.blend.DecoderOps`, when they share one)."""
+        flat = k.view(k.shape[0], -1)
+        out, _ = self.layers[0].self_attn.rotary_emb(positions, flat, None)
+        if out.data_ptr() != flat.data_ptr():  # a rotary that works out of place (vLLM's native path)
+            flat.copy_(out)
+
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual stream ``[n, 2, hidden]``, attn_out [n, Hq, D] -> the next layer's residual stream
         ``[n, 2, hidden]`` (o_proj, the fused residual add and norm, MLP), as ``LlamaDecoderLayer.forward``."""
         mod = self.layers[layer]
-        residual = hidden[:, 0] + hidden[:, 1]  # what the layer's input norm left as residual
+        known = self._residual
+        if known is not None and known[0] is hidden:
+            residual = known[1]  # what the layer's input norm left as residual (qkv of this stream)
+        else:
+            residual = hidden[:, 0] + hidden[:, 1]  # the same sum, in the same rounding
+        self._residual = None
         o, _ = mod.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         x, residual = mod.post_attention_layernorm(o, residual)
         return torch.stack([mod.mlp(x), residual], dim=1)

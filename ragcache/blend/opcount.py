@@ -1,0 +1,91 @@
+"""Counting the operators a blend dispatches: its size on any device.
+
+Owns: :class:`OpCount` and :func:`count_ops`. On an accelerator every operator a blend dispatches is
+a kernel launch (or a view the host computes), and the host's time to issue them, not the device's
+arithmetic, decided how fast the blend was there (docs/benchmarks.md, "GPU"); on a CPU each costs
+~10 µs of fixed overhead. So the count is the blend's size in the sense that matters for speed on
+any device, and it must not grow with the number of passages, runs or requests a blend serves.
+
+The count is taken with torch's profiler (``torch.profiler.profile``, CPU activity): every operator
+event whose name is ``namespace::name`` (``aten::`` and an engine's custom operators, e.g. vLLM's
+``_C::``) and whose parent event is not itself an operator, i.e. the operators Python code called,
+not the ones they call inside. Profiler scopes (``profiler::`` and ``record_function`` labels) are
+not operators. Must not import vLLM, transformers, or anything above blend/ in ragcache.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+#: an operator event's name: ``namespace::name`` (aten::mm, _C::rms_norm, ...)
+_OPERATOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_]")
+#: namespaces of profiler bookkeeping, not operators
+_NOT_OPERATORS = ("profiler::",)
+
+
+def is_operator(name: str) -> bool:
+    """True for an operator event's name (``aten::mm``, ``_C::rotary_embedding``), False for a
+    profiler scope or a label."""
+    return bool(_OPERATOR.match(name)) and not name.startswith(_NOT_OPERATORS)
+
+
+@dataclass
+class OpCount:
+    """The operators dispatched inside one :func:`count_ops` block.
+
+    Attributes:
+        total: top-level operators (see the module docstring).
+        by_namespace: ``{"aten": 812, "_C": 64}``.
+        by_name: ``{"aten::mm": 120, ...}``, every top-level operator by name.
+    """
+
+    total: int = 0
+    by_namespace: dict[str, int] = field(default_factory=dict)
+    by_name: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def aten(self) -> int:
+        """The ``aten::`` operators among :attr:`total`."""
+        return self.by_namespace.get("aten", 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (travels through ``collective_rpc`` and into benchmark JSON)."""
+        return {"total": self.total, "aten": self.aten, "by_namespace": dict(self.by_namespace),
+                "by_name": dict(self.by_name)}
+
+    @classmethod
+    def of_events(cls, events: Any) -> "OpCount":
+        """The count over a profiler's ``events()`` (``torch.autograd.profiler_util.EventList``)."""
+        names: Counter = Counter()
+        for event in events:
+            if not is_operator(event.name):
+                continue
+            parent = event.cpu_parent
+            if parent is not None and is_operator(parent.name):
+                continue
+            names[event.name] += 1
+        spaces: Counter = Counter()
+        for name, n in names.items():
+            spaces[name.split("::", 1)[0]] += n
+        return cls(total=sum(names.values()), by_namespace=dict(spaces), by_name=dict(names.most_common()))
+
+
+@contextmanager
+def count_ops() -> Iterator[OpCount]:
+    """Count the operators dispatched inside the ``with`` block (all threads the profiler sees).
+
+    Yields an :class:`OpCount` that is filled in when the block exits. The profiler slows the block
+    down: time it separately.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    result = OpCount()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield result
+    counted = OpCount.of_events(prof.events())
+    result.total, result.by_namespace, result.by_name = counted.total, counted.by_namespace, counted.by_name
