@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests answered at once; more get HTTP 429 (default: serve.max_in_flight, 64)")
     p.add_argument("--keys-file", default=None, metavar="PATH",
                    help="TOML file of keys scoped to indexes (sha256 of each key, its tenant, the indexes it may "
-                   "read; see README) (default: serve.keys_file, none)")
+                   "read; see docs/serving.md) (default: serve.keys_file, none)")
     p.add_argument("--blend-fallback", choices=("refuse", "full", "prefix"), default=None,
                    help="when reuse/blend turns out unavailable at start: refuse to start (exit 2), or serve in "
                    "full or prefix mode (default: serve.blend_fallback, refuse)")

@@ -336,7 +336,7 @@ class StoreSettings(_Section):
     remote_url: str = Field("", description="Redis URL for the shared tier (redis://host:port/db); empty = off; "
                             "with remote_cluster, one or more comma-separated seed nodes")
     remote_cluster: bool = Field(
-        False, description="remote_url names node(s) of a Redis Cluster (or Valkey cluster): entries spread "
+        False, description="remote_url names node(s) of a Redis Cluster: entries spread "
         "over its hash slots")
     remote_timeout_s: float = Field(
         2.0, gt=0.0, le=60.0, description="seconds the remote tier waits to connect and for each reply; a Redis "

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 #: the index the benchmark builds in its work folder
 INDEX = "bench"
 
-#: targets of the serve benchmark (issue "Blend at vLLM kernel speed"): at 4 and at 8 clients blend
+#: targets of the serve benchmark: at 4 and at 8 clients blend
 #: serves >= 2x the requests/s of full with a >= 3x lower client TTFT p50; at 1 client the server adds
 #: <= 50 ms p50 over the in-process SDK
 SERVE_TARGETS = {"blend_vs_full_rps_min": 2.0, "blend_ttft_p50_speedup_min": 3.0,

@@ -292,8 +292,8 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
     median TTFT of plain vLLM's full prefill of the same prompts (what a user would run instead), r
     the share of context tokens the blend recomputed (mean over the examples: the ratio, or more where
     ``blend.min_recompute_tokens`` raised a short context's budget), c the check layer, L the layers,
-    D the layers the recomputed tokens go through (``blend.recompute_depth``; default L: the issue's
-    formula) (the layers up to the check layer run for every token, layers c+1 .. D-1 for the
+    D the layers the recomputed tokens go through (``blend.recompute_depth``; default L: every layer)
+    (the layers up to the check layer run for every token, layers c+1 .. D-1 for the
     recomputed share, the rest for none) and
     t(reuse) reuse's median worker seconds (moving and writing the reused KV). Adds ``floor_s``,
     ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own ratio-1 path over

@@ -1,5 +1,5 @@
 """The ``remote`` tier: KV entries shared through Redis (redis-py with the hiredis parser), e.g. by
-several hosts; a single server, or a Redis Cluster / Valkey cluster (``store.remote_cluster``).
+several hosts; a single server, or a Redis Cluster (``store.remote_cluster``).
 
 Owns: :class:`RedisTier`. Each entry is one Redis string holding the same safetensors bytes as
 the disk tier's file, under ``<prefix><key>``; a key starts with its KV namespace
@@ -66,7 +66,7 @@ class RedisTier:
         timeout: seconds to wait for a reply, per socket operation (``store.remote_timeout_s``): a
             server that accepts connections but does not answer (stopped, overloaded) costs this
             long before the tier is marked down.
-        cluster: the URL names node(s) of a Redis Cluster / Valkey cluster.
+        cluster: the URL names node(s) of a Redis Cluster.
 
     Construction does not connect; the first command does (a cluster's topology is read then).
     """

@@ -38,7 +38,7 @@ ADAPTERS: dict[str, type[VLLMLlamaOps]] = {
     "Qwen3ForCausalLM": VLLMQwen3Ops,
 }
 
-#: the checkpoints each registered class serves, for messages and the README's support matrix
+#: the checkpoints each registered class serves, for messages and docs/model-families.md's support matrix
 FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 2, Llama 3.x (rope_scaling llama3/linear/dynamic), SmolLM2, Yi",
     "MistralForCausalLM": "Mistral 7B, Mistral NeMo (HF format)",
