@@ -125,25 +125,32 @@ def test_every_layer_of_many_entries_decodes_as_each_layer_alone(form):
         ki, vi = decode_layers([StoredLayer(e.form, e.parts, e.record[i]) for e in entries], torch.bfloat16,
                                torch.device("cpu"))
         assert torch.equal(k[i], ki) and torch.equal(v[i], vi), i
+    one_by_one = (torch.empty_like(k), torch.empty_like(v))  # a CPU's way: layer by layer into the caller's buffer
+    got = decode_entries(entries, torch.bfloat16, torch.device("cpu"), out=one_by_one, layers_per_call=1)
+    assert got[0] is one_by_one[0] and torch.equal(got[0], k) and torch.equal(got[1], v)
     mixed = entries[:2] + _stored_entries("none", [5])  # a chunk computed during the request among stored ones
     k, v = decode_entries(mixed, torch.float32, torch.device("cpu"))
     assert k.shape == (layers, 52, 2, 64)
     assert torch.equal(v[:, 47:], decode_entries(mixed[2:], torch.float32, torch.device("cpu"))[1])
 
 
-def test_decoding_every_layer_of_more_entries_dispatches_no_more_operators():
+def test_decoding_every_layer_of_more_entries_dispatches_no_more_operators_per_layer():
     """What the worker stages for a blend: every layer of every chunk in a fixed number of operators
-    (views included) whatever the number of chunks."""
+    per layer whatever the number of chunks; one split per entry (views included), once for all
+    its layers."""
     from ragcache.blend.opcount import count_ops
     from ragcache.kvstore.codec import decode_entries
 
-    def ops(n: int) -> int:
+    def ops(n: int, layers_per_call: int | None) -> int:
         entries = _stored_entries("int8", [30] * n)
         with count_ops() as counted:
-            decode_entries(entries, torch.bfloat16, torch.device("cpu"))
+            decode_entries(entries, torch.bfloat16, torch.device("cpu"), layers_per_call=layers_per_call)
         return counted.total
 
-    assert ops(2) == ops(12) <= 100
+    layers = _stored_entries("int8", [1])[0].record.shape[0]
+    assert ops(12, None) - ops(2, None) == 10 and ops(2, None) <= 50
+    assert ops(12, 1) - ops(2, 1) == 10  # layer by layer: a fixed number per layer
+    assert ops(2, 1) - ops(2, None) <= 16 * (layers - 1)  # each further round: a few slices and kernels
 
 
 def test_a_group_of_zeros_and_tiny_values_round_trips_without_dividing_by_zero():

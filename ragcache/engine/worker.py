@@ -381,13 +381,14 @@ class WorkerRuntime:
 
     def _stage_kv(self, group: list["_Opened"]) -> CachedKV:
         """Every layer of every segment of the pass's requests, in row order, decoded into the staging
-        buffer by one :func:`~ragcache.kvstore.codec.decode_entries` (a fixed number of kernels however
-        many layers, chunks and requests)."""
+        buffer by :func:`~ragcache.kvstore.codec.decode_entries` (a fixed number of kernels per layer
+        however many chunks and requests)."""
         ops = self.ops
         staged = self._staging(sum(o.load.params.ctx_len for o in group))
-        k, v = decode_entries([e for o in group for e in o.stored_entries(self)], ops.dtype, ops.device)
-        staged[0].copy_(k)
-        staged[1].copy_(v)
+        # on a CPU layer by layer (the float32 temporaries stay in cache), elsewhere all layers at once
+        per_call = 1 if torch.device(ops.device).type == "cpu" else None
+        decode_entries([e for o in group for e in o.stored_entries(self)], ops.dtype, ops.device,
+                       out=(staged[0], staged[1]), layers_per_call=per_call)
         return CachedKV(k_pre=staged[0], v=staged[1])
 
     def _serve(self, group: list["_Opened"], block_size: int, t_step: float) -> list[ContextStats]:

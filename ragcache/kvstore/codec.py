@@ -218,15 +218,18 @@ def decode_layer(form: str, parts: tuple[Part, ...], record: torch.Tensor, dtype
     return _dequantise(form, qk, k_scale, dtype), _dequantise(form, qv, v_scale[..., None], dtype)
 
 
-def _dequantise(form: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale`` in float32, cast once to ``dtype``. Plain same-dtype kernels (a cast, an in-place
-    multiply, a cast): a mixed int8 x float multiply into a 16-bit output takes torch's slow
-    casting path (~4x slower on a CPU)."""
+def _dequantise(form: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q * scale`` in float32, cast once to ``dtype`` (into ``out`` when given). Plain same-dtype
+    kernels (a cast, an in-place multiply, a cast): a mixed int8 x float multiply into a 16-bit
+    output takes torch's slow casting path (~4x slower on a CPU)."""
     if form == "int4":  # nibbles 1..15 stand for -7..7: unpack (low nibble = even dimension), then shift
         x = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2).to(torch.float32).sub_(8)
     else:
         x = q.to(torch.float32)
     x.mul_(scale.to(torch.float32))
+    if out is not None:
+        return out.copy_(x)
     return x if dtype == torch.float32 else x.to(dtype)
 
 
@@ -311,65 +314,75 @@ class StoredEntry:
         return self.parts[0].shape[0]
 
 
-def _part_index(entries: "list[StoredEntry]", part: int, device: torch.device) -> torch.Tensor:
-    """int64 byte offsets, within the entries' records concatenated along their bytes, of part ``part``
-    of every entry in order (a fixed number of kernels however many entries)."""
-    sizes = [e.parts[part].nbytes for e in entries]
-    starts, at = [], 0
-    for e in entries:
-        starts.append(at + sum(p.nbytes for p in e.parts[:part]))
-        at += record_nbytes(e.parts)
-    meta = torch.tensor([starts, sizes], dtype=torch.long)  # one host tensor, one copy
-    meta = meta if meta.device == device else meta.to(device)
-    first = torch.cumsum(meta[1], 0) - meta[1]  # where each entry's part begins in the output
-    shift = torch.repeat_interleave(meta[0] - first, meta[1], output_size=sum(sizes))
-    return torch.arange(sum(sizes), device=device).add_(shift)
-
-
-def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype, device: torch.device,
+                   out: "tuple[torch.Tensor, torch.Tensor] | None" = None,
+                   layers_per_call: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every layer of several entries, concatenated along their tokens in the given order:
-    each ``[L, sum T, H, D]`` in ``dtype`` on ``device`` (new tensors).
+    each ``[L, sum T, H, D]`` in ``dtype`` on ``device``.
 
-    Entries of one stored form are decoded together in a number of kernels that grows with neither
-    the entries nor the layers: the records are concatenated once, each part gathered with one index
-    (K's per-channel scales repeated over each entry's tokens), then dequantised once. Entries of
-    different forms (a chunk computed during a request among stored ones) are decoded one by one.
+    Entries of one stored form are decoded together: each entry's record is split into its parts
+    once for all its layers (one operator per entry), each part of every entry is concatenated once
+    (``[L, bytes]``), then every round of layers is dequantised in a fixed number of kernels (K's
+    per-channel scales spread over each entry's tokens by one index). Entries of different forms (a
+    chunk computed during a request among stored ones) are decoded one by one.
+
+    Args:
+        out: ``(k, v)`` tensors of the result's shape and dtype to write into (then returned), or None
+            for new tensors.
+        layers_per_call: decode this many layers per round of kernels (None: all at once, the fewest
+            launches, for an accelerator; 1 on a CPU keeps each round's float32 temporaries in cache,
+            where one round over every layer streams several times the entries' size through memory).
 
     Raises:
-        ValueError: no entries.
+        ValueError: no entries, or ``layers_per_call`` below 1.
     """
     if not entries:
         raise ValueError("decode_entries needs at least one entry")
+    if layers_per_call is not None and layers_per_call < 1:
+        raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
     non_blocking = device.type != "cpu"
 
     def on_device(t: torch.Tensor) -> torch.Tensor:
         return t if t.device == device else t.to(device=device, non_blocking=non_blocking)
 
+    def written(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if out is None:
+            return k, v
+        out[0].copy_(k)
+        out[1].copy_(v)
+        return out
+
     form = entries[0].form
     if any(e.form != form for e in entries):
         ks, vs = zip(*(decode_entries([e], dtype, device) for e in entries))
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        return written(torch.cat(ks, dim=1), torch.cat(vs, dim=1))
     if form == "none":
         kv = torch.cat([on_device(e.record) for e in entries], dim=2).to(dtype=dtype)  # [L, 2, N, H, D], new
-        return kv[:, 0], kv[:, 1]
-    layers = entries[0].record.shape[0]
-    record = torch.cat([on_device(e.record) for e in entries], dim=1)  # [L, sum record bytes]
+        return written(kv[:, 0], kv[:, 1])
+    num_layers = entries[0].record.shape[0]
     n = sum(e.num_tokens for e in entries)
     qk_part, _, _, vs_part = entries[0].parts
     heads, qdim = qk_part.shape[1], qk_part.shape[2]
-
-    def gathered(part: int) -> torch.Tensor:
-        return record.index_select(1, _part_index(entries, part, device))
-
-    qk = gathered(0).view(qk_part.dtype).view(layers, n, heads, qdim)
-    qv = gathered(2).view(qk_part.dtype).view(layers, n, heads, qdim)
+    # each entry's record split into its parts (one operator per entry, whatever the layers), then each
+    # part of every entry concatenated along the bytes: [L, bytes] per part, in token order
+    split = [on_device(e.record).split([p.nbytes for p in e.parts], dim=1) for e in entries]
+    qk_all, ks_all, qv_all, vs_all = (torch.cat([parts[i] for parts in split], dim=1) for i in range(4))
+    qk_all = qk_all.view(qk_part.dtype).view(num_layers, n, heads, qdim)
+    qv_all = qv_all.view(qk_part.dtype).view(num_layers, n, heads, qdim)
+    ks_all = ks_all.view(SCALE_DTYPE).view(num_layers, len(entries), heads, -1)  # per entry and channel
+    vs_all = vs_all.view(vs_part.dtype).view(num_layers, n, heads, 1)  # per token and head
     counts = torch.tensor([e.num_tokens for e in entries], dtype=torch.long)
-    counts = counts if counts.device == device else counts.to(device)
-    k_scale = gathered(1).view(SCALE_DTYPE).view(layers, len(entries), heads, -1)
-    k_scale = torch.repeat_interleave(k_scale, counts, dim=1, output_size=n)  # [L, N, H, D]
-    v_scale = gathered(3).view(vs_part.dtype).view(layers, n, heads)
-    return _dequantise(form, qk, k_scale, dtype), _dequantise(form, qv, v_scale[..., None], dtype)
+    owner = torch.repeat_interleave(torch.arange(len(entries)), counts, output_size=n)  # [N]: each token's entry
+    owner = owner if owner.device == device else owner.to(device)
+    if out is None:
+        shape = (num_layers, n, heads, qdim * (2 if form == "int4" else 1))
+        out = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    step = num_layers if layers_per_call is None else layers_per_call
+    for first in range(0, num_layers, step):
+        layers = slice(first, first + step)
+        _dequantise(form, qk_all[layers], ks_all[layers].index_select(1, owner), dtype, out=out[0][layers])
+        _dequantise(form, qv_all[layers], vs_all[layers], dtype, out=out[1][layers])
+    return out
 
 
 def decode_all(form: str, parts: tuple[Part, ...], kv: torch.Tensor, dtype: torch.dtype,
