@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from app.help import HelpFormatter
+from ragcache import strategies
 from ragcache.bench.common import BENCH_MODES
-from ragcache.config import GRANULE_MAX, MODES, SELECTIONS
+from ragcache.config import GRANULE_MAX, MODES
 
 _FMT = HelpFormatter
 
@@ -97,7 +98,7 @@ def _selections(text: str) -> list[str]:
     problem = "" if vals else "no selection given"
     for v in vals:
         strategy, _, granule = v.partition("/")
-        if strategy not in SELECTIONS:
+        if strategy not in strategies.names():
             problem = f"{v!r}: unknown strategy {strategy!r}"
         else:
             try:
@@ -107,8 +108,8 @@ def _selections(text: str) -> list[str]:
         if problem:
             break
     if problem:
-        raise argparse.ArgumentTypeError(f"selections must be some of {','.join(SELECTIONS)}, each optionally with "
-                                         f"/GRANULE, a whole number of tokens in [1, {GRANULE_MAX}] "
+        raise argparse.ArgumentTypeError(f"selections must be some of {','.join(strategies.names())}, each "
+                                         f"optionally with /GRANULE, a whole number of tokens in [1, {GRANULE_MAX}] "
                                          f"(e.g. question/16); {problem}")
     return vals
 

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 from app.help import HelpFormatter
+from ragcache import strategies
 from ragcache.calibrate import DEFAULT_MASSES, DEFAULT_MAX_KL, DEFAULT_MAX_NLL_REL, DEFAULT_MIN_SPEEDUP, DEFAULT_RATIOS
-from ragcache.config import SELECTIONS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--masses", default=",".join(f"{m:g}" for m in DEFAULT_MASSES),
                    help="adaptive budget (blend.budget = \"adaptive\"): blend.mass_left thresholds to try, at "
                    "blend.recompute_ratio; the largest that meets the targets is recorded")
-    p.add_argument("--selection", choices=SELECTIONS, default=None,
+    p.add_argument("--selection", choices=strategies.names(), default=None,
                    help="token selection to calibrate (default: blend.selection), under the other blend settings "
                    "in force (granule, recompute_depth, ...); the record holds only while they and the dtype stay "
                    "the same")

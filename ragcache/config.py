@@ -1,6 +1,7 @@
 """Settings for ragcache: one tree, read from settings.toml < RAGCACHE_* environment < explicit args.
 
-This module owns every tunable and its validation. It imports nothing else from ragcache.
+This module owns every tunable and its validation. It imports nothing else from ragcache but
+:mod:`ragcache.strategies` (the selection strategies' records, torch-free).
 
 Sources, lowest precedence first (pydantic-settings, ``settings_customise_sources``):
 
@@ -14,7 +15,6 @@ Invalid values raise :class:`ConfigError` at start, naming the key, the value an
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tomllib
@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError, field_validator, model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -32,14 +34,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from ragcache import strategies
+
 SETTINGS_FILE_ENV = "RAGCACHE_SETTINGS_FILE"
 DEFAULT_CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragcache"
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
-SelectionName = Literal["deviation", "question", "hybrid"]
-#: the token-selection strategies of ragcache.blend.select (a test checks the two lists agree)
-SELECTIONS: tuple[str, ...] = get_args(SelectionName)
+#: a token-selection strategy's name: one registered in :mod:`ragcache.strategies` when validated
+#: (deviation, question, hybrid, and any registered since)
+SelectionName = Annotated[str, PlainValidator(strategies.check_name, json_schema_input_type=str)]
 
 
 #: ranges shared by a setting and the per-request option that overrides it (ragcache.options):
@@ -238,17 +242,25 @@ class BlendSettings(_Section):
         return self.check_layer_for(self.selection)
 
     def measures_deviation(self, selection: str) -> bool:
-        """Whether ``selection`` scores tokens by KV deviation (deviation, or hybrid with some weight on it)."""
-        return selection == "deviation" or (selection == "hybrid" and self.question_weight < 1)
-
-    def check_layer_for(self, selection: str) -> int:
-        """The check layer for a request that selects by ``selection`` (its own, or the settings').
+        """Whether ``selection`` scores tokens by KV deviation under these settings (its record says:
+        deviation, or hybrid with some weight on it).
 
         Raises:
-            ValueError: ``check_layer`` is 0 and ``selection`` measures KV deviation (zero at layer 0).
+            ValueError: ``selection`` is not a registered strategy.
+        """
+        return strategies.get(selection).needs_deviation(self)
+
+    def check_layer_for(self, selection: str) -> int:
+        """The check layer for a request that selects by ``selection`` (its own, or the settings'):
+        ``"auto"`` is the strategy's own (:attr:`ragcache.strategies.Strategy.check_layer`: 0 for
+        question, 1 for deviation and hybrid).
+
+        Raises:
+            ValueError: ``check_layer`` is 0 and ``selection`` measures KV deviation (zero at layer 0),
+                or ``selection`` is not a registered strategy.
         """
         if self.check_layer == "auto":
-            return 0 if selection == "question" else 1
+            return strategies.get(selection).check_layer
         if self.check_layer == 0 and self.measures_deviation(selection):
             raise ValueError(f"selection {selection!r} with blend.check_layer = 0: the KV deviation at layer 0 is "
                              "zero; use check_layer >= 1 or 'auto'")
@@ -267,7 +279,7 @@ class BlendSettings(_Section):
             ConfigError: ``check_layer`` is not below ``num_layers`` for some selection a request may
                 pick (``"auto"`` resolves to 0 or 1).
         """
-        for selection in SELECTIONS:
+        for selection in strategies.names():
             try:
                 layer = self.check_layer_for(selection)
             except ValueError:  # check_layer 0 with a deviation selection: refused per request, with its fix
@@ -278,8 +290,7 @@ class BlendSettings(_Section):
                 raise ConfigError(f"{what}, but the model has {num_layers} layers (0 .. {num_layers - 1}); set "
                                   f"blend.check_layer below {num_layers}")
         warnings = []
-        # the formula of blend.forward.recompute_layers at check layer 0 (config does not import blend/)
-        last = min(num_layers, max(1, math.ceil(round(self.recompute_depth * num_layers, 9))))
+        last = strategies.recompute_layers(self.recompute_depth, num_layers, 0)
         if self.candidates > 1 and self.refine_layer >= last:
             warnings.append(f"blend.refine_layer = {self.refine_layer} is at or past the last layer the recomputed "
                             f"tokens go through ({last} of the model's {num_layers}): no cut is made there, the "
@@ -289,8 +300,9 @@ class BlendSettings(_Section):
     def calibrated_settings(self, selection: str | None = None) -> dict[str, Any]:
         """The settings that change what a blend at a given ratio computes, for ``selection`` (None:
         ``selection``): a calibration (``ragcache calibrate``) measured under other values does not
-        hold. Only the settings ``selection`` reads are included (e.g. ``question_weight`` for
-        hybrid only), so changing an unused one keeps the calibration; ``check_layer`` resolved.
+        hold. Only the settings ``selection`` reads are included (its record's
+        :meth:`~ragcache.strategies.Strategy.reads`, e.g. ``question_weight`` for hybrid only), so
+        changing an unused one keeps the calibration; ``check_layer`` resolved.
 
         Returns:
             ``{"blend.<name>": value}``, JSON-serialisable.
@@ -299,13 +311,7 @@ class BlendSettings(_Section):
             ValueError: as :meth:`check_layer_for`.
         """
         selection = selection or self.selection
-        names = ["min_recompute_tokens", "recompute_depth", "chunk_head_tokens", "max_chunk_share", "granule"]
-        if self.measures_deviation(selection):
-            names.append("deviation")
-        if selection == "hybrid":
-            names.append("question_weight")
-        if selection == "question" or (selection == "hybrid" and self.question_weight > 0):
-            names += ["probe_layers", "question_heads", "candidates", "refine_layer", "budget"]
+        names = list(strategies.get(selection).reads(self))
         if self.adapts(selection):
             names += ["max_recompute_ratio", "max_recompute_tokens"]
         values = {f"blend.{name}": getattr(self, name) for name in names}
@@ -316,9 +322,7 @@ class BlendSettings(_Section):
         """The recompute budget follows each request's question (``budget = "adaptive"``) for this
         selection (default ``selection``): only selections scored by the question's attention have
         the attention the adaptive budget reads."""
-        selection = selection or self.selection
-        return self.budget == "adaptive" and (selection == "question" or (selection == "hybrid"
-                                                                         and self.question_weight > 0))
+        return self.budget == "adaptive" and strategies.get(selection or self.selection).needs_question(self)
 
     @property
     def static_ratio(self) -> float:

@@ -208,11 +208,12 @@ def test_the_settings_offer_exactly_the_question_head_poolings():
         Selection("question", question_heads="median")
 
 
-def test_the_settings_offer_exactly_the_blend_selection_strategies():
-    from ragcache.blend import SELECTIONS
-    from ragcache.config import SELECTIONS as SETTING_CHOICES
+def test_every_registered_strategy_has_a_score_function_and_every_score_function_a_record():
+    from ragcache import strategies
+    from ragcache.blend import SCORES
 
-    assert SETTING_CHOICES == SELECTIONS
+    assert strategies.names() == ("deviation", "question", "hybrid")
+    assert set(SCORES) == set(strategies.names())
 
 
 # --- run-granular selection ----------------------------------------------------------------------

@@ -192,7 +192,7 @@ def test_a_request_selection_gets_its_own_check_layer():
     assert params(BlendSettings(), None).check_layer == 0
     assert params(BlendSettings(), "deviation").check_layer == 1
     assert (params(BlendSettings(selection="deviation"), "question/16").check_layer,
-            params(BlendSettings(selection="deviation"), "question/16").granule) == (0, 16)
+            params(BlendSettings(selection="deviation"), "question/16").selection.granule) == (0, 16)
     assert params(BlendSettings(check_layer=2), "deviation").check_layer == 2
     with pytest.raises(ValueError, match="KV deviation at layer 0 is zero"):
         params(BlendSettings(check_layer=0), "deviation")

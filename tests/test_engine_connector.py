@@ -25,6 +25,7 @@ from ragcache.engine.messages import (
 )
 from ragcache.engine.worker import RagcacheWorkerExtension
 from ragcache.options import QueryOptions
+from ragcache.strategies import Selection
 
 SEGMENTS = (SegmentRef("head", 0, 10), SegmentRef("c1", 10, 20), SegmentRef("c2", 30, 15))
 
@@ -79,9 +80,17 @@ def test_blend_params_round_trip_through_plain_data():
         BlendParams.from_dict({k: v for k, v in d.items() if k != "ctx_len"})
     with pytest.raises(ValueError, match="modes"):
         params(mode="full")
-    assert params(selection="hybrid").selection == "hybrid"
+    assert params(selection="hybrid").selection.strategy == "hybrid"
     spec = params(selection="question/16")
-    assert (spec.selection, spec.granule) == ("question", 16) and params().granule == BlendSettings().granule
+    assert (spec.selection.strategy, spec.selection.granule) == ("question", 16)
+    assert params().selection.granule == BlendSettings().granule
+    # the selection travels as one nested record of the settings' knobs, the worker's Selection as is
+    assert d["selection"] == dataclasses.asdict(Selection.from_settings(BlendSettings()))
+    assert BlendParams.from_dict(d).selection == Selection.from_settings(BlendSettings())
+    with pytest.raises(ValueError, match="malformed.*selection must be one of"):
+        BlendParams.from_dict({**d, "selection": {**d["selection"], "strategy": "attention"}})
+    with pytest.raises(ValueError, match="malformed"):
+        BlendParams.from_dict({**d, "selection": "question"})
     # the options were validated when they were built (tests/test_options.py); nothing here checks again
     unchecked = QueryOptions.model_construct(recompute_ratio=1.5, selection=None)
     assert BlendParams.from_options(BlendSettings(), unchecked, mode="blend", ctx_len=45, lead_in_len=10,

@@ -146,7 +146,7 @@ def test_the_ratio_walks_from_the_http_body_to_the_connector_as_typed_objects_va
     assert engine_opts is options and source == "request"  # the pipeline hands it on unchanged
     req = _engine_base(settings)._request(_prompt(), engine_opts)
     params = BlendParams.from_dict(req.sampling.extra_args["kv_transfer_params"][TRANSFER_KEY])
-    assert (params.recompute_ratio, params.selection, params.granule) == (0.25, "question", 16)
+    assert (params.recompute_ratio, params.selection.strategy, params.selection.granule) == (0.25, "question", 16)
     assert (req.sampling.max_tokens, req.sampling.temperature, req.recompute_ratio) == (7, 0.5, 0.25)
     # the one check is at the edge: a bad ratio stops at the body, naming the field
     with pytest.raises(ValidationError) as e:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from ragcache import strategies
 from ragcache.bench.metrics import rounded
 from ragcache.chunks import Chunk
-from ragcache.config import MODES, SELECTIONS
+from ragcache.config import MODES
 from ragcache.options import QueryOptions, QueryOptionsError, SelectionSpec
 
 if TYPE_CHECKING:
@@ -164,8 +165,9 @@ def make_variants(modes: Sequence[str], ratios: Sequence[float], default_ratio: 
         try:
             QueryOptions.parse({"selection": sel})
         except (QueryOptionsError, ValueError) as exc:
-            raise BenchConfigError(f"unknown selection {sel!r} ({exc}); use some of {', '.join(SELECTIONS)}, each "
-                                   "optionally with /GRANULE (e.g. question/16)") from None
+            raise BenchConfigError(f"unknown selection {sel!r} ({exc}); use some of "
+                                   f"{', '.join(strategies.names())}, each optionally with /GRANULE (e.g. question/16)"
+                                   ) from None
     named = len(set(selections)) > 1 or (bool(selections) and selections[0] != default_selection)
     out = [Variant("full", "full")]
     for m in dict.fromkeys(modes):

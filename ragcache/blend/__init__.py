@@ -18,22 +18,26 @@ from ragcache.blend.reused import CachedKV, LoadLayer
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
 from ragcache.blend.select import (
-    SELECTIONS,
+    SCORES,
     Budget,
     BudgetRule,
     Selection,
+    TokenScores,
     adaptive_budget,
     deviation_scores,
     hkvd_budget,
     impact_scores,
     value_error,
     question_attention,
+    score_function,
     select_hkvd,
     select_tokens,
 )
 
 __all__ = [
-    "SELECTIONS",
+    "SCORES",
+    "TokenScores",
+    "score_function",
     "Attention",
     "masked_attention",
     "torch_attention",

@@ -462,8 +462,9 @@ def decide_budgets(requests: Sequence[BlendRequest], plans: Sequence[BlendPlan],
 def _select(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan], request: BlendRequest, tokens: Sequence[int],
             checked: _Checked | None, question: _QuestionProbe | None) -> torch.Tensor:
     """``[n]`` ascending rows to recompute, ``tokens[r]`` of request r's plus its forced ones (§4.3 and
-    :func:`~ragcache.blend.select.select_grouped`): by the question's attention, by the KV deviation at
-    the check layer (the fresh V, or K with ``deviation="key"``, against the reused one), or both."""
+    :func:`~ragcache.blend.select.select_grouped`): by the strategy's scores, which read the question's
+    attention, the KV deviation at the check layer (the fresh V, or K with ``deviation="key"``, against
+    the reused one), both or neither, as its record says (:mod:`ragcache.strategies`)."""
     selection, scores = request.selection, {}
     if not any(plan.scores_matter for plan in plans):  # the choice cannot depend on the scores: zeros stand for them
         zeros = torch.zeros(batch.n, device=ops.device)
@@ -475,7 +476,7 @@ def _select(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan], request:
             which = 1 if request.deviation == "value" else 0
             scores["deviation"] = deviation_scores(checked.cached[which], (checked.k, checked.v)[which])
     return select_grouped(tokens, selection, forced=batch.forced, exact=batch.exact,
-                          segment_starts=batch.segment_starts, starts=batch.starts, **scores)
+                          segment_starts=batch.segment_starts, starts=batch.starts, device=ops.device, **scores)
 
 
 class _Refinement:

@@ -2,11 +2,12 @@
 
 Owns: :class:`BlendPlan` and :func:`plan_blend` (the recompute budget a ratio gives, whether the
 question is probed and through which layers, the fast path at check layer 0, the recompute depth,
-the candidates' refinement, the order the cached layers are needed in), and
-:func:`recompute_layers`. Everything here is plain integers and ranges: a plan can be made and
-checked without a model, and the layer-wise forward (:mod:`ragcache.blend.forward`) only executes
-it. The one decision a plan leaves open is the budget after the question probe
-(:func:`ragcache.blend.forward.decide_budgets`), because it depends on the question's attention.
+the candidates' refinement, the order the cached layers are needed in; the depth's rule,
+:func:`~ragcache.strategies.recompute_layers`, lives with the strategies, where the settings share
+it). Everything here is plain integers and ranges: a plan can be made and checked without a model,
+and the layer-wise forward (:mod:`ragcache.blend.forward`) only executes it. The one decision a
+plan leaves open is the budget after the question probe (:func:`ragcache.blend.forward.decide_budgets`),
+because it depends on the question's attention.
 Must not import vLLM, transformers, or anything above blend/ in ragcache.
 """
 
@@ -16,15 +17,10 @@ import math
 from dataclasses import dataclass, replace
 
 from ragcache.blend.select import Budget, Selection, hkvd_budget
+from ragcache.strategies import recompute_layers
 
 #: what the KV deviation is measured on at the check layer
 DEVIATIONS = ("value", "key")
-
-
-def recompute_layers(recompute_depth: float, num_layers: int, check_layer: int) -> int:
-    """How many layers, from the first, the selected tokens are recomputed in (``recompute_depth``):
-    ``ceil(recompute_depth * num_layers)``, at least ``check_layer + 1``."""
-    return min(num_layers, max(check_layer + 1, math.ceil(round(recompute_depth * num_layers, 9))))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """Selecting the tokens to recompute: the HKVD tokens of CacheBlend, or the question's tokens.
 
 Owns: the recompute budget (:func:`hkvd_budget`), the per-token scores (KV deviation, attention
-from the question) and :func:`select_tokens`, which turns scores into an exact budget of token
-indices under one of three strategies (:class:`Selection`):
+from the question), the score function of each selection strategy (:data:`SCORES`; the strategy's
+record, what it needs and which settings it reads, is in :mod:`ragcache.strategies`) and
+:func:`select_tokens`, which turns a strategy's scores into an exact budget of token indices
+(:class:`~ragcache.strategies.Selection`). The three strategies ragcache ships:
 
 ``deviation``
     CacheBlend (Yao et al., EuroSys'25, §4.3 "Selecting which tokens to recompute"): at the check
@@ -47,79 +49,104 @@ Must not import vLLM, transformers, or anything above blend/ in ragcache.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-SELECTIONS = ("deviation", "question", "hybrid")
-#: how question attention is pooled over the query heads (:func:`question_attention`)
-QUESTION_HEADS = ("mean", "max")
+from ragcache.strategies import QUESTION_HEADS, Selection
+
+#: name -> the score function of each selection strategy (:func:`score_function`); the strategy's
+#: record (what it needs, its check layer, the settings it reads) is in :mod:`ragcache.strategies`
+SCORES: dict[str, "ScoreFunction"] = {}
 
 
 @dataclass(frozen=True)
-class Selection:
-    """How the tokens to recompute are chosen (defaults live in ``ragcache.config.BlendSettings``).
+class TokenScores:
+    """What a strategy's score function reads: the signals of ``S`` context tokens of ``G`` requests,
+    one request after another (one request: ``G = 1``).
 
     Attributes:
-        strategy: ``"deviation"``, ``"question"`` or ``"hybrid"`` (see the module docstring).
-        chunk_head_tokens: the first k tokens of every moved chunk are always in the set (any strategy).
-        question_weight: hybrid: weight of the question-attention rank against the deviation rank,
-            in [0, 1] (0 = deviation only, 1 = question only).
-        max_chunk_share: no chunk takes more than this share of the budget, in (0, 1] (any strategy).
-        granule: tokens are chosen in aligned runs of this many tokens within each chunk (1 = token
-            by token), >= 1.
-        probe_layers: question scores: how many layers after the check layer the question tail is
-            probed through over the reused KV (0 = the layers up to the check layer only, which
-            cost nothing extra; None = every later layer).
-        question_heads: question scores: how each layer's per-head attention is pooled over the
-            query heads, ``"mean"`` or ``"max"`` (:func:`question_attention`).
-        candidates: question selection at check layer 0: the question picks this many times the
-            budget and the budget is kept among them by impact at layer ``refine_layer`` (see the
-            module docstring), >= 1 (1 = by question attention alone).
-        refine_layer: with ``candidates`` > 1, the layer at which the budget is kept among the
-            candidates (their V error summed over layers 1 .. ``refine_layer``), >= 1.
+        deviation: ``[S]`` KV deviation per token (:func:`deviation_scores`), or None when the
+            strategy does not need it.
+        question: ``[S]`` attention from the question (:func:`question_attention`), or None.
+        group: ``[S]`` int64, ascending: the request each token belongs to.
+        starts: ``[G + 1]`` int64: request g owns tokens ``starts[g] .. starts[g + 1]``.
     """
 
-    strategy: str
-    chunk_head_tokens: int = 0
-    question_weight: float = 0.5
-    max_chunk_share: float = 1.0
-    granule: int = 1
-    probe_layers: int | None = None
-    question_heads: str = "mean"
-    candidates: float = 1.0
-    refine_layer: int = 1
-
-    def __post_init__(self) -> None:
-        if self.strategy not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.strategy!r}")
-        if self.chunk_head_tokens < 0:
-            raise ValueError(f"chunk_head_tokens must be >= 0, got {self.chunk_head_tokens}")
-        if not 0.0 <= self.question_weight <= 1.0:
-            raise ValueError(f"question_weight must be in [0, 1], got {self.question_weight}")
-        if not 0.0 < self.max_chunk_share <= 1.0:
-            raise ValueError(f"max_chunk_share must be in (0, 1], got {self.max_chunk_share}")
-        if self.granule < 1:
-            raise ValueError(f"granule must be >= 1, got {self.granule}")
-        if self.probe_layers is not None and self.probe_layers < 0:
-            raise ValueError(f"probe_layers must be >= 0 or None, got {self.probe_layers}")
-        if self.question_heads not in QUESTION_HEADS:
-            raise ValueError(f"question_heads must be one of {QUESTION_HEADS}, got {self.question_heads!r}")
-        if not self.candidates >= 1.0:
-            raise ValueError(f"candidates must be >= 1, got {self.candidates}")
-        if self.refine_layer < 1:
-            raise ValueError(f"refine_layer must be >= 1, got {self.refine_layer}")
+    deviation: torch.Tensor | None
+    question: torch.Tensor | None
+    group: torch.Tensor
+    starts: torch.Tensor
 
     @property
-    def needs_question(self) -> bool:
-        """True when the question tail's attention is part of the score."""
-        return self.strategy == "question" or (self.strategy == "hybrid" and self.question_weight > 0)
+    def offsets(self) -> torch.Tensor:
+        """``[S]`` int64: each token's index within its request's context."""
+        return torch.arange(self.group.shape[0], device=self.group.device) - self.starts[self.group]
 
-    @property
-    def needs_deviation(self) -> bool:
-        """True when the KV deviation at the check layer is part of the score."""
-        return self.strategy == "deviation" or (self.strategy == "hybrid" and self.question_weight < 1)
+    def ranks(self, scores: torch.Tensor) -> torch.Tensor:
+        """``[S]`` float32: ``scores`` mapped to their rank within their request, in [0, 1] (the
+        smallest 0, the largest 1); ties keep the tokens' order."""
+        group, n = self.group, scores.shape[0]
+        order = torch.argsort(scores, stable=True)
+        order = order[torch.argsort(group[order], stable=True)]  # by request, ascending score within it
+        ranks = torch.empty(n, dtype=torch.float32, device=scores.device)
+        ranks[order] = (torch.arange(n, device=scores.device) - self.starts[group[order]]).float()
+        sizes = self.starts[1:] - self.starts[:-1]  # [G]
+        return ranks / (sizes[group] - 1).clamp(min=1).float()
+
+
+#: a strategy's scores: ``(selection, scores) -> [S]`` float32, every value >= 0, the highest chosen first
+ScoreFunction = Callable[[Selection, TokenScores], torch.Tensor]
+
+
+def score_function(name: str) -> Callable[[ScoreFunction], ScoreFunction]:
+    """Decorator: register the score function of strategy ``name`` in :data:`SCORES` (its record goes
+    in :mod:`ragcache.strategies` with :func:`ragcache.strategies.register`).
+
+    Raises:
+        ValueError: ``name`` has a score function already.
+    """
+    def add(fn: ScoreFunction) -> ScoreFunction:
+        if name in SCORES:
+            raise ValueError(f"selection strategy {name!r} has a score function already")
+        SCORES[name] = fn
+        return fn
+    return add
+
+
+@score_function("deviation")
+def _deviation(selection: Selection, scores: TokenScores) -> torch.Tensor:
+    return scores.deviation.float()
+
+
+@score_function("question")
+def _question(selection: Selection, scores: TokenScores) -> torch.Tensor:
+    return scores.question.float()
+
+
+@score_function("hybrid")
+def _hybrid(selection: Selection, scores: TokenScores) -> torch.Tensor:
+    w = selection.question_weight
+    score = torch.zeros(scores.group.shape[0], dtype=torch.float32, device=scores.group.device)
+    if w < 1:
+        score += (1 - w) * scores.ranks(scores.deviation.float())
+    if w > 0:
+        score += w * scores.ranks(scores.question.float())
+    return score
+
+
+def _score(selection: Selection, scores: TokenScores) -> torch.Tensor:
+    """``[S]`` float32 scores of ``selection``'s strategy (its function in :data:`SCORES`).
+
+    Raises:
+        ValueError: the strategy has a record but no score function.
+    """
+    fn = SCORES.get(selection.strategy)
+    if fn is None:
+        raise ValueError(f"selection {selection.strategy!r} has no score function: register one with "
+                         f"@ragcache.blend.select.score_function({selection.strategy!r})")
+    return fn(selection, scores)
 
 
 def hkvd_budget(ratio: float, num_tokens: int, min_tokens: int = 0) -> int:
@@ -464,16 +491,6 @@ def impact_scores(question: torch.Tensor, candidates: torch.Tensor, error: torch
     return impact
 
 
-def _ranks(scores: torch.Tensor, group: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """Scores mapped to their rank within their group, in [0, 1] (the smallest 0, the largest 1); ties
-    keep the tokens' order. ``group`` ``[S]`` int64 ascending, ``sizes`` / ``starts`` ``[G]`` per group."""
-    order = torch.argsort(scores, stable=True)
-    order = order[torch.argsort(group[order], stable=True)]  # by group, ascending score within it
-    ranks = torch.empty(scores.shape[0], dtype=torch.float32, device=scores.device)
-    ranks[order] = (torch.arange(scores.shape[0], device=scores.device) - starts[group[order]]).float()
-    return ranks / (sizes[group] - 1).clamp(min=1).float()
-
-
 def _chunk_ids(num_tokens: int, segment_starts: Sequence[int], device: torch.device) -> torch.Tensor:
     """``[N]`` int64: the index of the segment each token belongs to."""
     starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
@@ -508,13 +525,14 @@ def select_tokens(
         ``[n]`` int64 indices, ascending; ``n = min(budget, N - num_forced) + num_forced``.
 
     Raises:
-        ValueError: a score the strategy needs is missing, or shapes disagree.
+        ValueError: a score the strategy needs is missing, shapes disagree, or neither scores nor a
+            mask is given (the number of tokens is unknown).
     """
-    scores = deviation if deviation is not None else question
-    if scores is None:
-        raise ValueError("select_tokens needs deviation or question scores")
+    given = [t for t in (deviation, question, forced, exact) if t is not None]
+    if not given:
+        raise ValueError("select_tokens needs scores or a mask (deviation, question, forced or exact)")
     return select_grouped([budget], selection, deviation=deviation, question=question, forced=forced, exact=exact,
-                          segment_starts=[segment_starts], starts=[0, scores.shape[0]])
+                          segment_starts=[segment_starts], starts=[0, given[0].shape[0]])
 
 
 def select_grouped(
@@ -527,6 +545,7 @@ def select_grouped(
     exact: torch.Tensor | None = None,
     segment_starts: Sequence[Sequence[int]],
     starts: Sequence[int],
+    device: torch.device | None = None,
 ) -> torch.LongTensor:
     """:func:`select_tokens` for several requests at once, over their tokens concatenated.
 
@@ -534,19 +553,22 @@ def select_grouped(
     ``budgets[g]`` of them (plus its forced ones) exactly as :func:`select_tokens` would alone, and its
     chunks start at ``segment_starts[g]`` (indices within the request). Without chunk heads or a chunk
     cap the choice dispatches a constant number of operators whatever the number of requests, chunks
-    and runs; with either, the requests are chosen one after the other.
+    and runs; with either, the requests are chosen one after the other. The tokens are scored by the
+    strategy's function in :data:`SCORES`; ``device`` is where they are chosen (default: that of the
+    first scores or mask given).
 
     Returns:
         ``[n]`` int64 indices into the concatenation, ascending.
 
     Raises:
-        ValueError: a score the strategy needs is missing, or shapes disagree.
+        ValueError: a score the strategy needs is missing, shapes disagree, the strategy has no score
+            function, or no device is given or implied.
     """
-    scores = deviation if deviation is not None else question
-    if scores is None:
-        raise ValueError("select_tokens needs deviation or question scores")
-    num_tokens = scores.shape[0]
-    device = scores.device
+    num_tokens = starts[-1]
+    given = [t for t in (deviation, question, forced, exact) if t is not None]
+    if device is None and not given:
+        raise ValueError("select_grouped needs scores, a mask or a device")
+    device = given[0].device if device is None else device
     for name, s in (("deviation", deviation), ("question", question)):
         if s is not None and s.shape != (num_tokens,):
             raise ValueError(f"{name} scores {tuple(s.shape)} do not match {num_tokens} tokens")
@@ -556,14 +578,14 @@ def select_grouped(
         raise ValueError(f"selection {selection.strategy!r} needs the question's attention scores")
     check_mask(forced, num_tokens, "forced")
     check_mask(exact, num_tokens, "exact")
-    if len(starts) != len(budgets) + 1 or starts[0] != 0 or starts[-1] != num_tokens:
+    if len(starts) != len(budgets) + 1 or starts[0] != 0:
         raise ValueError(f"group starts {list(starts)} do not cover {num_tokens} tokens in {len(budgets)} groups")
     if selection.chunk_head_tokens > 0 or selection.max_chunk_share < 1.0:
         parts = []
         for g, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
             part = (lambda t: None if t is None else t[lo:hi])
             parts.append(lo + _select_structured(budgets[g], selection, part(deviation), part(question), part(forced),
-                                                 part(exact), segment_starts[g]))
+                                                 part(exact), segment_starts[g], hi - lo, device))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # every chunk of every request, as global token indices; runs never cross a chunk
@@ -572,17 +594,7 @@ def select_grouped(
     tokens = torch.arange(num_tokens, device=device)
     group = torch.searchsorted(group_starts[1:], tokens, right=True)  # [S]
     sizes = group_starts[1:] - group_starts[:-1]
-    if selection.strategy == "deviation":
-        score = deviation.float()
-    elif selection.strategy == "question":
-        score = question.float()
-    else:
-        w = selection.question_weight
-        score = torch.zeros(num_tokens, dtype=torch.float32, device=device)
-        if w < 1:
-            score += (1 - w) * _ranks(deviation.float(), group, sizes, group_starts)
-        if w > 0:
-            score += w * _ranks(question.float(), group, sizes, group_starts)
+    score = _score(selection, TokenScores(deviation, question, group, group_starts))
     # priority: forced tokens are added apart; exact tokens come after every other candidate
     # (every score is >= 0: exact tokens rank below all others, forced never)
     priority = score if exact is None else score.masked_fill(exact.to(device), -1.0)
@@ -645,26 +657,12 @@ def _best_runs(priority: torch.Tensor, tokens: torch.Tensor, group: torch.Tensor
 
 def _select_structured(budget: int, selection: Selection, deviation: torch.Tensor | None,
                        question: torch.Tensor | None, forced: torch.Tensor | None, exact: torch.Tensor | None,
-                       segment_starts: Sequence[int]) -> torch.LongTensor:
+                       segment_starts: Sequence[int], num_tokens: int, device: torch.device) -> torch.LongTensor:
     """One request's :func:`select_tokens` with chunk heads or a per-chunk cap (``[n]`` ascending)."""
-    scores = deviation if deviation is not None else question
-    num_tokens = scores.shape[0]
-    device = scores.device
     forced = torch.zeros(num_tokens, dtype=torch.bool, device=device) if forced is None else forced.to(device)
     exact = torch.zeros(num_tokens, dtype=torch.bool, device=device) if exact is None else exact.to(device)
-    everyone = (torch.zeros(num_tokens, dtype=torch.long, device=device), torch.tensor([num_tokens], device=device),
-                torch.tensor([0], device=device))
-    if selection.strategy == "deviation":
-        score = deviation.float()
-    elif selection.strategy == "question":
-        score = question.float()
-    else:
-        w = selection.question_weight
-        score = torch.zeros(num_tokens, dtype=torch.float32, device=device)
-        if w < 1:
-            score += (1 - w) * _ranks(deviation.float(), *everyone)
-        if w > 0:
-            score += w * _ranks(question.float(), *everyone)
+    one = torch.zeros(num_tokens, dtype=torch.long, device=device)  # [N] every token in request 0
+    score = _score(selection, TokenScores(deviation, question, one, torch.tensor([0, num_tokens], device=device)))
     candidates = ~forced
     budget = min(budget, int(candidates.sum()))
     chosen = forced.clone()
@@ -692,7 +690,7 @@ def _select_structured(budget: int, selection: Selection, deviation: torch.Tenso
     if selection.max_chunk_share >= 1.0:
         tokens = torch.arange(num_tokens, device=device)
         chunk_starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
-        chosen |= _best_runs(priority, tokens, everyone[0], chunk_starts, selection.granule,
+        chosen |= _best_runs(priority, tokens, one, chunk_starts, selection.granule,
                              torch.tensor([float(budget)], device=device))
         return chosen.nonzero().squeeze(1)
     cap = max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))

@@ -20,8 +20,9 @@ Flow of one reuse/blend request (its options validated once upstream, :mod:`ragc
     scheduler connector.request_finished  --ContextStats.to_dict()-->  RequestOutput.kv_transfer_params
     driver  --RequestMetrics.from_output(...)-->  Generation.metrics / Answer.metrics
 
-Imports only ragcache.config, ragcache.options and ragcache.quality (no vLLM, no torch), so the
-pipeline, the server, the UI and the tests can use these types without starting an engine.
+Imports only ragcache.config, ragcache.options, ragcache.quality and ragcache.strategies (no vLLM,
+no torch), so the pipeline, the server, the UI and the tests can use these types without starting
+an engine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, Mapping, Sequence
 from ragcache.config import BlendSettings
 from ragcache.options import QueryOptions
 from ragcache.quality import repetition_loop
+from ragcache.strategies import Selection
 
 #: key of ragcache's entry inside vLLM's ``kv_transfer_params`` (request in, stats out)
 TRANSFER_KEY = "ragcache"
@@ -60,13 +62,6 @@ class Rpc:
 
     ALL = (INIT, PRECOMPUTE, STORE_STATS, STORE_CONTAINS, STORE_HOLDERS, STORE_DELETE, STORE_FLUSH, OPS_PROBE,
            OP_COUNTS)
-
-
-#: the [blend] settings every reuse/blend request carries
-_BLEND_KNOBS = {"recompute_ratio", "min_recompute_tokens", "recompute_depth", "check_layer", "deviation", "selection",
-                "chunk_head_tokens", "question_weight", "max_chunk_share", "granule", "probe_layers", "question_heads",
-                "candidates", "refine_layer", "pipeline_overlap", "budget", "mass_left", "max_recompute_ratio",
-                "max_recompute_tokens"}
 
 
 def _overlap(value: Any) -> bool | str:
@@ -104,13 +99,15 @@ class BlendParams:
         question_end: the question tail that question-aware selection reads is
             ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
             the continuation they score (a gold answer) is not seen by the selection.
-        recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation, selection,
-            chunk_head_tokens, question_weight, max_chunk_share, granule, probe_layers, question_heads,
-            candidates, refine_layer, pipeline_overlap, budget, mass_left, max_recompute_ratio,
-            max_recompute_tokens: the ``[blend]``
-            settings in force for this request (see :class:`ragcache.config.BlendSettings`); ``budget`` and
-            ``mass_left`` as the request's options set them (a request's ``mass_left`` implies the adaptive
-            budget unless it sets ``budget``).
+        selection: how the blend chooses its tokens: the request's strategy and granule, or the
+            settings', with the ``[blend]`` knobs the selection reads
+            (:meth:`ragcache.strategies.Selection.from_settings`).
+        recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation,
+            pipeline_overlap, budget, mass_left, max_recompute_ratio, max_recompute_tokens: the
+            ``[blend]`` settings of the same names in force for this request (see
+            :class:`ragcache.config.BlendSettings`); ``check_layer`` resolved for the selection;
+            ``budget`` and ``mass_left`` as the request's options set them (a request's ``mass_left``
+            implies the adaptive budget unless it sets ``budget``).
     """
 
     mode: str
@@ -118,21 +115,13 @@ class BlendParams:
     lead_in_len: int
     segments: tuple[SegmentRef, ...]
     question_end: int = 0
+    selection: Selection
     recompute_ratio: float
     min_recompute_tokens: int
     recompute_depth: float
     check_layer: int
     deviation: str
-    selection: str
-    chunk_head_tokens: int
-    question_weight: float
-    max_chunk_share: float
-    granule: int
-    probe_layers: int
-    question_heads: str
     pipeline_overlap: bool | str
-    candidates: float = 1.0
-    refine_layer: int = 1
     budget: str = "fixed"
     mass_left: float = 0.05
     max_recompute_ratio: float = 1.0
@@ -155,21 +144,20 @@ class BlendParams:
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
         sel = options.selection
-        strategy = sel.strategy if sel is not None else blend.selection
+        selection = Selection.from_settings(blend, sel.strategy if sel else None, sel.granule if sel else None)
         return cls(
             mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments), question_end=question_end,
+            selection=selection,
             recompute_ratio=blend.static_ratio if options.recompute_ratio is None else options.recompute_ratio,
-            selection=strategy,
-            granule=sel.granule if sel is not None and sel.granule is not None else blend.granule,
-            check_layer=blend.check_layer_for(strategy),
+            check_layer=blend.check_layer_for(selection.strategy),
             budget=options.budget or ("adaptive" if options.mass_left is not None else blend.budget),
             mass_left=blend.mass_left if options.mass_left is None else options.mass_left,
-            **blend.model_dump(include=_BLEND_KNOBS - {"recompute_ratio", "selection", "granule", "check_layer",
-                                                        "budget", "mass_left"}),
+            **blend.model_dump(include=_CARRIED),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``kv_transfer_params[TRANSFER_KEY]`` (segments as ``[key, start, length]``)."""
+        """Plain data for ``kv_transfer_params[TRANSFER_KEY]`` (segments as ``[key, start, length]``,
+        the selection as a dict of its fields)."""
         d = asdict(self)
         d["segments"] = [[s.key, s.start, s.length] for s in self.segments]
         return d
@@ -179,28 +167,32 @@ class BlendParams:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            ValueError: a field is missing or has the wrong type.
+            ValueError: a field is missing or has the wrong type, or the selection is not valid (an
+                unregistered strategy, a knob out of range).
         """
         try:
             return cls(
                 mode=str(data["mode"]), ctx_len=int(data["ctx_len"]), lead_in_len=int(data["lead_in_len"]),
                 segments=tuple(SegmentRef(str(k), int(s), int(n)) for k, s, n in data["segments"]),
                 question_end=int(data.get("question_end", 0)),
+                selection=Selection(**_pick(Selection, data["selection"])),
                 recompute_ratio=float(data["recompute_ratio"]), min_recompute_tokens=int(data["min_recompute_tokens"]),
                 recompute_depth=float(data["recompute_depth"]),
                 check_layer=int(data["check_layer"]),
-                deviation=str(data["deviation"]), selection=str(data["selection"]),
-                chunk_head_tokens=int(data["chunk_head_tokens"]), question_weight=float(data["question_weight"]),
-                max_chunk_share=float(data["max_chunk_share"]), granule=int(data["granule"]),
-                probe_layers=int(data["probe_layers"]), question_heads=str(data["question_heads"]),
-                pipeline_overlap=_overlap(data["pipeline_overlap"]), candidates=float(data.get("candidates", 1.0)),
-                refine_layer=int(data.get("refine_layer", 1)), budget=str(data.get("budget", "fixed")),
+                deviation=str(data["deviation"]),
+                pipeline_overlap=_overlap(data["pipeline_overlap"]), budget=str(data.get("budget", "fixed")),
                 mass_left=float(data.get("mass_left", 0.05)),
                 max_recompute_ratio=float(data.get("max_recompute_ratio", 1.0)),
                 max_recompute_tokens=int(data.get("max_recompute_tokens", 1 << 30)),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None
+
+
+#: the [blend] settings a reuse/blend request carries as they are: the fields of :class:`BlendParams`
+#: named like a setting, but for those :meth:`BlendParams.from_options` sets from the request's options
+_CARRIED = (({f.name for f in fields(BlendParams)} & set(BlendSettings.model_fields))
+            - {"selection", "recompute_ratio", "check_layer", "budget", "mass_left"})
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ragcache.blend import BlendRequest, BlendResult, BudgetRule, CachedKV, Selection, blend_batch, compute_kv, reuse_kv
+from ragcache.blend import BlendRequest, BlendResult, BudgetRule, CachedKV, blend_batch, compute_kv, reuse_kv
 from ragcache.blend.opcount import count_ops
 from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
@@ -351,16 +351,13 @@ class WorkerRuntime:
         if p.mode == "reuse":
             opened.key = ("reuse", opened.streamed)
             return opened
-        selection = Selection(p.selection, p.chunk_head_tokens, p.question_weight, p.max_chunk_share, p.granule,
-                              None if p.probe_layers < 0 else p.probe_layers, p.question_heads, p.candidates,
-                              p.refine_layer)
         canonical = [is_canonical(seg.start, head_ids) for seg in p.segments]
         exact = torch.repeat_interleave(torch.tensor(canonical), torch.tensor([seg.length for seg in p.segments]))
-        tail = token_ids[n:p.question_end or None] if selection.needs_question else None
+        tail = token_ids[n:p.question_end or None] if p.selection.needs_question else None
         opened.request = BlendRequest(
             token_ids=torch.tensor(token_ids[:n], dtype=torch.long), positions=torch.arange(n),
             recompute_ratio=p.recompute_ratio, min_recompute_tokens=p.min_recompute_tokens,
-            recompute_depth=p.recompute_depth, check_layer=p.check_layer, deviation=p.deviation, selection=selection,
+            recompute_depth=p.recompute_depth, check_layer=p.check_layer, deviation=p.deviation, selection=p.selection,
             tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long),
             segment_starts=[seg.start for seg in p.segments], exact=exact,
             budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio, max_tokens=p.max_recompute_tokens)
