@@ -36,9 +36,10 @@ import statistics
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ragcache.index import CALIBRATION, Calibration, RatioScore, read_calibration, write_calibration
+from ragcache.index.folder import CALIBRATION
 from ragcache.options import QueryOptions, QueryOptionsError
-from ragcache.quality import kl_divergence, mean_nll, rotated
+from ragcache.quality.measures import kl_divergence, mean_nll, rotated
+from ragcache.quality.records import Calibration, RatioScore, read_calibration, write_calibration
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from ragcache.config import BlendSettings
 from ragcache.options import QueryOptions
-from ragcache.quality import repetition_loop
+from ragcache.quality.measures import repetition_loop
 
 #: key of ragcache's entry inside vLLM's ``kv_transfer_params`` (request in, stats out)
 TRANSFER_KEY = "ragcache"
