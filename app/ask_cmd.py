@@ -131,7 +131,7 @@ def open_index(args: argparse.Namespace):
     Raises:
         ConfigError: invalid settings. IndexNotFoundError / IndexMismatchError: --index is no usable index.
     """
-    from ragcache.catalog import catalog
+    from ragcache.index.catalog import catalog
     from ragcache.pipeline import RAGPipeline
 
     settings = run_settings(args)

@@ -482,8 +482,8 @@ def run_tiers(args: argparse.Namespace) -> int:
 @_user_error
 def run_storage(args: argparse.Namespace) -> int:
     from ragcache.bench.environment import utc_now
-    from ragcache.bench.fixtures import RedisNotInstalledError
     from ragcache.bench.storage import run_storage as run
+    from ragcache_testing.services import RedisNotInstalledError
 
     examples = _load(args, args.n)
     forms = ["none", *(f for f in args.forms if f != "none")]
@@ -518,12 +518,8 @@ def run_serve(args: argparse.Namespace) -> int:
 @_user_error
 def run_scale(args: argparse.Namespace) -> int:
     from ragcache.bench.environment import utc_now
-    from ragcache.bench.fixtures import (
-        HAProxyNotInstalledError,
-        PostgresNotInstalledError,
-        RedisNotInstalledError,
-    )
     from ragcache.bench.scale import run_scale as run
+    from ragcache_testing.services import HAProxyNotInstalledError, PostgresNotInstalledError, RedisNotInstalledError
 
     examples = _load(args, args.n)
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -253,8 +253,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def run_drop(args: argparse.Namespace) -> int:
-    from ragcache.catalog import catalog
     from ragcache.config import Settings
+    from ragcache.index.catalog import catalog
     from ragcache.kvstore.codec import FORMS
     from ragcache.models import load_tokenizer, resolve_llm
     from ragcache.prompt import PromptBuilder

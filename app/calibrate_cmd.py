@@ -105,9 +105,9 @@ def read_questions(path: Path) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from app.ask_cmd import open_index
     from ragcache.calibrate import calibrate, probe_questions, write_calibration
-    from ragcache.progress import progress
     from ragcache.config import ConfigError, Settings
-    from ragcache.index import readable_path
+    from ragcache.index.folder import readable_path
+    from ragcache.util.progress import progress
 
     ratios = _check(args)
     if Settings.load(args.settings).ingest.vector_store == "pgvector":

@@ -40,13 +40,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     (BlendUnavailableError too: the mode asked for cannot run on this model or host; the message
     names the mode that does).
 
-    ``ragcache.pgindex`` (psycopg) is only consulted when it was imported: its errors cannot have
+    ``ragcache.index.pg_index`` (psycopg) is only consulted when it was imported: its errors cannot have
     been raised otherwise.
     """
     from ragcache.config import ConfigError
     from ragcache.engine.selfcheck import BlendUnavailableError
-    from ragcache.index import IndexMismatchError, IndexNameError, IndexNotFoundError, IngestError
     from ragcache.conversation import EmptyQuestionError
+    from ragcache.index.manifest import IndexMismatchError, IndexNameError, IndexNotFoundError, IngestError
     from ragcache.models import ModelNotFoundError
     from ragcache.options import QueryOptionsError
     from ragcache.pipeline import EmptyIndexError
@@ -55,7 +55,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     errors: tuple[type[BaseException], ...] = (
         ConfigError, ModelNotFoundError, IndexNotFoundError, IndexMismatchError, IndexNameError, EmptyIndexError,
         PromptTooLongError, EmptyQuestionError, BlendUnavailableError, IngestError, QueryOptionsError)
-    pg = sys.modules.get("ragcache.pgindex")  # imported only with ingest.vector_store = "pgvector"
+    pg = sys.modules.get("ragcache.index.pg_index")  # imported only with ingest.vector_store = "pgvector"
     return errors + ((pg.PgUnavailableError,) if pg is not None else ())
 
 

@@ -74,7 +74,7 @@ def _calibrate(rag) -> bool:
     Returns whether it calibrated now (False: the index's calibration was read)."""
     from app.calibrate_cmd import print_calibration
     from ragcache.calibrate import DEFAULT_MASSES, DEFAULT_RATIOS, calibrate, probe_questions, write_calibration
-    from ragcache.index import readable_path
+    from ragcache.index.folder import readable_path
 
     cal = rag.calibration()
     calibrated_now = cal is None
@@ -120,7 +120,7 @@ def _cut(text: str, n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from ragcache.config import Settings
     from ragcache.engine.messages import RATIO_SOURCES
-    from ragcache.index import resolve_index_path
+    from ragcache.index.folder import resolve_index_path
     from ragcache.pipeline import RAGPipeline
 
     settings = Settings.load(args.settings)

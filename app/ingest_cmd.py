@@ -12,7 +12,7 @@ from ragcache.engine.messages import PrecomputeReport, StoreStats, TierStats
 
 if TYPE_CHECKING:
     from ragcache.config import Settings
-    from ragcache.ingest import KVHook
+    from ragcache.ingest.ingestor import KVHook
 
 #: skipped inputs listed one per line; the rest are counted
 MAX_SKIPPED_SHOWN = 50
@@ -141,13 +141,13 @@ def check_inputs(args: argparse.Namespace, settings: "Settings") -> None:
         ConfigError / IndexNameError / IndexMismatchError / NoInputError: one line with the fix.
     """
     from ragcache.config import check_namespace
-    from ragcache.index import check_index_folder, resolve_index_path
-    from ragcache.ingest import check_inputs_exist
+    from ragcache.index.folder import check_index_folder, resolve_index_path
+    from ragcache.ingest.ingestor import check_inputs_exist
 
     if args.namespace is not None:
         check_namespace(args.namespace, "--namespace")
     if settings.ingest.vector_store == "pgvector":
-        from ragcache.catalog import PgCatalog
+        from ragcache.index.catalog import PgCatalog
 
         PgCatalog(settings).name(args.index)  # a valid name and a pg_url (the database is reached later)
     else:
@@ -161,7 +161,7 @@ def check_inputs(args: argparse.Namespace, settings: "Settings") -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ragcache.config import Settings
-    from ragcache.ingest import Ingestor
+    from ragcache.ingest.ingestor import Ingestor
 
     if not args.verbose:  # library chatter (faiss loader, model loading) only with -v
         for name in ("llama_index", "faiss", "sentence_transformers"):
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--actors {args.actors} sizes the pools of --executor ray; add --executor ray or drop "
                           "--actors")
     if executor == "ray":
-        from ragcache.ray_ingest import RayIngestor
+        from ragcache.ingest.ray_ingestor import RayIngestor
 
         address = settings.ingest.ray_address if args.ray_address is None else args.ray_address
         kv_hook = None

@@ -2,7 +2,7 @@
 
 Owns :func:`configure_output`. Third-party notices (vLLM, torch, transformers, Triton, Hugging
 Face: INFO lines, warnings, loading bars) are hidden in this process and in every process it starts
-(the engine's) by :func:`ragcache.logs.configure`, and shown with ``-v``.
+(the engine's) by :func:`ragcache.util.logs.configure`, and shown with ``-v``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import os
 import warnings
 
-from ragcache import logs
+from ragcache.util import logs
 
 #: loggers whose INFO lines users see without -v
 OWN_LOGGERS = ("ragcache", "app")
@@ -22,7 +22,7 @@ def configure_output(verbose: bool) -> None:
 
     Without ``verbose``: ragcache's loggers at INFO, everything else at WARNING, third-party
     notices, warnings and loading bars hidden here and in the engine's processes
-    (:func:`ragcache.logs.configure`). With ``verbose``: DEBUG everywhere and nothing hidden. vLLM
+    (:func:`ragcache.util.logs.configure`). With ``verbose``: DEBUG everywhere and nothing hidden. vLLM
     always logs to stderr, so stdout holds only results (``ask --json`` prints exactly one JSON object).
     """
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

@@ -11,11 +11,11 @@ _os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from ragcache import lifeline as _lifeline  # noqa: E402
+from ragcache.util import lifeline as _lifeline  # noqa: E402
 
 _lifeline.hold()  # in a vLLM process started by a ragcache engine: die with that engine's process
 
-from ragcache import logs as _logs  # noqa: E402
+from ragcache.util import logs as _logs  # noqa: E402
 
 _logs.inherit()  # in a process a quiet ragcache process started: quiet from the first import on
 

@@ -3,8 +3,8 @@
 Owns: measuring blend against full prefill on prompts drawn from one index (:func:`calibrate`) and
 the probe questions made from the index's own chunks (:func:`probe_questions`). The record it
 produces is kept in the index folder (``calibration.json``, one entry per model fingerprint and
-selection strategy, with the settings it was measured under, outside which it does not hold; :class:`~ragcache.index.Calibration`, :func:`~ragcache.index.read_calibration`,
-:func:`~ragcache.index.write_calibration`, re-exported here), where ``blend.recompute_ratio =
+selection strategy, with the settings it was measured under, outside which it does not hold; :class:`~ragcache.quality.records.Calibration`, :func:`~ragcache.quality.records.read_calibration`,
+:func:`~ragcache.quality.records.write_calibration`, re-exported here), where ``blend.recompute_ratio =
 "auto"`` reads it.
 
 Why probe questions from the index's chunks: the quality of a blend depends on the chunks that
@@ -14,7 +14,7 @@ its opening words ("What do the documents say about <first words>?") and retriev
 chunks for that question exactly as a user question would be served. The measures are gold-free
 (no answers needed, so any corpus works): the first-token KL(full || blend), the teacher-forced
 NLL of full prefill's own greedy answer under blend relative to full, and the share of blend's
-answers that loop (:func:`ragcache.quality.repetition_loop`); and the speedup, the median TTFT of
+answers that loop (:func:`ragcache.quality.measures.repetition_loop`); and the speedup, the median TTFT of
 full prefill over blend's. A ratio is good enough when its mean KL is at most ``max_kl`` nats, its
 answer NLL at most ``max_nll_rel`` above full's and it loops no more often than full prefill; it
 is worth it when it is also at least ``min_speedup`` times faster and leaves some context tokens
@@ -36,9 +36,10 @@ import statistics
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ragcache.index import CALIBRATION, Calibration, RatioScore, read_calibration, write_calibration
+from ragcache.index.folder import CALIBRATION
 from ragcache.options import QueryOptions, QueryOptionsError
-from ragcache.quality import kl_divergence, mean_nll, rotated
+from ragcache.quality.measures import kl_divergence, mean_nll, rotated
+from ragcache.quality.records import Calibration, RatioScore, read_calibration, write_calibration
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk
@@ -169,7 +170,7 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     Per question: retrieval as in a real query, one full-prefill request (greedy answer of
     ``max_tokens`` tokens, first-token distribution over the whole vocabulary), then per ratio one
     blend request (its answer and first-token distribution) and one teacher-forced score of full's
-    answer, the ratios in an order rotated per question (:func:`~ragcache.quality.rotated`). Before
+    answer, the ratios in an order rotated per question (:func:`~ragcache.quality.measures.rotated`). Before
     the timed blends, one untimed one-token ``reuse`` request reads the prompt's chunk KV once, which
     promotes it from a slower tier to RAM where the RAM tier has room: the ratios' TTFTs are then
     compared as a user's repeated questions over the index see them, not with one ratio per

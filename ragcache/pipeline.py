@@ -46,11 +46,11 @@ from ragcache.engine.messages import RequestMetrics, StoreStats
 from ragcache.options import DEFAULTS, QueryOptions, options_from
 
 if TYPE_CHECKING:
-    from ragcache.index import Calibration
     from ragcache.engine import AsyncBlendEngine, BlendEngine, Generation
-    from ragcache.ingest import IngestReport
+    from ragcache.index.retrieval import RetrievedChunk, Retriever
+    from ragcache.ingest.ingestor import IngestReport
     from ragcache.prompt import AssembledPrompt
-    from ragcache.retrieval import RetrievedChunk, Retriever
+    from ragcache.quality.records import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class RAGPipeline:
     """
 
     def __init__(self, settings: Settings, index: str | Path, engine: "BlendEngine | AsyncBlendEngine"):
-        from ragcache.index import resolve_index_path
+        from ragcache.index.folder import resolve_index_path
 
         self.settings = settings
         self.index_name = str(index)
@@ -171,7 +171,7 @@ class RAGPipeline:
         source's tier reads ``"computed"``). Default: ``ingest.kv``.
 
         ``namespace``: the index's own KV namespace, recorded at its first ingest (None = keep it;
-        see :class:`~ragcache.ingest.Ingestor`). ``precompute_kv``: the older spelling of ``kv``
+        see :class:`~ragcache.ingest.ingestor.Ingestor`). ``precompute_kv``: the older spelling of ``kv``
         (True = eager, False = lazy). Returns the report; ``report.total_chunks == 0`` means nothing
         could be ingested.
 
@@ -180,7 +180,7 @@ class RAGPipeline:
                 previous index stays usable.
             IndexMismatchError: the index was built with other chunking, models or namespace.
         """
-        from ragcache.ingest import Ingestor
+        from ragcache.ingest.ingestor import Ingestor
 
         if kv is None:
             kv = self.settings.ingest.kv if precompute_kv is None else ("eager" if precompute_kv else "lazy")
@@ -201,7 +201,7 @@ class RAGPipeline:
 
     @property
     def retriever(self) -> "Retriever":
-        from ragcache.retrieval import Retriever
+        from ragcache.index.retrieval import Retriever
 
         if self._retriever is None:
             self._retriever = Retriever.from_settings(self.settings, self.index_path)
@@ -223,7 +223,7 @@ class RAGPipeline:
         return self._search(check_question(question), options_from(options, fields).top_k)
 
     def _search(self, text: str, top_k: int | None) -> list["RetrievedChunk"]:
-        from ragcache.retrieval import stable_order
+        from ragcache.index.retrieval import stable_order
 
         found = self.retriever.retrieve(text, self.settings.retrieval.top_k if top_k is None else top_k)
         if not found:
@@ -301,7 +301,7 @@ class RAGPipeline:
 
     def calibration_changes(self) -> list[str]:
         """The settings changed since the index's calibration was measured (as
-        :meth:`ragcache.index.Calibration.changed` words them), or [] (none, or no calibration)."""
+        :meth:`ragcache.quality.records.Calibration.changed` words them), or [] (none, or no calibration)."""
         cal = self._read_calibration()
         return [] if cal is None else cal.changed(self.calibrated_settings())
 
@@ -314,7 +314,8 @@ class RAGPipeline:
         return values
 
     def _read_calibration(self) -> "Calibration | None":
-        from ragcache.index import CALIBRATION, read_calibration, readable_path
+        from ragcache.index.folder import CALIBRATION, readable_path
+        from ragcache.quality.records import read_calibration
 
         folder = readable_path(self.index_path)
         if folder is None:

@@ -66,8 +66,8 @@ def first_sentence(name: str) -> str:
 
 def main() -> None:
     from ragcache.config import Settings
-    from ragcache.index import resolve_index_path
-    from ragcache.retrieval import Retriever, stable_order
+    from ragcache.index.folder import resolve_index_path
+    from ragcache.index.retrieval import Retriever, stable_order
 
     settings = Settings.load(None)
     retriever = Retriever.from_settings(settings, resolve_index_path("demo", settings.ingest.index_dir))

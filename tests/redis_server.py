@@ -1,8 +1,8 @@
-"""The pytest side of ragcache.bench.fixtures.RedisServer: a throwaway redis-server, or a skip.
+"""The pytest side of ragcache_testing.services.RedisServer: a throwaway redis-server, or a skip.
 
 Tests that need one skip with a clear message only when no ``redis-server`` binary exists (CI
 installs it: see .ci/run). Starting, waiting for PONG, killing and restarting live in
-:mod:`ragcache.bench.fixtures`.
+:mod:`ragcache_testing.services`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ragcache.bench.fixtures import NOT_INSTALLED, RedisNotInstalledError, RedisServer
+from ragcache_testing.services import NOT_INSTALLED, RedisNotInstalledError, RedisServer
 
 NO_REDIS = f"{NOT_INSTALLED}; remote-tier tests skipped"
 

@@ -1,8 +1,8 @@
-"""The pytest side of ragcache.bench.fixtures' services: a throwaway PostgreSQL with pgvector, a
+"""The pytest side of ragcache_testing.services: a throwaway PostgreSQL with pgvector, a
 Redis Cluster and an HAProxy balancer, or a skip that names the install step.
 
 Tests skip only when a binary is missing (CI installs them: see .ci/run); starting, waiting and
-killing live in :mod:`ragcache.bench.fixtures`.
+killing live in :mod:`ragcache_testing.services`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ragcache.bench.fixtures import (
+from ragcache_testing.services import (
     HAProxyBalancer,
     HAProxyNotInstalledError,
     PostgresNotInstalledError,

@@ -8,7 +8,7 @@ import pytest
 
 from ragcache.bench.common import BenchConfigError, make_variants, request_record, speedup
 from ragcache.engine import Generation, RequestMetrics
-from ragcache.quality import rotated
+from ragcache.quality.measures import rotated
 
 
 def test_variants_put_full_first_and_expand_blend_per_ratio():

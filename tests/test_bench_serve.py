@@ -40,7 +40,7 @@ def test_targets_compare_blend_and_full_at_8_clients_and_the_server_with_the_sdk
 
 
 def test_the_passages_file_is_read_as_one_document_per_distinct_passage(tmp_path):
-    from ragcache.readers import JsonRecordsReader
+    from ragcache.ingest.readers import JsonRecordsReader
 
     examples = [QAExample(0, "q0?", ["a"], [("", "alpha text"), ("", "beta text")]),
                 QAExample(1, "q1?", ["b"], [("", "beta text"), ("T", "gamma text")])]

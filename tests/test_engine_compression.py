@@ -13,7 +13,7 @@ import torch
 
 from ragcache.kvstore import DiskTier, KVSpec, TieredStore
 from ragcache.options import QueryOptions
-from ragcache.quality import kl_divergence
+from ragcache.quality.measures import kl_divergence
 from tests.test_engine_blend import FACTS, make_chunks
 
 pytestmark = pytest.mark.integration

@@ -23,8 +23,8 @@ from redis_server import start_redis
 from small_fs import fill, mount, skip_reason, unmount
 
 from app.cli import main
-from ragcache.bench.fixtures import RedisServer
 from ragcache.kvstore import DiskTier
+from ragcache_testing.services import RedisServer
 from tests.conftest import ZORBIA_DOCS
 
 pytestmark = pytest.mark.integration
@@ -214,7 +214,7 @@ def test_a_full_disk_says_how_many_entries_it_could_not_keep_and_answers_stay_ri
         pytest.skip(skip_reason(FS_SIZE, probe.mounted))
     from app.ingest_cmd import EngineKVHook
     from ragcache.config import Settings
-    from ragcache.ingest import Ingestor
+    from ragcache.ingest.ingestor import Ingestor
     from ragcache.pipeline import RAGPipeline
 
     stats = probe.engine.store_stats().tiers["disk"]

@@ -14,14 +14,11 @@ from pathlib import Path
 import pytest
 
 from ragcache.config import ConfigError, Settings
-from ragcache.index import (
-    Index,
-    IndexMismatchError,
-    previous_path,
-    readable_path,
-)
-from ragcache.ingest import Ingestor, KVPrecomputeError
-from ragcache.readers import passage_doc_id
+from ragcache.index.faiss_index import Index
+from ragcache.index.folder import previous_path, readable_path
+from ragcache.index.manifest import IndexMismatchError
+from ragcache.ingest.ingestor import Ingestor, KVPrecomputeError
+from ragcache.ingest.readers import passage_doc_id
 from tests.conftest import clear_ragcache_env, shared_data
 
 HOTPOT = "hotpotqa/hotpotqa_distractor_100.json"  # under ../shared/data or $RAGCACHE_DATA_DIR
@@ -302,7 +299,7 @@ def test_exception_mid_embedding_keeps_the_previous_index(models, tmp_path, monk
         return real_batch(self, texts, **kw)
 
     monkeypatch.setattr(type(emb), "get_text_embedding_batch", flaky)
-    monkeypatch.setattr("ragcache.ingest._EMBED_BATCH", 1)
+    monkeypatch.setattr("ragcache.ingest.ingestor._EMBED_BATCH", 1)
     (tmp_path / "corpus" / "second.txt").write_text("Second new file, second batch.")
     with pytest.raises(KeyboardInterrupt):
         make_ingestor(models, tmp_path).ingest([tmp_path / "corpus"])
@@ -437,7 +434,7 @@ def test_cli_ingest_prints_summary_and_exits_nonzero_only_when_nothing_was_inges
 
 
 def test_bare_index_name_never_means_a_folder_of_the_working_directory(tmp_path, monkeypatch):
-    from ragcache.index import resolve_index_path
+    from ragcache.index.folder import resolve_index_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "docs").mkdir()
@@ -501,7 +498,7 @@ def test_index_names_that_would_name_the_index_home_or_its_parent_are_refused(tm
 
 
 def test_the_index_namespace_is_recorded_at_the_first_ingest_and_kept(models, tmp_path):
-    from ragcache.index import read_chunks
+    from ragcache.index.faiss_index import read_chunks
 
     write_small_corpus(tmp_path / "corpus")
     seen: list[str] = []

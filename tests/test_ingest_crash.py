@@ -39,7 +39,8 @@ def _more_docs(folder: Path, n: int = 40) -> None:
 
 
 def test_kill_9_mid_ingest_and_a_concurrent_ingest_lose_nothing(engine, engine_settings, tmp_path, capsys):
-    from ragcache.index import Index, readable_path
+    from ragcache.index.faiss_index import Index
+    from ragcache.index.folder import readable_path
     from ragcache.pipeline import RAGPipeline
 
     settings = engine_settings.model_copy(deep=True)

@@ -9,10 +9,10 @@ import os
 import pytest
 from kv_fixtures import SPEC, make_kv
 
-from ragcache.bench.fixtures import free_port
 from ragcache.config import StoreSettings
 from ragcache.kvstore import CorruptEntryError, CpuTier, DiskTier, RedisTier, TieredStore
 from ragcache.kvstore.ledger import COUNTER_FILE, CounterFile
+from ragcache_testing.services import free_port
 
 
 def assert_adds_up(store: TieredStore) -> None:

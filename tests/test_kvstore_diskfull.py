@@ -98,7 +98,8 @@ def test_ingest_on_a_small_filesystem_counts_what_the_disk_really_holds_and_warn
     from tests.conftest import REPO
 
     from ragcache.config import Settings
-    from ragcache.index import read_chunks, resolve_index_path
+    from ragcache.index.faiss_index import read_chunks
+    from ragcache.index.folder import resolve_index_path
     from ragcache.models import load_tokenizer, resolve_llm
     from ragcache.prompt import PromptBuilder
 

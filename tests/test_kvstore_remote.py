@@ -1,6 +1,6 @@
 """The Redis tier against a real redis-server: round trip, sharing, damage, and Redis dying mid-run.
 
-Each test starts its own ``redis-server`` on a free loopback port (ragcache.bench.fixtures, through
+Each test starts its own ``redis-server`` on a free loopback port (ragcache_testing.services, through
 tests/redis_server.py) and kills it at the end; the tests skip only when no redis-server binary exists.
 """
 
@@ -17,9 +17,9 @@ import torch
 from kv_fixtures import SPEC, entry_bytes, make_kv
 from redis_server import start_redis
 
-from ragcache.bench.fixtures import free_port
 from ragcache.config import StoreSettings
 from ragcache.kvstore import CpuTier, DiskTier, RedisTier, TieredStore, TierUnavailableError
+from ragcache_testing.services import free_port
 
 ENTRY = entry_bytes()  # bytes of one make_kv() entry in memory (fp32)
 

@@ -1,7 +1,8 @@
 """The layout's rules, read from the code's own imports (every import, inside functions and under
 TYPE_CHECKING too): no import cycle between ragcache's modules, data flowing one way (app/ui ->
-pipeline -> retrieval, engine -> blend, kvstore), the SDK never importing app/ or ui/, blend/ never
-importing vLLM and no module of the core importing bench/; and every project import naming something
+pipeline -> ingest -> index, engine -> blend, kvstore), the SDK never importing app/ or ui/, blend/
+never importing vLLM, no module of the core importing bench/ or the test-support package, and
+ragcache's root holding only the modules a user imports; and every project import naming something
 that exists. No model, no engine."""
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ def _module_of(path: Path) -> str:
     return ".".join(parts)
 
 
+TOPS = ("ragcache", "ragcache_testing", "app", "ui")
+
+
 def _files() -> dict[str, Path]:
-    return {_module_of(p): p for top in ("ragcache", "app", "ui") for p in (REPO / top).rglob("*.py")}
+    return {_module_of(p): p for top in TOPS for p in (REPO / top).rglob("*.py")}
+
+
+def _under(m: str, *packages: str) -> bool:
+    """``m`` is one of ``packages`` or a module inside one."""
+    return any(m == p or m.startswith(p + ".") for p in packages)
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -93,17 +102,45 @@ def test_no_import_cycle_between_modules():
 
 def test_data_flows_one_way_and_the_sdk_never_imports_the_apps():
     graph = _graph()
+    above_index = ("ragcache.ingest", "ragcache.engine", "ragcache.pipeline", "ragcache.server", "ragcache.bench",
+                   "ragcache.quality", "ragcache.calibrate")
     for m, targets in graph.items():
-        if m.startswith("ragcache"):
-            assert not any(t.startswith(("app", "ui")) for t in targets), (m, targets)
-        if m.startswith(("ragcache.kvstore", "ragcache.blend")):  # the bottom: nothing above them
-            assert not any(t.startswith(("ragcache.engine", "ragcache.pipeline", "ragcache.server", "ragcache.bench"))
-                           for t in targets), (m, targets)
-        if m.startswith("ragcache.engine"):
-            assert not any(t.startswith(("ragcache.pipeline", "ragcache.server", "ragcache.bench", "ragcache.calibrate"))
-                           for t in targets), (m, targets)
-        if m.startswith("ragcache") and not m.startswith("ragcache.bench"):
-            assert not any(t.startswith("ragcache.bench") for t in targets), (m, targets)  # core never uses bench/
+        def imports(*packages: str) -> list[str]:
+            return [t for t in targets if _under(t, *packages)]
+
+        if _under(m, "ragcache"):
+            assert not imports("app", "ui"), m
+        if _under(m, "ragcache.kvstore", "ragcache.blend"):  # the bottom: nothing above them
+            assert not imports("ragcache.engine", "ragcache.pipeline", "ragcache.server", "ragcache.bench",
+                               "ragcache.index", "ragcache.ingest", "ragcache.quality", "ragcache.calibrate"), m
+        if _under(m, "ragcache.engine"):  # of quality/, only its measures
+            assert not imports("ragcache.pipeline", "ragcache.server", "ragcache.bench", "ragcache.index",
+                               "ragcache.ingest", "ragcache.calibrate", "ragcache.quality.records"), m
+        if _under(m, "ragcache.index"):  # written by ingest, read by the pipeline; knows neither
+            assert not imports(*above_index), m
+        if _under(m, "ragcache.ingest"):
+            assert not imports("ragcache.pipeline", "ragcache.server", "ragcache.bench", "ragcache.quality",
+                               "ragcache.calibrate"), m
+        if _under(m, "ragcache.quality"):  # below the engine and the pipeline that use it
+            assert not imports("ragcache.engine", "ragcache.pipeline", "ragcache.server", "ragcache.bench",
+                               "ragcache.ingest", "ragcache.calibrate"), m
+        if _under(m, "ragcache.util"):  # process plumbing: below everything
+            assert not [t for t in targets if _under(t, "ragcache") and not _under(t, "ragcache.util")], m
+        if _under(m, "ragcache") and not _under(m, "ragcache.bench"):  # core never uses bench/ or test support
+            assert not imports("ragcache.bench", "ragcache_testing"), m
+        if _under(m, "ragcache_testing"):  # standard library only
+            assert not imports("ragcache", "app", "ui"), m
+
+
+def test_the_sdk_root_holds_only_the_modules_a_user_imports():
+    """ragcache/'s root is its front door (settings, models, the pipeline, its request and answer types
+    and its calibration, the chunk and prompt every layer shares, the selection strategies a user may
+    register); everything else lives in a
+    subpackage named after its layer (index, ingest, engine, blend, kvstore, quality, server, bench,
+    integrations, util)."""
+    root = sorted(p.name for p in (REPO / "ragcache").glob("*.py"))
+    assert root == ["__init__.py", "calibrate.py", "chunks.py", "config.py", "conversation.py", "models.py",
+                    "options.py", "pipeline.py", "prompt.py", "strategies.py"]
 
 
 def test_blend_never_imports_vllm():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ragcache.config import Settings
-from ragcache.ingest import IngestError, Ingestor, KVPrecomputeError
+from ragcache.ingest.ingestor import IngestError, Ingestor, KVPrecomputeError
 from tests.conftest import REPO, ZORBIA_DOCS, clear_ragcache_env
 from tests.services import start_postgres
 
@@ -64,8 +64,8 @@ def write_docs(folder: Path, docs: dict[str, str]) -> Path:
 
 
 def test_pgvector_round_trip_matches_the_faiss_index(postgres, models, tmp_path):
-    from ragcache.catalog import catalog
-    from ragcache.retrieval import Retriever
+    from ragcache.index.catalog import catalog
+    from ragcache.index.retrieval import Retriever
 
     corpus = write_docs(tmp_path / "corpus", ZORBIA_DOCS)
     pg = pg_settings(postgres, tmp_path)
@@ -92,7 +92,7 @@ def test_pgvector_round_trip_matches_the_faiss_index(postgres, models, tmp_path)
 
 
 def test_pgvector_incremental_ingest_adds_replaces_and_prunes(postgres, models, tmp_path):
-    from ragcache.catalog import catalog
+    from ragcache.index.catalog import catalog
 
     settings = pg_settings(postgres, tmp_path)
     corpus = write_docs(tmp_path / "corpus", ZORBIA_DOCS)
@@ -120,7 +120,7 @@ def test_pgvector_incremental_ingest_adds_replaces_and_prunes(postgres, models, 
 
 
 def test_failed_kv_precompute_commits_nothing(postgres, models, tmp_path):
-    from ragcache.catalog import catalog
+    from ragcache.index.catalog import catalog
 
     settings = pg_settings(postgres, tmp_path)
     corpus = write_docs(tmp_path / "corpus", {"zorbia.txt": ZORBIA_DOCS["zorbia.txt"]})
@@ -139,9 +139,9 @@ def test_failed_kv_precompute_commits_nothing(postgres, models, tmp_path):
 KILLER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import ragcache.pgindex as pgi
+    import ragcache.index.pg_index as pgi
     from ragcache.config import Settings
-    from ragcache.ingest import Ingestor
+    from ragcache.ingest.ingestor import Ingestor
 
     real, rows = pgi._node_row, []
     def dying_row(node):
@@ -156,8 +156,8 @@ KILLER = textwrap.dedent("""
 
 
 def test_ingest_killed_mid_transaction_leaves_the_previous_version_and_no_lock(postgres, models, tmp_path):
-    from ragcache.catalog import catalog
-    from ragcache.retrieval import Retriever
+    from ragcache.index.catalog import catalog
+    from ragcache.index.retrieval import Retriever
 
     settings = pg_settings(postgres, tmp_path)
     corpus = write_docs(tmp_path / "corpus", ZORBIA_DOCS)
@@ -181,7 +181,7 @@ def test_ingest_killed_mid_transaction_leaves_the_previous_version_and_no_lock(p
 
 
 def test_a_second_ingest_into_the_same_index_is_refused_in_one_line(postgres, models, tmp_path):
-    from ragcache.pgindex import ingest_lock
+    from ragcache.index.pg_index import ingest_lock
 
     settings = pg_settings(postgres, tmp_path)
     corpus = write_docs(tmp_path / "corpus", ZORBIA_DOCS)
@@ -192,8 +192,8 @@ def test_a_second_ingest_into_the_same_index_is_refused_in_one_line(postgres, mo
 
 
 def test_an_ingest_by_another_process_is_seen_by_a_reader_as_soon_as_it_commits(postgres, models, tmp_path):
-    from ragcache.catalog import catalog
-    from ragcache.retrieval import Retriever
+    from ragcache.index.catalog import catalog
+    from ragcache.index.retrieval import Retriever
 
     settings = pg_settings(postgres, tmp_path)
     corpus = write_docs(tmp_path / "corpus", {"zorbia.txt": ZORBIA_DOCS["zorbia.txt"]})
@@ -221,7 +221,7 @@ def _cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Complete
 
 
 def test_missing_or_unreachable_database_is_one_line_naming_the_fix(tmp_path):
-    from ragcache.bench.fixtures import free_port
+    from ragcache_testing.services import free_port
 
     write_docs(tmp_path / "corpus", {"a.txt": "Zorbia is an island."})
     no_url = _cli(["ingest", "corpus", "--index", "x", "--no-kv"], {"RAGCACHE_INGEST__VECTOR_STORE": "pgvector"},

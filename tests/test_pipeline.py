@@ -101,7 +101,7 @@ def test_stream_yields_text_then_answer(rag):
 
 
 def test_bad_questions_get_clear_errors(rag, engine, engine_settings, tmp_path):
-    from ragcache.index import IndexNotFoundError
+    from ragcache.index.manifest import IndexNotFoundError
     from ragcache.pipeline import RAGPipeline
     from ragcache.prompt import PromptTooLongError
 

@@ -7,7 +7,7 @@ import io
 
 from tqdm import tqdm
 
-from ragcache.progress import LogProgress, progress
+from ragcache.util.progress import LogProgress, progress
 
 
 class Terminal(io.StringIO):

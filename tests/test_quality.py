@@ -1,9 +1,9 @@
-"""ragcache.quality: the repetition-loop detector on constructed token sequences (KL and NLL are
+"""ragcache.quality.measures: the repetition-loop detector on constructed token sequences (KL and NLL are
 checked where the benchmarks use them, tests/test_bench_metrics.py)."""
 
 import pytest
 
-from ragcache.quality import repetition_loop
+from ragcache.quality.measures import repetition_loop
 
 
 def test_a_phrase_repeated_three_times_in_a_row_is_a_loop():

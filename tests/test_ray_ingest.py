@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ragcache.config import Settings
-from ragcache.ingest import Ingestor, KVPrecomputeError
+from ragcache.ingest.ingestor import Ingestor, KVPrecomputeError
 from tests.conftest import ZORBIA_DOCS, clear_ragcache_env
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -45,8 +45,8 @@ def corpus(folder: Path, n: int = 12) -> Path:
 @pytest.mark.slow
 @needs_ray
 def test_ray_ingest_equals_the_local_ingest_and_survives_a_killed_worker(tmp_path, monkeypatch):
-    from ragcache.catalog import catalog
-    from ragcache.ray_ingest import FAULT_ENV, RayIngestor
+    from ragcache.index.catalog import catalog
+    from ragcache.ingest.ray_ingestor import FAULT_ENV, RayIngestor
 
     docs = corpus(tmp_path / "corpus")
     settings = Settings.load(ingest={"index_dir": str(tmp_path / "indexes")})
@@ -80,7 +80,7 @@ def test_ray_ingest_equals_the_local_ingest_and_survives_a_killed_worker(tmp_pat
 
 
 def test_pools_are_sized_from_the_cluster_or_the_actors_asked_for():
-    from ragcache.ray_ingest import POOL_CPU_SHARE, plan_pools
+    from ragcache.ingest.ray_ingestor import POOL_CPU_SHARE, plan_pools
 
     one = plan_pools([{"CPU": 2.0}])  # this machine: one node, no GPU
     assert (one.embed_actors, one.kv_actors, one.kv_gpus, one.threads) == (1, 1, 0.0, 2)
@@ -104,7 +104,7 @@ def faiss_rows(path: Path) -> dict[str, tuple]:
     import faiss
     from llama_index.core.storage.docstore import SimpleDocumentStore
 
-    from ragcache.index import ID_MAP
+    from ragcache.index.faiss_index import ID_MAP
 
     store = SimpleDocumentStore.from_persist_dir(str(path))
     vectors = faiss.read_index(str(path / "default__vector_store.json"))
@@ -128,13 +128,13 @@ def assert_same_rows(got: dict[str, tuple], want: dict[str, tuple]) -> None:
 @pytest.mark.integration
 @needs_ray
 def test_ray_ingest_with_two_actors_writes_the_local_rows_and_kv_keys(tmp_path):
-    from ragcache.catalog import catalog
     from ragcache.engine.dtype import resolve_dtype
-    from ragcache.index import staging_prefix
+    from ragcache.index.catalog import catalog
+    from ragcache.index.folder import staging_prefix
+    from ragcache.ingest.ray_ingestor import RayIngestor
     from ragcache.kvstore.disk import DiskTier
     from ragcache.models import load_tokenizer, resolve_llm
     from ragcache.prompt import PromptBuilder
-    from ragcache.ray_ingest import RayIngestor
 
     docs = corpus(tmp_path / "corpus", n=3)
     kv_dir = tmp_path / "kv"
@@ -167,8 +167,8 @@ def test_ray_ingest_with_two_actors_writes_the_local_rows_and_kv_keys(tmp_path):
 @pytest.mark.slow
 @needs_ray
 def test_ray_ingest_into_pgvector_writes_the_local_rows_from_the_workers(tmp_path):
-    from ragcache.pgindex import PgDatabase, chunks_table, create_staging, staging_tables
-    from ragcache.ray_ingest import RayIngestor
+    from ragcache.index.pg_index import PgDatabase, chunks_table, create_staging, staging_tables
+    from ragcache.ingest.ray_ingestor import RayIngestor
     from tests.services import start_postgres
 
     docs = corpus(tmp_path / "corpus", n=6)
@@ -191,7 +191,7 @@ def test_ray_ingest_into_pgvector_writes_the_local_rows_from_the_workers(tmp_pat
                for r in rows}
         assert_same_rows(got, want)
         assert dead and db.run(lambda c: staging_tables(c, "rows")) == []  # the dead ingest's table, and its own
-        from ragcache.catalog import catalog
+        from ragcache.index.catalog import catalog
 
         assert catalog(pg).read_chunks("rows")[0].docs == catalog(faiss).read_chunks("local")[0].docs
     finally:

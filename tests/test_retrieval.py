@@ -13,14 +13,10 @@ import pytest
 
 from ragcache.chunks import Chunk
 from ragcache.config import Settings
-from ragcache.index import Index, IndexNotFoundError, new_faiss_store
-from ragcache.ingest import Ingestor
-from ragcache.retrieval import (
-    RetrievedChunk,
-    Retriever,
-    StableOrderPostprocessor,
-    stable_order,
-)
+from ragcache.index.faiss_index import Index, new_faiss_store
+from ragcache.index.manifest import IndexNotFoundError
+from ragcache.index.retrieval import RetrievedChunk, Retriever, StableOrderPostprocessor, stable_order
+from ragcache.ingest.ingestor import Ingestor
 from tests.conftest import clear_ragcache_env, shared_data
 
 HOTPOT = "hotpotqa/hotpotqa_distractor_100.json"  # under ../shared/data or $RAGCACHE_DATA_DIR

@@ -20,7 +20,7 @@ import sys
 import httpx
 import pytest
 
-from ragcache.bench.fixtures import ReplicaProcess
+from ragcache_testing.services import ReplicaProcess
 from tests.conftest import REPO, ZORBIA_DOCS
 from tests.services import haproxy, start_postgres, start_redis_cluster
 

@@ -50,9 +50,9 @@ def served(tmp_path_factory):
     """(base URL, ServerState) of a server over a freshly ingested index. The chunk KV is not
     precomputed: the first request computes and stores it (tier "computed"), later ones reuse it."""
     from ragcache.config import Settings
-    from ragcache.ingest import Ingestor
+    from ragcache.ingest.ingestor import Ingestor
     from ragcache.server import create_app
-    from ragcache.bench.fixtures import free_port
+    from ragcache_testing.services import free_port
 
     root = tmp_path_factory.mktemp("serve")
     docs = root / "docs"
@@ -233,7 +233,8 @@ def test_second_turn_prompt_holds_the_first_turn_after_the_chunks(served):
 
 
 def test_a_blend_against_the_index_calibration_carries_a_note_and_the_log_says_it_once(served, caplog):
-    from ragcache.index import CALIBRATION, Calibration, readable_path, write_calibration
+    from ragcache.index.folder import CALIBRATION, readable_path
+    from ragcache.quality.records import Calibration, write_calibration
 
     url, state = served
     folder = readable_path(state.pipeline(INDEX).index_path)

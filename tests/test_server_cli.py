@@ -154,7 +154,7 @@ index = "{index}"
 def ingest(settings_file: Path, index: str, docs: Path, namespace: str = "") -> None:
     """An index over ``docs`` without KV (set-up, through the SDK)."""
     from ragcache.config import Settings
-    from ragcache.ingest import Ingestor
+    from ragcache.ingest.ingestor import Ingestor
 
     settings = Settings.load(settings_file)
     report = Ingestor(settings, index, show_progress=False, namespace=namespace or None).ingest([docs])
@@ -188,7 +188,7 @@ def gemma(tmp_path_factory, docs):
 
 
 def test_serve_refuses_to_start_in_blend_when_blend_is_unavailable_with_one_named_line(gemma):
-    from ragcache.bench.fixtures import free_port
+    from ragcache_testing.services import free_port
 
     root, settings = gemma
     port = free_port()
@@ -205,7 +205,7 @@ def test_serve_refuses_to_start_in_blend_when_blend_is_unavailable_with_one_name
 
 
 def test_fallback_mode_is_served_and_named_and_kill_9_leaves_no_engine_process_behind(gemma):
-    from ragcache.bench.fixtures import free_port
+    from ragcache_testing.services import free_port
 
     root, settings = gemma
     env = cli_env(settings, RAGCACHE_SERVE__BLEND_FALLBACK="full")
@@ -251,8 +251,8 @@ KEYS = {"acme-key-1": "acme", "ops-key-9": "ops", "ns-key-3": "nsacme"}
 def smol(tmp_path_factory, docs):
     """A float32 SmolLM2 server with indexes ``acme`` (own namespace acme) and ``beta``, a shared key
     and a keys file: acme reads index acme, ops every index, nsacme the indexes of namespace acme."""
-    from ragcache.bench.fixtures import free_port
     from ragcache.server.keys import key_digest
+    from ragcache_testing.services import free_port
 
     root = tmp_path_factory.mktemp("smol")
     settings = write_settings(root, "smollm2-135m-instruct", "acme", "float32", max_model_len=4096,

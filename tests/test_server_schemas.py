@@ -159,7 +159,7 @@ def test_metrics_count_lookups_down_to_the_serving_tier_and_never_label_chunks()
 
 
 def test_serving_beyond_loopback_needs_an_api_key_and_the_default_index_must_exist(tmp_path):
-    from ragcache.index import IndexNotFoundError
+    from ragcache.index.manifest import IndexNotFoundError
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.org")

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import pytest
 
-from ragcache.bench.fixtures import free_port
+from ragcache_testing.services import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

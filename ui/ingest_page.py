@@ -22,7 +22,7 @@ from ragcache.config import Settings
 from ui import state
 
 if TYPE_CHECKING:
-    from ragcache.ingest import IngestReport
+    from ragcache.ingest.ingestor import IngestReport
 
 log = logging.getLogger("ui.ingest_page")  # run as __main__ by st.navigation
 
@@ -101,7 +101,7 @@ def batches(items: Sequence[Path], max_batches: int = MAX_BATCHES) -> list[list[
 
 def merge_reports(reports: Sequence["IngestReport"]) -> "IngestReport":
     """One report for several consecutive ingests into the same index."""
-    from ragcache.ingest import IngestReport
+    from ragcache.ingest.ingestor import IngestReport
 
     last = reports[-1]
     return IngestReport(

@@ -107,7 +107,7 @@ def _pipeline(index: str, index_dir: str, version: int, _settings: Settings, _en
     from ragcache.pipeline import RAGPipeline
 
     # Always a path under index_dir: a bare name that matches a folder in the working directory
-    # would be taken as that folder by ragcache.index.resolve_index_path.
+    # would be taken as that folder by ragcache.index.folder.resolve_index_path.
     return RAGPipeline(_settings, index_path(_settings, index), _engine)
 
 
@@ -132,15 +132,15 @@ def index_dir(settings: Settings) -> Path:
 
 def index_path(settings: Settings, index: str) -> Path:
     """Folder of the index named ``index`` (always under ``ingest.index_dir``; absolute)."""
-    from ragcache.index import resolve_index_path
+    from ragcache.index.folder import resolve_index_path
 
     return resolve_index_path(index, index_dir(settings)).absolute()
 
 
 def index_version(settings: Settings, index: str) -> int:
-    """Changes whenever the index is replaced (see :func:`ragcache.index.index_version`; a
+    """Changes whenever the index is replaced (see :func:`ragcache.index.folder.index_version`; a
     pgvector index's registry version); 0: none."""
-    from ragcache.catalog import catalog
+    from ragcache.index.catalog import catalog
 
     if settings.ingest.vector_store == "pgvector":
         return catalog(settings).version(index)
@@ -158,7 +158,7 @@ def list_indexes(settings: Settings) -> list[str]:
         from ragcache.server.client import server_indexes
 
         return server_indexes(settings.ui.server_url, settings.serve.api_key)
-    from ragcache.catalog import catalog
+    from ragcache.index.catalog import catalog
 
     return catalog(settings).names()
 
@@ -182,8 +182,8 @@ def uploads_dir(settings: Settings, index: str) -> Path:
 
 def describe_error(exc: BaseException, index: str | None = None) -> str:
     """A message for users that names the problem and the fix (never a traceback)."""
-    from ragcache.index import IndexMismatchError, IndexNotFoundError
-    from ragcache.ingest import IngestError
+    from ragcache.index.manifest import IndexMismatchError, IndexNotFoundError
+    from ragcache.ingest.ingestor import IngestError
     from ragcache.models import ModelNotFoundError
     from ragcache.pipeline import EmptyIndexError
     from ragcache.prompt import PromptTooLongError

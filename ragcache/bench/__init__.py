@@ -14,13 +14,13 @@ Owns, one job per module:
   ``storage`` (stored forms of chunk KV: bytes, codec rates, TTFT per tier, quality),
   ``ingest``, ``serve``, ``scale``;
 - ``report``: text/markdown tables, plots, and the RESULT.json/.md/.png files;
-- ``fixtures``: a throwaway redis-server on a loopback port and dropping files from the page
-  cache (the tiers and bandwidth runners and tests/ share this one copy);
 - ``bandwidth`` (a KV entry's read bandwidth per tier), ``retrieval`` (search latency),
   ``coldstart`` (start-up and the first request), and ``plain``'s ``run_plain`` (a plain vLLM
   prefill in any dtype): the measurements that were scripts before, now ``ragcache bench`` kinds;
 
-The CLI (app/bench_cmd.py) only parses flags. Nothing here imports app/ or ui/. ``import
+The services a runner starts (a throwaway redis-server, Redis Cluster, PostgreSQL, HAProxy, server
+replicas) and the page-cache drop live outside the SDK, in :mod:`ragcache_testing.services`, which
+tests/ share. The CLI (app/bench_cmd.py) only parses flags. Nothing here imports app/ or ui/. ``import
 ragcache.bench`` (and each module at import) stays light: no vLLM, no torch, no matplotlib.
 Runners work on the :class:`~ragcache.engine.BlendEngine` they are handed through its public
 methods; vLLM is imported only inside runners (``tiers`` starts its own engines in child

@@ -8,7 +8,7 @@ every ``handle.layer(i)`` (the pipelined path) from each tier, median of ``reads
 - ``cpu``: host RAM;
 - ``disk cold``: the entry file dropped from the page cache before every read (fsync +
   posix_fadvise DONTNEED), i.e. a real SSD read; ``disk warm``: served from the page cache;
-- ``remote``: Redis on loopback (a throwaway ``redis-server`` of :mod:`ragcache.bench.fixtures`
+- ``remote``: Redis on loopback (a throwaway ``redis-server`` of :mod:`ragcache_testing.services`
   when one is installed, or ``redis_url``).
 
 The raw disk speed is ``dd`` reading a file of the same size in the same folder, after dropping it
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ragcache.bench.common import Progress
-from ragcache.bench.fixtures import RedisServer, drop_page_cache
+from ragcache_testing.services import RedisServer, drop_page_cache
 
 MB = 1e6
 

@@ -3,7 +3,7 @@
 Owns: building the question sequence whose chunk sets overlap with what earlier questions used
 (:func:`build_hotset`), the runner that asks it in every mode, and its summary (TTFT over the
 sequence, per-tier store hit rates, the tiers that served chunk loads, speedup decay). Uses the
-engine it is handed through its public methods; imports ragcache.retrieval (llama-index) only
+engine it is handed through its public methods; imports ragcache.index.retrieval (llama-index) only
 inside the runner; never app/ or ui/.
 """
 
@@ -22,7 +22,7 @@ from ragcache.bench.common import (
 from ragcache.bench.datasets import QAExample, distinct_chunks, make_chunks
 from ragcache.bench.metrics import mean, median, percentile, rouge_l, rounded
 from ragcache.chunks import Chunk
-from ragcache.quality import rotated
+from ragcache.quality.measures import rotated
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine
@@ -102,7 +102,7 @@ def run_hotset(engine: "BlendEngine", questions: Sequence[HotQuestion], *, modes
     the tiers that served blend's chunks, and the median speedup of the last ``window`` questions
     against the first ``window``. ``checkpoint`` gets the result so far after every question.
     """
-    from ragcache.retrieval import stable_order
+    from ragcache.index.retrieval import stable_order
 
     say = progress or (lambda _msg: None)
     variants = make_variants(modes, [], engine.settings.blend.recompute_ratio)

@@ -3,8 +3,8 @@
 Owns: SQuAD answer normalisation, exact match, token F1, Rouge-L (with its LCS), and median /
 percentile / mean / rounding as every summary uses them. The measures the engine and calibration
 share (KL divergence of first-token distributions, mean NLL, the repetition-loop detector) live in
-:mod:`ragcache.quality` and are re-exported here. Pure Python on strings and numbers: imports only
-ragcache.quality, and never app/ or ui/.
+:mod:`ragcache.quality.measures` and are re-exported here. Pure Python on strings and numbers: imports only
+ragcache.quality.measures, and never app/ or ui/.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import string
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ragcache.quality import kl_divergence, mean_nll, repetition_loop  # noqa: F401  (re-exported)
+from ragcache.quality.measures import kl_divergence, mean_nll, repetition_loop  # noqa: F401  (re-exported)
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)

@@ -1,6 +1,6 @@
 """Retrieval latency, p50 and p99 in milliseconds, at 1k, 10k and 100k chunks (``ragcache bench retrieval``).
 
-For each size an in-memory :class:`ragcache.index.Index` is filled with synthetic chunks whose
+For each size an in-memory :class:`ragcache.index.faiss_index.Index` is filled with synthetic chunks whose
 embeddings are random unit vectors (384 floats, the all-MiniLM-L6-v2 dimension), through the same
 llama-index VectorStoreIndex + FAISS (IndexIDMap2 over IndexFlatIP, exact search) that ingest
 builds. Three latencies per query, top-k chunks each:
@@ -9,7 +9,7 @@ builds. Three latencies per query, top-k chunks each:
   with FAISS's default OpenMP threads and again with one thread (``faiss1``): on a busy machine
   one-query searches are faster single-threaded;
 - ``search``: the llama-index retriever given the query embedding: FAISS + docstore lookup + nodes;
-- ``e2e``: :meth:`ragcache.retrieval.Retriever.retrieve` from question text: query embedding with
+- ``e2e``: :meth:`ragcache.index.retrieval.Retriever.retrieve` from question text: query embedding with
   the real embedding model on CPU, search, conversion to Chunks (the dataset's questions).
 
 ``build_s`` is the time to insert the synthetic nodes (embeddings given, nothing embedded). No LLM,
@@ -41,7 +41,9 @@ def _unit_vectors(rng: Any, n: int, dim: int) -> Any:
 
 def _synthetic_index(n: int, dim: int, embed_model: Any, rng: Any, batch: int = 10_000) -> Any:
     from ragcache.chunks import Chunk, chunk_id_for
-    from ragcache.index import BuildInfo, Index, chunk_to_node
+    from ragcache.index.faiss_index import Index
+    from ragcache.index.manifest import BuildInfo
+    from ragcache.index.nodes import chunk_to_node
 
     build = BuildInfo(chunk_size=512, chunk_overlap=0, llm="synthetic", llm_fingerprint="0",
                       embedding_model="synthetic", dim=dim)
@@ -80,8 +82,8 @@ def run_retrieval(settings: Any, questions: Sequence[str], *, sizes: Sequence[in
     from llama_index.core.schema import QueryBundle
     from llama_index.core.vector_stores.types import VectorStoreQuery
 
+    from ragcache.index.retrieval import Retriever
     from ragcache.models import load_embed_model
-    from ragcache.retrieval import Retriever
 
     if not questions or min(sizes, default=0) < 1 or queries < 1 or top_k < 1:
         raise BenchConfigError("bench retrieval needs questions, and sizes, --queries and --top-k of at least 1")

@@ -1,7 +1,7 @@
 """``bench scale``: replicas sharing one pgvector index and one Redis Cluster KV tier behind HAProxy.
 
 Owns the scale benchmark. It starts every service itself (PostgreSQL with pgvector, a 3-master
-Redis Cluster, ``ragcache serve`` replicas, HAProxy: :mod:`ragcache.bench.fixtures`), ingests the
+Redis Cluster, ``ragcache serve`` replicas, HAProxy: :mod:`ragcache_testing.services`), ingests the
 examples' passages with ``ragcache ingest`` (the local executor, and ``--executor ray`` when Ray is
 installed), then measures with real HTTP clients:
 
@@ -32,15 +32,9 @@ from typing import Any, Sequence
 
 from ragcache.bench.common import Progress, target
 from ragcache.bench.datasets import QAExample
-from ragcache.bench.fixtures import (
-    REPO_ROOT,
-    HAProxyBalancer,
-    PostgresServer,
-    RedisClusterServer,
-    ReplicaProcess,
-)
 from ragcache.bench.metrics import median, percentile, rounded
 from ragcache.bench.serve import write_passages
+from ragcache_testing.services import REPO_ROOT, HAProxyBalancer, PostgresServer, RedisClusterServer, ReplicaProcess
 
 #: targets of the scale-out benchmark: every replica's first ask served from the remote tier, remote-tier
 #: TTFT at most 1.3x the RAM tier's, a Ray ingest at most 1.5x a local one's time, every request answered

@@ -24,10 +24,10 @@ from typing import Any, Sequence
 
 from ragcache.bench.common import BenchConfigError, Progress, target
 from ragcache.bench.datasets import QAExample
-from ragcache.bench.fixtures import free_port, health_ok
 from ragcache.bench.metrics import mean, median, percentile, rounded
 from ragcache.config import Settings
-from ragcache.quality import rotated
+from ragcache.quality.measures import rotated
+from ragcache_testing.services import free_port, health_ok
 
 log = logging.getLogger(__name__)
 

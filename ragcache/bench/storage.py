@@ -8,8 +8,8 @@ first-token KL of blend and reuse from full prefill and the gold answer's NLL. T
 each in a child process (the store's tiers and form are fixed at engine start): the first (cpu +
 disk + Redis, written through) precomputes, measures quality and cpu TTFT; the second (disk +
 Redis, no memory tier) reads the same files and keys, from disk after dropping them from the page
-cache (``posix_fadvise(DONTNEED)``, :func:`~ragcache.bench.fixtures.drop_page_cache`), then from
-Redis once the files are removed. A throwaway redis-server (:mod:`ragcache.bench.fixtures`) holds
+cache (``posix_fadvise(DONTNEED)``, :func:`~ragcache_testing.services.drop_page_cache`), then from
+Redis once the files are removed. A throwaway redis-server (:mod:`ragcache_testing.services`) holds
 every form's keys (the form is part of each key). Imports the engine only inside the children;
 never app/ or ui/.
 """
@@ -24,10 +24,10 @@ from typing import Any, Sequence
 
 from ragcache.bench.common import Progress, answer_ids, target
 from ragcache.bench.datasets import QAExample, make_chunks
-from ragcache.bench.fixtures import RedisServer, drop_page_cache
 from ragcache.bench.metrics import kl_divergence, mean, mean_nll, median, rounded
 from ragcache.config import Settings
 from ragcache.options import QueryOptions
+from ragcache_testing.services import RedisServer, drop_page_cache
 
 #: the stored forms a run compares by default; ``none`` is the baseline of every ratio
 FORMS = ("none", "int8", "int4")

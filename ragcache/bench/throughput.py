@@ -13,7 +13,7 @@ from ragcache.bench.common import BenchConfigError, Progress
 from ragcache.bench.datasets import QAExample, distinct_chunks, make_chunks
 from ragcache.bench.metrics import mean, median, rounded
 from ragcache.options import QueryOptions
-from ragcache.quality import rotated
+from ragcache.quality.measures import rotated
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine

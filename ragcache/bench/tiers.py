@@ -3,7 +3,7 @@
 Owns: the tier layouts (store overrides per layout), one engine per layout in a child process
 (the store's tiers are fixed at engine start), and the summary against the cpu tier. Starts its
 own engines (imports ragcache.engine, hence vLLM, inside the child only) and a throwaway Redis
-from :mod:`ragcache.bench.fixtures`; never app/ or ui/.
+from :mod:`ragcache_testing.services`; never app/ or ui/.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any, Mapping, Sequence
 
 from ragcache.bench.common import TARGETS, Progress, target
 from ragcache.bench.datasets import QAExample, make_chunks
-from ragcache.bench.fixtures import RedisServer, drop_page_cache
 from ragcache.bench.metrics import median, percentile, rounded
-from ragcache.quality import rotated
 from ragcache.config import Settings
 from ragcache.options import QueryOptions
+from ragcache.quality.measures import rotated
+from ragcache_testing.services import RedisServer, drop_page_cache
 
 #: store overrides per tier layout. ``cpu`` and ``disk`` share one disk folder (the KV is computed
 #: once for both; in ``cpu`` an untimed request first promotes it into the cpu tier, which lookups

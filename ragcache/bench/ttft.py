@@ -24,7 +24,7 @@ from ragcache.calibrate import EXACT  # the exact modes' NLL is scored as calibr
 from ragcache.config import MODES
 from ragcache.models import num_hidden_layers
 from ragcache.options import QueryOptions
-from ragcache.quality import rotated
+from ragcache.quality.measures import rotated
 
 
 if TYPE_CHECKING:

@@ -22,7 +22,6 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ragcache import lifeline, logs
 from ragcache.chunks import KV_LAYOUT_VERSION
 from ragcache.config import Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
@@ -34,8 +33,9 @@ from ragcache.engine.messages import (
 from ragcache.engine.selfcheck import BlendSupport
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.options import QueryOptions
-from ragcache.progress import progress
 from ragcache.prompt import AssembledPrompt, PromptBuilder
+from ragcache.util import lifeline, logs
+from ragcache.util.progress import progress
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk
@@ -114,7 +114,7 @@ def first_position(logprobs: Any) -> dict[int, float] | None:
 
 def set_engine_environment(*, in_process: bool) -> None:
     """Environment that vLLM reads when an engine is created (``vllm.envs`` is evaluated lazily),
-    and the lifeline that makes the engine's processes die with this one (:mod:`ragcache.lifeline`)."""
+    and the lifeline that makes the engine's processes die with this one (:mod:`ragcache.util.lifeline`)."""
     lifeline.arm()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     # vLLM lowers torch to one thread per worker unless OMP_NUM_THREADS is set (10x slower on CPU)
@@ -178,7 +178,7 @@ class EngineBase:
 
     def _configure(self, settings: Settings, llm: LLMInfo | None, *, in_process: bool) -> None:
         """Settings, model and dtype; the environment vLLM reads at creation (and the quiet default for
-        third-party output, :func:`ragcache.logs.quiet_unless_configured`).
+        third-party output, :func:`ragcache.util.logs.quiet_unless_configured`).
 
         Raises:
             ModelNotFoundError: the model cannot be found. ConfigError: engine settings vLLM would
@@ -388,7 +388,7 @@ class EngineBase:
     @staticmethod
     def _precompute_bar(total: int, show: bool) -> Any:
         """The KV precompute progress display (chunks; a bar on a terminal, a line every few seconds
-        in a log; see :func:`ragcache.progress.progress`)."""
+        in a log; see :func:`ragcache.util.progress.progress`)."""
         return progress(total=total, unit="chunk", desc="KV precompute", disable=not show)
 
     @staticmethod

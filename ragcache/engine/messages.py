@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from ragcache.config import BlendSettings
 from ragcache.options import QueryOptions
-from ragcache.quality import repetition_loop
+from ragcache.quality.measures import repetition_loop
 from ragcache.strategies import Selection
 
 #: key of ragcache's entry inside vLLM's ``kv_transfer_params`` (request in, stats out)
@@ -533,7 +533,7 @@ class RequestMetrics(ContextStats):
             pipeline, :meth:`ragcache.pipeline.RAGPipeline.ratio_note`): the calibration recommends
             full prefill or another ratio, or ``"auto"`` found no calibration; empty otherwise.
         repetition_loop: the answer repeats an n-gram of >= 2 tokens >= 3 times in a row
-            (:func:`ragcache.quality.repetition_loop`): a degenerate answer.
+            (:func:`ragcache.quality.measures.repetition_loop`): a degenerate answer.
     """
 
     mode: str

@@ -170,15 +170,16 @@ class ServerState:
     def index_path(self, name: str) -> Path:
         """The folder of index ``name`` under ``ingest.index_dir`` (a pgvector index has none; its
         name stands in), resolved once per request and handed on."""
-        from ragcache.index import resolve_index_path
+        from ragcache.index.folder import resolve_index_path
 
         return resolve_index_path(name, self.settings.ingest.index_dir)
 
     def namespace_of(self, name: str) -> str | None:
         """The own KV namespace of served index ``name`` ("" = none), or None when it cannot be read
         (a damaged index, its database down): then no key reads it by namespace."""
-        from ragcache.catalog import catalog
-        from ragcache.index import Manifest, readable_path
+        from ragcache.index.catalog import catalog
+        from ragcache.index.folder import readable_path
+        from ragcache.index.manifest import Manifest
 
         try:
             cat = catalog(self.settings)
@@ -207,7 +208,7 @@ class ServerState:
     def indexes(self) -> list[str]:
         """Names of the indexes served: every complete index under ``ingest.index_dir`` (or in
         the pgvector database, ``ingest.vector_store``)."""
-        from ragcache.catalog import catalog
+        from ragcache.index.catalog import catalog
 
         return catalog(self.settings).names()
 
@@ -236,7 +237,7 @@ class ServerState:
     def pipeline(self, name: str, path: Path | None = None) -> "RAGPipeline":
         """The pipeline over index ``name`` (at ``path``, when already resolved) on the shared engine
         (new when the index was re-ingested)."""
-        from ragcache.catalog import catalog
+        from ragcache.index.catalog import catalog
         from ragcache.pipeline import RAGPipeline
 
         path = path or self.index_path(name)
@@ -279,7 +280,7 @@ class ServerState:
 
 def api_error(exc: BaseException) -> APIError:
     """The OpenAI-shaped error for an exception raised while answering (unexpected ones are 500)."""
-    from ragcache.index import IndexMismatchError, IndexNotFoundError
+    from ragcache.index.manifest import IndexMismatchError, IndexNotFoundError
     from ragcache.pipeline import EmptyIndexError
     from ragcache.prompt import PromptTooLongError
 
@@ -293,7 +294,7 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, IndexMismatchError):
         return APIError(500, f"the index does not match the server's settings: {exc}", code="index_mismatch")
-    if type(exc).__name__ == "PgUnavailableError":  # ragcache.pgindex (psycopg) is imported only with pgvector
+    if type(exc).__name__ == "PgUnavailableError":  # ragcache.index.pg_index (psycopg) is imported only with pgvector
         return APIError(503, str(exc), code="index_unavailable")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
@@ -511,7 +512,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         return _model(state.resolve_index(name, None, names))
 
     def _model(name: str) -> ModelCard:
-        from ragcache.catalog import catalog
+        from ragcache.index.catalog import catalog
 
         return ModelCard(id=name, created=catalog(settings).created(name))
 

@@ -45,8 +45,8 @@ def check_serve_settings(settings: Settings) -> None:
         IndexNotFoundError: the default index (``serve.index``) does not exist.
         PgUnavailableError: ``ingest.vector_store = "pgvector"`` and its database cannot be reached.
     """
-    from ragcache.catalog import catalog
-    from ragcache.index import IndexNotFoundError
+    from ragcache.index.catalog import catalog
+    from ragcache.index.manifest import IndexNotFoundError
     from ragcache.server.keys import KeyRing
 
     s = settings.serve

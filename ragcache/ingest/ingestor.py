@@ -1,13 +1,13 @@
 """Batch ingestion: files -> llama-index documents -> LLM-token chunks -> embeddings -> FAISS or
 pgvector index.
 
-Owns: walking the inputs (files are read by :mod:`ragcache.readers`), sentence-aware splitting in LLM tokens (llama-index ``SentenceSplitter``), fixing each
+Owns: walking the inputs (files are read by :mod:`ragcache.ingest.readers`), sentence-aware splitting in LLM tokens (llama-index ``SentenceSplitter``), fixing each
 chunk's token ids, embedding (llama-index ``HuggingFaceEmbedding``), incremental updates driven by
-per-file fingerprints, the staged write + swap of the index folder (:mod:`ragcache.index`) or the
-one-transaction publish of a pgvector index (:mod:`ragcache.pgindex`), and the KV-precompute hook.
+per-file fingerprints, the staged write + swap of the index folder (:mod:`ragcache.index.folder`) or the
+one-transaction publish of a pgvector index (:mod:`ragcache.index.pg_index`), and the KV-precompute hook.
 Must not import vLLM, nor ``app/`` or ``ui/``, nor the engine or pipeline: the KV precompute step
 comes in as a callable (:data:`KVHook`). Reading, chunking, embedding and KV precompute are methods
-an executor can run elsewhere (:mod:`ragcache.ray_ingest`: Ray Data); the plan (what changed), the
+an executor can run elsewhere (:mod:`ragcache.ingest.ray_ingestor`: Ray Data); the plan (what changed), the
 manifest and the publish stay here, so every executor keeps the same rules.
 
 Incremental rule: a file whose sha256 is unchanged is not read again. A changed or new file is
@@ -33,25 +33,20 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.config import ConfigError, check_namespace
-from ragcache.index import (
+from ragcache.index.faiss_index import Index
+from ragcache.index.folder import (
     CALIBRATION,
-    BuildInfo,
-    DocEntry,
-    FileEntry,
-    Index,
-    IndexMismatchError,
-    IngestError,
-    Manifest,
     check_index_folder,
-    chunk_to_node,
     readable_path,
     recover,
     resolve_index_path,
     staging_prefix,
     swap_in,
 )
+from ragcache.index.manifest import BuildInfo, DocEntry, FileEntry, IndexMismatchError, IngestError, Manifest
+from ragcache.index.nodes import chunk_to_node
 from ragcache.models import TokenizerInfo, load_embed_model, load_tokenizer
-from ragcache.progress import progress
+from ragcache.util.progress import progress
 
 if TYPE_CHECKING:  # llama-index loads when an ingest runs: the input checks stay light
     from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -59,11 +54,11 @@ if TYPE_CHECKING:  # llama-index loads when an ingest runs: the input checks sta
 
     from ragcache.config import Settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ragcache.ingest")  # the name its lines have always carried
 
 
 #: Called with the chunks added by an ingest and the index's own KV namespace ("" = none; see
-#: :attr:`ragcache.index.Manifest.namespace`), after they are indexed and before the new index is
+#: :attr:`ragcache.index.manifest.Manifest.namespace`), after they are indexed and before the new index is
 #: published; raising aborts the ingest and keeps the previous index.
 KVHook = Callable[[list[Chunk], str], None]
 
@@ -238,7 +233,7 @@ class Ingestor:
         kv_hook: called with the newly added chunks after they are indexed and before the new
             index is published; None skips KV precompute.
         show_progress: progress on stderr (reading: files and chunks; embedding: chunks, tok/s): bars
-            on a terminal, a line every few seconds in a log (:func:`ragcache.progress.progress`).
+            on a terminal, a line every few seconds in a log (:func:`ragcache.util.progress.progress`).
         embed_model / tokenizer: already loaded models to reuse (default: the configured ones).
         namespace: the index's own KV namespace, recorded at its first ingest; None = keep the
             recorded one ("" for a new index: the store namespace alone).
@@ -267,7 +262,7 @@ class Ingestor:
         #: the pgvector index name (ingest.vector_store = "pgvector"), else None (a FAISS folder)
         self.pg_name: str | None = None
         if ing.vector_store == "pgvector":
-            from ragcache.catalog import PgCatalog
+            from ragcache.index.catalog import PgCatalog
 
             self.pg_name = PgCatalog.name(index)
         self.kv_hook = kv_hook
@@ -401,8 +396,8 @@ class Ingestor:
         t0 = time.perf_counter()
         check_inputs_exist(paths)
         if self.pg_name is not None:
-            from ragcache.catalog import PgCatalog
-            from ragcache.pgindex import ingest_lock
+            from ragcache.index.catalog import PgCatalog
+            from ragcache.index.pg_index import ingest_lock
 
             report = IngestReport(index_path=Path(self.pg_name),
                                   location=PgCatalog(self.settings).describe(self.pg_name))
@@ -419,9 +414,9 @@ class Ingestor:
         return report
 
     def _load_existing(self) -> Any:
-        """The published index (FAISS :class:`Index` or :class:`~ragcache.pgindex.PgIndex`), or None."""
+        """The published index (FAISS :class:`Index` or :class:`~ragcache.index.pg_index.PgIndex`), or None."""
         if self.pg_name is not None:
-            from ragcache.pgindex import PgDatabase, PgIndex, require_url, version_of
+            from ragcache.index.pg_index import PgDatabase, PgIndex, require_url, version_of
 
             if version_of(PgDatabase.of(require_url(self.settings)), self.pg_name) == 0:
                 return None
@@ -430,13 +425,13 @@ class Ingestor:
 
     def _create(self, build: BuildInfo) -> Any:
         if self.pg_name is not None:
-            from ragcache.pgindex import PgIndex
+            from ragcache.index.pg_index import PgIndex
 
             return PgIndex.create(self.pg_name, self.settings, build, self.embed_model)
         return Index.create(build, self.embed_model)
 
     def _run(self, paths: Sequence[str | os.PathLike[str]], prune: bool, report: IngestReport) -> None:
-        from ragcache.readers import SkipFile
+        from ragcache.ingest.readers import SkipFile
 
         index = self._load_existing()
         if index is not None:
@@ -539,12 +534,12 @@ class Ingestor:
         self._publish(index, new_chunks)
         report.written = True
 
-    # ---- the stages an executor may run elsewhere (ragcache.ray_ingest runs them on Ray Data)
+    # ---- the stages an executor may run elsewhere (ragcache.ingest.ray_ingestor runs them on Ray Data)
     def _read_files(self, paths: list[Path]) -> Iterator["list[ReadDoc] | Exception"]:
-        """The documents of each file, in order (a :class:`~ragcache.readers.SkipFile` in place of
+        """The documents of each file, in order (a :class:`~ragcache.ingest.readers.SkipFile` in place of
         a file that is skipped); read lazily, one file at a time. What was left out of a file that
         was read (a bad JSONL line) goes to ``self._left_out[str(path)]``."""
-        from ragcache.readers import SkipFile, read_file
+        from ragcache.ingest.readers import SkipFile, read_file
 
         for path in paths:
             left_out: list[str] = []

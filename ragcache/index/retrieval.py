@@ -1,7 +1,7 @@
 """Retrieval: question -> top-k chunks with scores -> stable order.
 
 Owns: :class:`Retriever` (query embedding + search over a persisted index: FAISS through
-llama-index (:class:`~ragcache.index.Index`) or pgvector (:class:`~ragcache.pgindex.PgIndex`)), :class:`RetrievedChunk`, and the *stable order* rule that turns a
+llama-index (:class:`~ragcache.index.faiss_index.Index`) or pgvector (:class:`~ragcache.index.pg_index.PgIndex`)), :class:`RetrievedChunk`, and the *stable order* rule that turns a
 set of retrieved chunks into one deterministic sequence (:func:`stable_order`, also as the
 llama-index node postprocessor :class:`StableOrderPostprocessor`). Must not import vLLM, nor
 ``app/`` or ``ui/``, nor the engine or pipeline.
@@ -24,14 +24,9 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from ragcache.chunks import Chunk
-from ragcache.index import (
-    META_CHUNK_ID,
-    META_DOC_ID,
-    META_POSITION,
-    Index,
-    IndexMismatchError,
-    IndexNotFoundError,
-)
+from ragcache.index.faiss_index import Index
+from ragcache.index.manifest import IndexMismatchError, IndexNotFoundError
+from ragcache.index.nodes import META_CHUNK_ID, META_DOC_ID, META_POSITION
 
 if TYPE_CHECKING:
     from ragcache.config import Settings
@@ -120,7 +115,7 @@ class Retriever:
             IndexNotFoundError: no index there; IndexMismatchError: other embedding model.
             PgUnavailableError: pgvector's database cannot be reached.
         """
-        from ragcache.catalog import catalog
+        from ragcache.index.catalog import catalog
 
         return cls(catalog(settings).load(index), top_k=settings.retrieval.top_k)
 

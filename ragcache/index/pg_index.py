@@ -2,9 +2,9 @@
 
 Owns: the tables in the database at ``ingest.pg_url`` (``ingest.vector_store = "pgvector"``),
 :class:`PgIndex` (load, search, buffered changes, one-transaction publish), the per-index ingest
-lock (a Postgres advisory lock) and :class:`PgUnavailableError`. Used by :mod:`ragcache.catalog`
-(which indexes exist, their versions), :mod:`ragcache.ingest` (writes) and
-:mod:`ragcache.retrieval` (reads). Must not import vLLM, nor ``app/`` or ``ui/``, nor anything above
+lock (a Postgres advisory lock) and :class:`PgUnavailableError`. Used by :mod:`ragcache.index.catalog`
+(which indexes exist, their versions), :mod:`ragcache.ingest.ingestor` (writes) and
+:mod:`ragcache.index.retrieval` (reads). Must not import vLLM, nor ``app/`` or ``ui/``, nor anything above
 it in ragcache (pipeline, engine).
 
 Tables (created on first use; ``vector`` is pgvector's type)::
@@ -41,13 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from ragcache.chunks import Chunk
-from ragcache.index import (
-    META_CHUNK_ID,
-    META_DOC_ID,
-    META_POSITION,
-    META_SOURCE,
-    META_TITLE,
-    META_TOKEN_IDS,
+from ragcache.index.manifest import (
     BuildInfo,
     IndexMismatchError,
     IndexNameError,
@@ -55,6 +49,7 @@ from ragcache.index import (
     IngestError,
     Manifest,
 )
+from ragcache.index.nodes import META_CHUNK_ID, META_DOC_ID, META_POSITION, META_SOURCE, META_TITLE, META_TOKEN_IDS
 
 if TYPE_CHECKING:
     import psycopg
@@ -63,7 +58,7 @@ if TYPE_CHECKING:
 
     from ragcache.config import Settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ragcache.pgindex")  # the name its lines have always carried
 
 REGISTRY = "ragcache_indexes"
 #: a pgvector index name: kept plain so it reads the same in SQL, logs and the API's ``model``
@@ -408,7 +403,7 @@ class PgIndex:
         self._added: list["TextNode"] = []
         self._deleted: list[str] = []
         self._staged: list[str] = []
-        self.path = None  # no folder: see ragcache.catalog
+        self.path = None  # no folder: see ragcache.index.catalog
 
     # ---- construction
     @classmethod

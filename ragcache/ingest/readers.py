@@ -5,7 +5,7 @@ a QA passage, and :func:`read_file`, which reads one file through llama-index's
 ``SimpleDirectoryReader`` and turns every failure into :class:`SkipFile` with a reason users can
 act on. A reader may also leave out part of a file it otherwise reads (a JSONL line that is not
 UTF-8, not JSON or not a record): :func:`read_file` reports those parts beside the documents. Used
-by :mod:`ragcache.ingest`. Must not import vLLM, the engine, the pipeline, ``app/`` or ``ui/``.
+by :mod:`ragcache.ingest.ingestor`. Must not import vLLM, the engine, the pipeline, ``app/`` or ``ui/``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from llama_index.core.readers.base import BaseReader
 from llama_index.core.schema import Document
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ragcache.readers")  # the name its lines have always carried
 
 _SNIFF_BYTES = 8192
 

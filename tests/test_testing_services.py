@@ -1,4 +1,4 @@
-"""ragcache.bench.fixtures on the real thing: a redis-server subprocess and files on this machine's disk."""
+"""ragcache_testing.services on the real thing: a redis-server subprocess and files on this machine's disk."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import redis
 from redis_server import NO_REDIS
 
-from ragcache.bench.fixtures import RedisNotInstalledError, RedisServer, drop_page_cache, free_port
+from ragcache_testing.services import RedisNotInstalledError, RedisServer, drop_page_cache, free_port
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason=NO_REDIS)
 

@@ -445,7 +445,9 @@ class PostgresServer:
 
 HAPROXY_NOT_INSTALLED = "haproxy is not installed (apt-get install -y haproxy)"
 #: the balancer's configuration in the repository; ``{{BIND}}`` and ``{{SERVERS}}`` are filled in
-HAPROXY_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "haproxy.cfg"
+#: the repository root (``python -m app.cli`` runs from here)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HAPROXY_TEMPLATE = REPO_ROOT / "deploy" / "haproxy.cfg"
 
 
 class HAProxyNotInstalledError(FileNotFoundError):
@@ -532,10 +534,6 @@ class HAProxyBalancer:
 
 
 # ------------------------------------------------------------------------------------- replicas
-
-#: the repository root (``python -m app.cli`` runs from here)
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 class ReplicaProcess:
     """One ``ragcache serve`` replica as a real process (``python -m app.cli serve``) on a loopback

@@ -7,7 +7,7 @@ them for search goes through it (pipeline, server, CLI, UI). Must not import vLL
 ``ui/``, nor anything above it in ragcache (pipeline, engine).
 
 An index is named the same way on both: ``--index docs``. With FAISS a name containing a path
-separator is a folder path (:func:`ragcache.index.resolve_index_path`); with pgvector an index is
+separator is a folder path (:func:`ragcache.index.folder.resolve_index_path`); with pgvector an index is
 a row of the registry table and a path's last component is taken as its name.
 """
 
@@ -18,21 +18,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ragcache.chunks import Chunk
-from ragcache.index import (
-    Index,
-    Manifest,
-    index_version,
-    list_indexes,
-    open_manifest,
-    read_chunks,
-    resolve_index_path,
-)
+from ragcache.index.faiss_index import Index, read_chunks
+from ragcache.index.folder import index_version, list_indexes, open_manifest, resolve_index_path
+from ragcache.index.manifest import Manifest
 
 if TYPE_CHECKING:
     from llama_index.core.base.embeddings.base import BaseEmbedding
 
     from ragcache.config import Settings
-    from ragcache.pgindex import PgIndex
+    from ragcache.index.pg_index import PgIndex
 
 
 class FolderCatalog:
@@ -44,7 +38,7 @@ class FolderCatalog:
         self.settings = settings
 
     def path(self, index: str | os.PathLike[str]) -> Path:
-        """The folder of ``index`` (see :func:`ragcache.index.resolve_index_path`)."""
+        """The folder of ``index`` (see :func:`ragcache.index.folder.resolve_index_path`)."""
         return resolve_index_path(index, self.settings.ingest.index_dir)
 
     def names(self) -> list[str]:
@@ -66,12 +60,12 @@ class FolderCatalog:
         """The index's manifest, checked against the settings (no model is loaded).
 
         Raises:
-            IndexNotFoundError / IndexMismatchError / IndexNameError: see :func:`ragcache.index.open_manifest`.
+            IndexNotFoundError / IndexMismatchError / IndexNameError: see :func:`ragcache.index.folder.open_manifest`.
         """
         return open_manifest(index, self.settings)[1]
 
     def load(self, index: str | os.PathLike[str], embed_model: "BaseEmbedding | None" = None) -> Index:
-        """The index, loaded for search (see :meth:`ragcache.index.Index.load`)."""
+        """The index, loaded for search (see :meth:`ragcache.index.faiss_index.Index.load`)."""
         return Index.load(index, self.settings, embed_model=embed_model)
 
     def read_chunks(self, index: str | os.PathLike[str]) -> tuple[Manifest, list[Chunk]]:
@@ -97,7 +91,7 @@ class PgCatalog:
     backend = "pgvector"
 
     def __init__(self, settings: "Settings") -> None:
-        from ragcache.pgindex import PgDatabase, require_url
+        from ragcache.index.pg_index import PgDatabase, require_url
 
         self.settings = settings
         self.db = PgDatabase.of(require_url(settings))
@@ -109,22 +103,22 @@ class PgCatalog:
         Raises:
             IndexNameError: not a valid pgvector index name.
         """
-        from ragcache.pgindex import check_name
+        from ragcache.index.pg_index import check_name
 
         return check_name(Path(os.fspath(index)).name if os.sep in os.fspath(index) else os.fspath(index))
 
     def names(self) -> list[str]:
-        from ragcache.pgindex import list_names
+        from ragcache.index.pg_index import list_names
 
         return list_names(self.db)
 
     def version(self, index: str | os.PathLike[str]) -> int:
-        from ragcache.pgindex import version_of
+        from ragcache.index.pg_index import version_of
 
         return version_of(self.db, self.name(index))
 
     def created(self, index: str | os.PathLike[str]) -> int:
-        from ragcache.pgindex import REGISTRY
+        from ragcache.index.pg_index import REGISTRY
 
         row = self.db.run(lambda c: c.execute(
             f"SELECT extract(epoch FROM updated_at) FROM {REGISTRY} WHERE name = %s", (self.name(index),)).fetchone())
@@ -136,7 +130,7 @@ class PgCatalog:
     def load(self, index: str | os.PathLike[str], embed_model: "BaseEmbedding | None" = None, *,
              lazy: bool = False) -> "PgIndex":
         """The index, for search; ``lazy``: the embedding model loads on the first search."""
-        from ragcache.pgindex import PgIndex
+        from ragcache.index.pg_index import PgIndex
 
         return PgIndex.load(self.name(index), self.settings, embed_model=embed_model, lazy_embed=lazy)
 
@@ -145,7 +139,7 @@ class PgCatalog:
         return idx.manifest, list(idx.chunks())
 
     def describe(self, index: str | os.PathLike[str]) -> str:
-        from ragcache.pgindex import redact
+        from ragcache.index.pg_index import redact
 
         return f"pgvector index {self.name(index)!r} in {redact(self.db.url)}"
 

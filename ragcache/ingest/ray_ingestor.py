@@ -1,10 +1,10 @@
 """Corpus-scale ingest on Ray Data: read -> split and embed -> KV precompute -> index rows, on the workers.
 
-Owns: :class:`RayIngestor`, an :class:`~ragcache.ingest.Ingestor` whose reading, chunking,
+Owns: :class:`RayIngestor`, an :class:`~ragcache.ingest.ingestor.Ingestor` whose reading, chunking,
 embedding, KV precompute and index writes run on a Ray cluster (``ingest.ray_address``; a local Ray
 started for the ingest when empty), and :func:`plan_pools`, which sizes its actor pools from the
 cluster's resources. What changed (file fingerprints against the manifest), the manifest itself,
-the publish and its crash safety stay in :class:`~ragcache.ingest.Ingestor`, so both executors
+the publish and its crash safety stay in :class:`~ragcache.ingest.ingestor.Ingestor`, so both executors
 follow the same rules and produce the same manifest, chunks, embeddings and KV keys. Must not import
 vLLM at module level (the KV actors do, on the workers), nor ``app/`` or ``ui/``.
 
@@ -21,7 +21,7 @@ retried batch is never duplicated):
    and stores each chunk's KV in that engine's tiers (the shared remote tier, for other machines);
 5. index rows, written by Ray write tasks (a :class:`ray.data.Datasink`): for a pgvector index into
    a staging table of the database, which the publish moves into the index in its one transaction
-   (:func:`ragcache.pgindex.create_staging`); for a FAISS index, which is one local folder, as
+   (:func:`ragcache.index.pg_index.create_staging`); for a FAISS index, which is one local folder, as
    Parquet shards (chunk records and embeddings) in a staging folder beside the index, written on
    the driver's node, which the driver merges into the new index version before the usual folder
    swap. Rows never travel through the driver process; a shard or staged row of a write task that
@@ -50,12 +50,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ragcache.chunks import Chunk
 from ragcache.engine.messages import PrecomputeReport
-from ragcache.ingest import IngestError, Ingestor, KVPrecomputeError, ReadDoc, _Pending
+from ragcache.ingest.ingestor import IngestError, Ingestor, KVPrecomputeError, ReadDoc, _Pending
 
 if TYPE_CHECKING:
     from ragcache.config import Settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ragcache.ray_ingest")  # the name its lines have always carried
 
 #: documents per block of the documents to index: one split-and-embed task each, whose chunks are one
 #: KV precompute task (fewer documents per block on a small corpus, so that every actor has work)
@@ -176,8 +176,9 @@ def _row_chunk(r: dict[str, Any]) -> Chunk:
 
 
 def _row_node(r: dict[str, Any]) -> Any:
-    """The llama-index node of a chunk row, carrying the row's embedding (see :func:`ragcache.index.chunk_to_node`)."""
-    from ragcache.index import chunk_to_node
+    """The llama-index node of a chunk row, carrying the row's embedding (see
+    :func:`ragcache.index.nodes.chunk_to_node`)."""
+    from ragcache.index.nodes import chunk_to_node
 
     node = chunk_to_node(_row_chunk(r), source=str(r["source"]))
     node.embedding = [float(x) for x in r["embedding"]]
@@ -219,7 +220,7 @@ class _SplitEmbed:
     def __call__(self, batch: Any) -> dict[str, list[Any]]:
         from llama_index.core.schema import Document, MetadataMode
 
-        from ragcache.index import chunk_to_node
+        from ragcache.index.nodes import chunk_to_node
 
         rows = []
         for r in _rows(batch):
@@ -259,7 +260,7 @@ class _KVPrecompute:
 
 def _read_one(row: dict[str, Any]) -> list[dict[str, Any]]:
     """Ray task: one file's documents as rows (a skip reason instead when it cannot be read)."""
-    from ragcache.readers import SkipFile, read_file
+    from ragcache.ingest.readers import SkipFile, read_file
 
     path = str(row["path"])
     empty = {"path": path, "order": row["order"], "skip": "", "doc_id": "", "key": "", "title": "",
@@ -347,7 +348,7 @@ def sink_classes() -> tuple[type, type]:
             self.returns: list[dict[str, Any]] = []
 
         def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, Any]:
-            from ragcache.pgindex import connect, copy_nodes
+            from ragcache.index.pg_index import connect, copy_nodes
 
             rows = _block_rows(blocks)
             nodes = [_row_node(r) for r in rows]
@@ -372,7 +373,7 @@ def sink_classes() -> tuple[type, type]:
 
 
 class RayIngestor(Ingestor):
-    """An :class:`~ragcache.ingest.Ingestor` whose stages run on Ray Data (see the module docstring).
+    """An :class:`~ragcache.ingest.ingestor.Ingestor` whose stages run on Ray Data (see the module docstring).
 
     Args:
         settings, index, show_progress, embed_model, tokenizer, namespace: as for ``Ingestor``.
@@ -425,7 +426,7 @@ class RayIngestor(Ingestor):
             logging.getLogger("ray.data").setLevel(logging.WARNING)
         if not ray.is_initialized():
             env = {k: v for k, v in os.environ.items() if k.startswith(("RAGCACHE_", "HF_", "TRANSFORMERS_"))}
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
                                                             os.environ.get("PYTHONPATH", "")) if p)
             ray.init(address=self.ray_address or None, include_dashboard=False, log_to_driver=False,
                      configure_logging=False, runtime_env={"env_vars": env})
@@ -453,7 +454,7 @@ class RayIngestor(Ingestor):
             return super().ingest(paths, prune=prune)
         finally:
             if self._staging_table is not None:
-                from ragcache.pgindex import PgUnavailableError, drop_staging
+                from ragcache.index.pg_index import PgUnavailableError, drop_staging
 
                 try:
                     drop_staging(self.settings, self._staging_table)
@@ -464,7 +465,7 @@ class RayIngestor(Ingestor):
 
     # ---- the stages
     def _read_files(self, paths: list[Path]) -> Iterator["list[ReadDoc] | Exception"]:
-        from ragcache.readers import SkipFile
+        from ragcache.ingest.readers import SkipFile
 
         if not paths:
             return iter(())
@@ -529,12 +530,12 @@ class RayIngestor(Ingestor):
                                 num_cpus=plan.kv_cpus, num_gpus=plan.kv_gpus or None, runtime_env=threads)
         shards: Path | None = None
         if pg:
-            from ragcache.pgindex import create_staging, require_url
+            from ragcache.index.pg_index import create_staging, require_url
 
             self._staging_table = create_staging(s, self.pg_name)
             sink = sink_classes()[1](require_url(s), self._staging_table)
         else:
-            from ragcache.index import staging_prefix
+            from ragcache.index.folder import staging_prefix
 
             shards = Path(tempfile.mkdtemp(prefix=staging_prefix(self.path) + "shards-", dir=self.path.parent))
             sink = sink_classes()[0](shards)
