@@ -234,7 +234,18 @@ def _dequantise(form: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 
 
 @dataclass(frozen=True)
-class StoredLayer:
+class _Stored:
+    form: str
+    parts: tuple[Part, ...]
+    record: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.parts[0].shape[0]
+
+
+@dataclass(frozen=True)
+class StoredLayer(_Stored):
     """One layer of one entry as it was stored and read, not yet dequantised (what
     :meth:`ragcache.kvstore.handle.KVHandle.stored_layer` returns, :func:`decode_layers` decodes).
 
@@ -245,13 +256,10 @@ class StoredLayer:
             compute device; a view of a memory tier's entry, or the caller's own tensor. Never modified.
     """
 
-    form: str
-    parts: tuple[Part, ...]
-    record: torch.Tensor
 
-    @property
-    def num_tokens(self) -> int:
-        return self.parts[0].shape[0]
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (asynchronously from the CPU to an accelerator)."""
+    return t if t.device == device else t.to(device=device, non_blocking=device.type != "cpu")
 
 
 def decode_layers(layers: "list[StoredLayer]", dtype: torch.dtype,
@@ -271,20 +279,15 @@ def decode_layers(layers: "list[StoredLayer]", dtype: torch.dtype,
     """
     if not layers:
         raise ValueError("decode_layers needs at least one layer")
-    non_blocking = device.type != "cpu"
-
-    def on_device(t: torch.Tensor) -> torch.Tensor:
-        return t if t.device == device else t.to(device=device, non_blocking=non_blocking)
-
     form = layers[0].form
     if any(layer.form != form for layer in layers):
         ks, vs = zip(*(decode_layer(layer.form, layer.parts, layer.record, dtype, device) for layer in layers))
         return torch.cat(ks), torch.cat(vs)
     if form == "none":
-        kv = torch.cat([on_device(layer.record) for layer in layers], dim=1)  # [2, N, H, D], a new tensor
+        kv = torch.cat([_on_device(layer.record, device) for layer in layers], dim=1)  # [2, N, H, D], a new tensor
         kv = kv.to(dtype=dtype)
         return kv[0], kv[1]
-    split = [split_layer(layer.parts, on_device(layer.record)) for layer in layers]
+    split = [split_layer(layer.parts, _on_device(layer.record, device)) for layer in layers]
     qk = torch.cat([p[0] for p in split])  # [N, H, D] (int4: D/2 bytes)
     qv = torch.cat([p[2] for p in split])
     counts = torch.tensor([layer.num_tokens for layer in layers], device=device)
@@ -294,7 +297,7 @@ def decode_layers(layers: "list[StoredLayer]", dtype: torch.dtype,
 
 
 @dataclass(frozen=True)
-class StoredEntry:
+class StoredEntry(_Stored):
     """Every layer of one entry as it was stored and read, not yet dequantised (what
     :meth:`ragcache.kvstore.handle.KVHandle.stored_entry` returns, :func:`decode_entries` decodes).
 
@@ -304,14 +307,6 @@ class StoredEntry:
         record: ``[L, 2, T, H, D]`` floats (``none``) or uint8 ``[L, record bytes]``, on the CPU or the
             compute device; a memory tier's entry itself, or the caller's own tensor. Never modified.
     """
-
-    form: str
-    parts: tuple[Part, ...]
-    record: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.parts[0].shape[0]
 
 
 def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype, device: torch.device,
@@ -340,11 +335,6 @@ def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype, device: tor
         raise ValueError("decode_entries needs at least one entry")
     if layers_per_call is not None and layers_per_call < 1:
         raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
-    non_blocking = device.type != "cpu"
-
-    def on_device(t: torch.Tensor) -> torch.Tensor:
-        return t if t.device == device else t.to(device=device, non_blocking=non_blocking)
-
     def written(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if out is None:
             return k, v
@@ -357,7 +347,7 @@ def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype, device: tor
         ks, vs = zip(*(decode_entries([e], dtype, device) for e in entries))
         return written(torch.cat(ks, dim=1), torch.cat(vs, dim=1))
     if form == "none":
-        kv = torch.cat([on_device(e.record) for e in entries], dim=2).to(dtype=dtype)  # [L, 2, N, H, D], new
+        kv = torch.cat([_on_device(e.record, device) for e in entries], dim=2).to(dtype=dtype)  # [L, 2, N, H, D], new
         return written(kv[:, 0], kv[:, 1])
     num_layers = entries[0].record.shape[0]
     n = sum(e.num_tokens for e in entries)
@@ -365,7 +355,7 @@ def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype, device: tor
     heads, qdim = qk_part.shape[1], qk_part.shape[2]
     # each entry's record split into its parts (one operator per entry, whatever the layers), then each
     # part of every entry concatenated along the bytes: [L, bytes] per part, in token order
-    split = [on_device(e.record).split([p.nbytes for p in e.parts], dim=1) for e in entries]
+    split = [_on_device(e.record, device).split([p.nbytes for p in e.parts], dim=1) for e in entries]
     qk_all, ks_all, qv_all, vs_all = (torch.cat([parts[i] for parts in split], dim=1) for i in range(4))
     qk_all = qk_all.view(qk_part.dtype).view(num_layers, n, heads, qdim)
     qv_all = qv_all.view(qk_part.dtype).view(num_layers, n, heads, qdim)
@@ -373,7 +363,7 @@ def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype, device: tor
     vs_all = vs_all.view(vs_part.dtype).view(num_layers, n, heads, 1)  # per token and head
     counts = torch.tensor([e.num_tokens for e in entries], dtype=torch.long)
     owner = torch.repeat_interleave(torch.arange(len(entries)), counts, output_size=n)  # [N]: each token's entry
-    owner = owner if owner.device == device else owner.to(device)
+    owner = _on_device(owner, device)
     if out is None:
         shape = (num_layers, n, heads, qdim * (2 if form == "int4" else 1))
         out = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))

@@ -13,7 +13,7 @@ above kvstore.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -129,22 +129,11 @@ class KVHandle:
             IndexError: ``i`` out of range.
             RuntimeError: the handle is closed.
         """
-        if self._reader is None:
-            raise RuntimeError("KVHandle is closed")
-        owner = self._owner
+        reader = self._open_reader()
         out = self._buf[i] if self._buf is not None else None
-        try:
-            t = self._reader.read_layer(i, out)
-        except CorruptEntryError as exc:
-            owner.read_failed(self._pos, self.key, exc, self._head)
-            self.close()
-            raise
-        except OSError as exc:
-            owner.read_failed(self._pos, self.key, exc, self._head)
-            self.close()
-            raise TierError(f"reading layer {i} of {self.key!r} from {self.tier}: {exc}") from exc
+        t = self._reading(lambda: reader.read_layer(i, out), f"layer {i} of ")
         self._read[i] = True
-        owner.record_read(self._pos, self.key, self.meta.layer_nbytes)
+        self._owner.record_read(self._pos, self.key, self.meta.layer_nbytes)
         return StoredLayer(self.meta.compression, self._parts, t)
 
     def stored_entry(self) -> StoredEntry:
@@ -155,24 +144,32 @@ class KVHandle:
 
         Raises: as :meth:`stored_layer` (any layer's checksum).
         """
-        if self._reader is None:
-            raise RuntimeError("KVHandle is closed")
-        owner = self._owner
-        try:
-            t = self._reader.read_all()
-        except CorruptEntryError as exc:
-            owner.read_failed(self._pos, self.key, exc, self._head)
-            self.close()
-            raise
-        except OSError as exc:
-            owner.read_failed(self._pos, self.key, exc, self._head)
-            self.close()
-            raise TierError(f"reading {self.key!r} from {self.tier}: {exc}") from exc
+        reader = self._open_reader()
+        t = self._reading(reader.read_all, "")
         if self._buf is not None:
             self._buf = t  # the entry as read is what promotion keeps
         self._read = [True] * self.meta.num_layers
-        owner.record_read(self._pos, self.key, self.meta.layer_nbytes * self.meta.num_layers)
+        self._owner.record_read(self._pos, self.key, self.meta.layer_nbytes * self.meta.num_layers)
         return StoredEntry(self.meta.compression, self._parts, t)
+
+    def _open_reader(self) -> EntryReader:
+        if self._reader is None:
+            raise RuntimeError("KVHandle is closed")
+        return self._reader
+
+    def _reading(self, read: Callable[[], torch.Tensor], what: str) -> torch.Tensor:
+        """``read()``; a damaged entry or a failing tier is reported to the owner and closes the
+        handle (CorruptEntryError as is, OSError as TierError naming ``what`` and the key)."""
+        try:
+            return read()
+        except CorruptEntryError as exc:
+            self._owner.read_failed(self._pos, self.key, exc, self._head)
+            self.close()
+            raise
+        except OSError as exc:
+            self._owner.read_failed(self._pos, self.key, exc, self._head)
+            self.close()
+            raise TierError(f"reading {what}{self.key!r} from {self.tier}: {exc}") from exc
 
     def close(self) -> None:
         """Release the reader; promote the entry if it was read completely. Idempotent."""
