@@ -101,7 +101,9 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
     # 0); ratio-1 vs plain needs a ratio-1 sweep point (not asked for here)
     f1 = {"blend_f1_vs_full"} if res["modes"]["full"]["f1_mean"] else set()
     assert set(res["targets"]) == {"blend_ttft_speedup", "blend_ttft_speedup_vs_best", "blend_gold_nll_vs_full",
-                                   "blend_agree_em", "blend_agree_rouge_l", "blend_loops", "full_vs_plain"} | f1
+                                   "blend_agree_em", "blend_agree_rouge_l", "blend_loops", "full_vs_plain",
+                                   "blend_aten_ops"} | f1
+    assert res["blend_ops"]["n"] == 2 and res["targets"]["blend_aten_ops"]["value"] == res["blend_ops"]["total_median"]
     assert "ratio_one_vs_plain" not in res["targets"]
     for ex in res["examples"]:
         assert set(ex["results"]) == {"full", "plain", "prefix", "reuse", "blend@0", "blend@0.15"}
