@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -444,26 +444,24 @@ class _Opened:
                                                        token_ids[seg.start:seg.start + seg.length])
         self.tiers[j] = COMPUTED
 
-    def stored_layer(self, j: int, i: int, runtime: "WorkerRuntime") -> StoredLayer:
-        """Layer i of segment j as stored (:class:`~ragcache.kvstore.codec.StoredLayer`), recomputed
-        when its entry turns out damaged or its tier went away."""
-        self.read.add(i)
+    def _guarded(self, j: int, runtime: "WorkerRuntime", read: Callable[[Any], Any], what: str) -> Any:
+        """``read(handle)`` of segment j; when its entry turns out damaged or its tier went away, the
+        segment is recomputed and read from that."""
         try:
-            return self.handles[j].stored_layer(i)
+            return read(self.handles[j])
         except (CorruptEntryError, TierError, OSError) as exc:
-            self._recompute(j, runtime, exc, f"at layer {i}")
-            return self.handles[j].stored_layer(i)
+            self._recompute(j, runtime, exc, what)
+            return read(self.handles[j])
+
+    def stored_layer(self, j: int, i: int, runtime: "WorkerRuntime") -> StoredLayer:
+        """Layer i of segment j as stored (:class:`~ragcache.kvstore.codec.StoredLayer`)."""
+        self.read.add(i)
+        return self._guarded(j, runtime, lambda h: h.stored_layer(i), f"at layer {i}")
 
     def stored_entries(self, runtime: "WorkerRuntime") -> list[StoredEntry]:
-        """Every segment's whole entry, in row order (recomputed where damaged)."""
-        out = []
-        for j in range(len(self.handles)):
-            try:
-                out.append(self.handles[j].stored_entry())
-            except (CorruptEntryError, TierError, OSError) as exc:
-                self._recompute(j, runtime, exc, "when read whole")
-                out.append(self.handles[j].stored_entry())
-        return out
+        """Every segment's whole entry, in row order."""
+        return [self._guarded(j, runtime, lambda h: h.stored_entry(), "when read whole")
+                for j in range(len(self.handles))]
 
     def stored_layers(self, i: int, runtime: "WorkerRuntime") -> list[StoredLayer]:
         """Layer i of every segment, in row order."""

@@ -279,6 +279,7 @@ def decode_layers(layers: "list[StoredLayer]", dtype: torch.dtype,
     """
     if not layers:
         raise ValueError("decode_layers needs at least one layer")
+
     form = layers[0].form
     if any(layer.form != form for layer in layers):
         ks, vs = zip(*(decode_layer(layer.form, layer.parts, layer.record, dtype, device) for layer in layers))
@@ -335,6 +336,7 @@ def decode_entries(entries: "list[StoredEntry]", dtype: torch.dtype, device: tor
         raise ValueError("decode_entries needs at least one entry")
     if layers_per_call is not None and layers_per_call < 1:
         raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
+
     def written(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if out is None:
             return k, v
