@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -131,16 +131,25 @@ def kernel_available(attn_layers: Sequence[Any]) -> str | None:
     The layers are the model's vLLM ``Attention`` modules (``layer.self_attn.attn``), after vLLM set
     up its backend (``layer.impl``, ``layer.isa``, ``layer.kv_cache``).
     """
+    return _backend_unusable(attn_layers, CPU_IMPL, "its CPU kernel", lambda layer, impl: (
+        "vLLM did not set the attention ISA on the layers" if getattr(layer, "isa", None) is None else None))
+
+
+def _backend_unusable(attn_layers: Sequence[Any], impl_name: str, backend: str,
+                      layer_check: Callable[[Any, Any], str | None]) -> str | None:
+    """Why the attention layers do not run on vLLM's ``impl_name`` backend with a plain paged cache
+    (``layer_check(layer, impl)``: the backend's own condition), or None."""
     if not attn_layers:
         return "the model has no attention layers"
     for layer in attn_layers:
         impl = getattr(layer, "impl", None)
-        if type(impl).__name__ != CPU_IMPL:
-            return f"vLLM runs attention through {type(impl).__name__}, not its CPU kernel"
+        if type(impl).__name__ != impl_name:
+            return f"vLLM runs attention through {type(impl).__name__}, not {backend}"
         if getattr(impl, "kv_cache_dtype", "auto") != "auto":
             return f"the KV cache is quantised ({impl.kv_cache_dtype})"
-        if getattr(layer, "isa", None) is None:
-            return "vLLM did not set the attention ISA on the layers"
+        why = layer_check(layer, impl)
+        if why is not None:
+            return why
         if not isinstance(getattr(layer, "kv_cache", None), torch.Tensor):
             return "the layer's paged KV cache is not a single tensor"
     return None
@@ -308,18 +317,10 @@ FLASH_IMPL = "FlashAttentionImpl"
 def flash_available(attn_layers: Sequence[Any]) -> str | None:
     """Why vLLM's CUDA FlashAttention (its ``vllm_flash_attn`` varlen call over the paged cache) cannot
     serve these attention layers, or None when it can."""
-    if not attn_layers:
-        return "the model has no attention layers"
-    for layer in attn_layers:
-        impl = getattr(layer, "impl", None)
-        if type(impl).__name__ != FLASH_IMPL:
-            return f"vLLM runs attention through {type(impl).__name__}, not FlashAttention"
-        if getattr(impl, "kv_cache_dtype", "auto") != "auto":
-            return f"the KV cache is quantised ({impl.kv_cache_dtype})"
-        if getattr(impl, "dcp_world_size", 1) > 1:
-            return "decode context parallelism splits the KV cache"
-        if not isinstance(getattr(layer, "kv_cache", None), torch.Tensor):
-            return "the layer's paged KV cache is not a single tensor"
+    why = _backend_unusable(attn_layers, FLASH_IMPL, "FlashAttention", lambda layer, impl: (
+        "decode context parallelism splits the KV cache" if getattr(impl, "dcp_world_size", 1) > 1 else None))
+    if why is not None:
+        return why
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
     except ImportError as exc:
