@@ -223,21 +223,31 @@ class PagedKernelAttention:
             contexts = PagedContexts.of(block_ids, [b - a for a, b in zip(starts[:-1], starts[1:])], block_size)
             self.starts, self.block_table, self.capacity = contexts.starts, contexts.tables, contexts.capacity
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
-        self._plans: list[tuple[torch.Tensor, QueryRuns, torch.Tensor, torch.Tensor]] = []  # index, runs, table, md
+        self._plans: list[tuple[torch.Tensor, QueryRuns, torch.Tensor, Any]] = []  # index, runs, table, metadata
 
-    def _plan(self, index: torch.Tensor) -> tuple[QueryRuns, torch.Tensor, torch.Tensor]:
-        """Runs, block table ``[R, B]`` and scheduler metadata for ``index`` (cached for the last two)."""
+    def _plan(self, index: torch.Tensor) -> tuple[QueryRuns, torch.Tensor, Any]:
+        """Runs, block table ``[R, B]`` and the backend's metadata (:meth:`_metadata`) for ``index``
+        (cached for the last two).
+
+        Raises:
+            ValueError: a run's queries reach beyond its request's cache slots.
+        """
         for known, runs, table, md in self._plans:
             if known is index:
                 return runs, table, md
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
         runs = QueryRuns.of(index, self.starts)
         if bool((runs.seq_lens > self.capacity[runs.request]).any()):
             reach = int((runs.seq_lens - self.capacity[runs.request]).max())
             raise ValueError(f"queries reach {reach} tokens beyond their request's cache slots")
-        table = self.block_table[runs.request]  # [R, B]
+        table, md = self._metadata(runs, index.device)
+        self._plans = [(index, runs, table, md)] + self._plans[:1]
+        return runs, table, md
+
+    def _metadata(self, runs: QueryRuns, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """The runs' block table ``[R, B]`` and vLLM's CPU scheduler metadata for them."""
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
         layer = self.layers[0]
         md = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=runs.num_runs, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -245,8 +255,7 @@ class PagedKernelAttention:
             query_start_loc=runs.query_start_loc, causal=True,
             sliding_window_size=layer.impl.sliding_window, isa=layer.isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=layer.impl.kv_cache_dtype)
-        self._plans = [(index, runs, table, md)] + self._plans[:1]
-        return runs, table, md
+        return self.block_table[runs.request], md
 
     def __call__(self, layer_index: int, q: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
@@ -342,20 +351,12 @@ class FlashPagedAttention(PagedKernelAttention):
     compares every blend path with vLLM's own prefill before blend is served.
     """
 
-    def _plan(self, index: torch.Tensor) -> tuple[QueryRuns, torch.Tensor, torch.Tensor]:
-        for known, runs, table, md in self._plans:
-            if known is index:
-                return runs, table, md
-        runs = QueryRuns.of(index, self.starts)
-        if bool((runs.seq_lens > self.capacity[runs.request]).any()):
-            reach = int((runs.seq_lens - self.capacity[runs.request]).max())
-            raise ValueError(f"queries reach {reach} tokens beyond their request's cache slots")
-        device = index.device
+    def _metadata(self, runs: QueryRuns, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """The runs' block table on ``device`` and FlashAttention's varlen arguments: cumulative query
+        starts, key lengths, the longest query run and the longest key run."""
         lengths = runs.query_start_loc[1:] - runs.query_start_loc[:-1]
         md = (runs.query_start_loc.to(device), runs.seq_lens.to(device), int(lengths.max()), int(runs.seq_lens.max()))
-        table = self.block_table[runs.request].to(device)
-        self._plans = [(index, runs, table, md)] + self._plans[:1]
-        return runs, table, md
+        return self.block_table[runs.request].to(device), md
 
     def __call__(self, layer_index: int, q: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
