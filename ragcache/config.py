@@ -39,8 +39,11 @@ from ragcache import strategies
 SETTINGS_FILE_ENV = "RAGCACHE_SETTINGS_FILE"
 DEFAULT_CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragcache"
 
-Mode = Literal["full", "prefix", "reuse", "blend"]
+Mode = Literal["full", "prefix", "reuse", "blend", "auto"]
 MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
+#: the modes under which a request may blend, so blend-only options apply (``auto`` routes each request to
+#: blend or full prefill)
+BLENDING_MODES: tuple[str, ...] = ("blend", "auto")
 #: a token-selection strategy's name: one registered in :mod:`ragcache.strategies` when validated
 #: (deviation, question, hybrid, and any registered since)
 SelectionName = Annotated[str, PlainValidator(strategies.check_name, json_schema_input_type=str)]
