@@ -113,7 +113,9 @@ class EngineSettings(_Section):
     in_process: bool = Field(
         True, description="run vLLM's engine core in this process (start-up ~6 s vs ~30 s multi-process on CPU)"
     )
-    mode: Mode = Field("blend", description="default query mode: full, prefix, reuse or blend")
+    mode: Mode = Field(
+        "auto", description="default query mode: auto (each request blends where blend is predicted sooner at full "
+        "prefill's quality, else full prefill; see [route]), full, prefix, reuse or blend")
     max_tokens: MaxTokens = Field(64, description="tokens to decode per answer")
     self_check: bool = Field(
         True, description="at start, check that reuse/blend reproduce vLLM's prefill on a short prompt "
@@ -481,6 +483,25 @@ class ServeSettings(_Section):
         "parsed")
 
 
+class RouteSettings(_Section):
+    """``engine.mode = "auto"``: which requests blend and which take full prefill."""
+
+    min_speedup: float = Field(
+        1.5, gt=0.0, description="blend a request only when its TTFT is predicted at least this many times lower "
+        "than full prefill's")
+    min_passage_tokens: int = Field(
+        400, ge=0, description="on an index `ragcache calibrate` has not measured for a request's prompt and "
+        "passage lengths, blend only over retrieved chunks of at least this many tokens on average")
+    window: int = Field(
+        64, ge=4, le=4096, description="recent requests of each path the cost model is fitted on")
+    min_blend_samples: int = Field(
+        3, ge=1, description="blends measured before the cost model prices blend from them (before: a "
+        "conservative prior)")
+    measure_at_start: bool = Field(
+        True, description="time two full prefills of synthetic prompts at engine start, so the first requests are "
+        "routed by this host's speed")
+
+
 class UISettings(_Section):
     """The Streamlit UI."""
 
@@ -525,6 +546,7 @@ class Settings(BaseSettings):
     retrieval: RetrievalSettings = RetrievalSettings()
     prompt: PromptSettings = PromptSettings()
     serve: ServeSettings = ServeSettings()
+    route: RouteSettings = RouteSettings()
     ui: UISettings = UISettings()
 
     @classmethod

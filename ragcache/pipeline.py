@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
-from ragcache.config import Settings
+from ragcache.config import BLENDING_MODES, Settings
 from ragcache.conversation import Turn, check_question, retrieval_query
 from ragcache.engine.messages import RequestMetrics, StoreStats
 from ragcache.options import DEFAULTS, QueryOptions, options_from
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from ragcache.index.retrieval import RetrievedChunk, Retriever
     from ragcache.ingest.ingestor import IngestReport
     from ragcache.prompt import AssembledPrompt
-    from ragcache.quality.records import Calibration
+    from ragcache.quality.records import Calibration, IndexQuality
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,26 @@ class RAGPipeline:
         for ``selection``, None: ``blend.selection``) and the engine's resolved ``engine.dtype``."""
         values = self.engine.settings.blend.calibrated_settings(selection or self.settings.blend.selection)
         values["engine.dtype"] = str(self.engine.dtype.dtype)
+        router = getattr(self.engine, "router", None)
+        if router is not None:
+            values["host"] = router.host
         return values
+
+    def index_quality(self) -> "IndexQuality":
+        """The index's blend quality per class for ``engine.mode = "auto"`` (``ragcache calibrate``
+        measures it): its :class:`~ragcache.quality.records.QualityTable`, or none with a note when the
+        calibration was measured under other settings, another dtype or another kind of host (then
+        the router uses its prior and says why)."""
+        from ragcache.quality.records import IndexQuality
+
+        cal = self._read_calibration()
+        if cal is None or cal.quality is None:
+            return IndexQuality()
+        changes = cal.changed(self.calibrated_settings())
+        if changes:
+            return IndexQuality(None, f"the index's quality table was measured under other settings "
+                                      f"({'; '.join(changes)})")
+        return IndexQuality(cal.quality_table)
 
     def _read_calibration(self) -> "Calibration | None":
         from ragcache.index.folder import CALIBRATION, readable_path
@@ -378,9 +397,9 @@ class RAGPipeline:
 
     def _for_engine(self, options: QueryOptions) -> tuple[QueryOptions, str]:
         """``options`` as the engine gets them, and where the blend's ratio came from: in blend mode
-        without a ratio of the request's own, the pipeline's (:meth:`recompute_ratio`) is filled in;
-        everything else passes unchanged."""
-        if (options.mode or self.settings.engine.mode) != "blend":
+        (or ``auto``, which may blend) without a ratio of the request's own, the pipeline's
+        (:meth:`recompute_ratio`) is filled in; everything else passes unchanged."""
+        if (options.mode or self.settings.engine.mode) not in BLENDING_MODES:
             return options, ""
         ratio, source = self.recompute_ratio(options.recompute_ratio)
         if options.recompute_ratio is None:
@@ -413,7 +432,7 @@ class RAGPipeline:
         with self._lock:
             r = self.prepare(question, opts)
             engine_opts, source = self._for_engine(opts)
-            gen = self.engine.generate(r.prompt, engine_opts)
+            gen = self.engine.generate(r.prompt, engine_opts, quality=self.index_quality())
         return self._answer(r, gen, source)
 
     def stream(self, question: str, options: QueryOptions | None = None,
@@ -425,7 +444,7 @@ class RAGPipeline:
         with self._lock:
             r = self.prepare(question, opts)
             engine_opts, source = self._for_engine(opts)
-            for item in self.engine.stream(r.prompt, engine_opts):
+            for item in self.engine.stream(r.prompt, engine_opts, quality=self.index_quality()):
                 yield item if isinstance(item, str) else self._answer(r, item, source)
 
     # ---- async -----------------------------------------------------------------------------
@@ -440,10 +459,11 @@ class RAGPipeline:
     async def aanswer(self, r: Retrieval) -> Answer:
         """Answer a prepared :class:`Retrieval` (from :meth:`aprepare`) with the options it was prepared with."""
         engine_opts, source = self._for_engine(r.options)
+        quality = self.index_quality()
         if self.is_async:
-            gen = await self.engine.generate(r.prompt, engine_opts)
+            gen = await self.engine.generate(r.prompt, engine_opts, quality=quality)
         else:
-            gen = await asyncio.to_thread(self.engine.generate, r.prompt, engine_opts)
+            gen = await asyncio.to_thread(lambda: self.engine.generate(r.prompt, engine_opts, quality=quality))
         return self._answer(r, gen, source)
 
     async def astream(self, question: str, options: QueryOptions | None = None,
@@ -459,10 +479,11 @@ class RAGPipeline:
         options): text pieces, then the :class:`Answer`. A consumer that stops early aborts the vLLM
         request (on a BlendEngine, after the next decoded piece)."""
         engine_opts, source = self._for_engine(r.options)
+        quality = self.index_quality()
         if self.is_async:
-            items = self.engine.stream(r.prompt, engine_opts)
+            items = self.engine.stream(r.prompt, engine_opts, quality=quality)
         else:
-            items = _iterate_in_thread(lambda: self.engine.stream(r.prompt, engine_opts))
+            items = _iterate_in_thread(lambda: self.engine.stream(r.prompt, engine_opts, quality=quality))
         async with aclosing(items):
             async for item in items:
                 yield item if isinstance(item, str) else self._answer(r, item, source)

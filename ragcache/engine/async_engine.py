@@ -39,6 +39,7 @@ from ragcache.engine.selfcheck import arun_self_check
 from ragcache.models import LLMInfo
 from ragcache.options import DEFAULTS, QueryOptions
 from ragcache.prompt import AssembledPrompt
+from ragcache.quality.records import IndexQuality
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class AsyncBlendEngine(EngineBase):
             engine.blend_support = await arun_self_check(engine)
             if engine.blend_support.check is None:
                 await engine._warm_up()
+            probes = engine._start_up_measurements()
+            engine._measured([await engine.generate(p, QueryOptions(mode="full", max_tokens=1)) for p in probes])
         except BaseException:
             engine.close()
             raise
@@ -119,7 +122,7 @@ class AsyncBlendEngine(EngineBase):
     # ---- requests --------------------------------------------------------------------------
 
     async def generate(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS, *,
-                       logprobs: int | None = None) -> Generation:
+                       logprobs: int | None = None, quality: IndexQuality | None = None) -> Generation:
         """Answer one prompt as ``options`` say; concurrent calls are batched by vLLM. Arguments as
         :meth:`BlendEngine.generate_many <ragcache.engine.engine.BlendEngine.generate_many>`.
 
@@ -130,15 +133,16 @@ class AsyncBlendEngine(EngineBase):
             BlendUnavailableError: reuse/blend on a model whose adapter is missing or failed the
                 start-up self-check; ContextBeyondWindowError: a context beyond its sliding window.
         """
-        req = self._request(prompt, options, logprobs=logprobs)
+        req = self._request(prompt, options, logprobs=logprobs, quality=quality)
         t0 = time.perf_counter()
         final = await self._final_output(req)
         return self._generation(req, final, time.perf_counter() - t0)
 
     async def generate_many(self, prompts: Sequence[AssembledPrompt], options: QueryOptions = DEFAULTS, *,
-                            logprobs: int | None = None) -> list[Generation]:
+                            logprobs: int | None = None, quality: IndexQuality | None = None) -> list[Generation]:
         """Several prompts at once (vLLM batches them), in order; arguments and errors as :meth:`generate`."""
-        return list(await asyncio.gather(*(self.generate(p, options, logprobs=logprobs) for p in prompts)))
+        return list(await asyncio.gather(*(self.generate(p, options, logprobs=logprobs, quality=quality)
+                                           for p in prompts)))
 
     async def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int],
                                     options: QueryOptions = DEFAULTS) -> list[float]:
@@ -172,15 +176,15 @@ class AsyncBlendEngine(EngineBase):
         except Exception:  # the original error is the one to report
             log.debug("aborting request %s after its failure failed", rid, exc_info=True)
 
-    async def stream(self, prompt: AssembledPrompt,
-                     options: QueryOptions = DEFAULTS) -> AsyncIterator[str | Generation]:
+    async def stream(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS, *,
+                     quality: IndexQuality | None = None) -> AsyncIterator[str | Generation]:
         """Yield text pieces as they are decoded, then the final :class:`Generation` (``options`` as
         :meth:`generate`).
 
         A consumer that stops early (``aclose()``, or its task is cancelled) aborts the request in
         vLLM, which frees its KV slots.
         """
-        req = self._request(prompt, options, delta=True)
+        req = self._request(prompt, options, delta=True, quality=quality)
         state = StreamState(req)
         outputs = self.llm.generate(req.inputs, req.sampling, req.rid)
         try:
@@ -193,7 +197,9 @@ class AsyncBlendEngine(EngineBase):
             raise
         finally:
             await outputs.aclose()  # no-op when finished; aborts the vLLM request otherwise
-        yield state.generation()
+        gen = state.generation()
+        self._observe(req, gen.metrics)
+        yield gen
 
     async def ops_probe(self, token_ids: Sequence[int]) -> OpsProbe:
         """The worker's report on the model's DecoderOps adapter, exercised on ``token_ids`` (the

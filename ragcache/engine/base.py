@@ -26,6 +26,7 @@ from ragcache.chunks import KV_LAYOUT_VERSION
 from ragcache.config import Settings
 from ragcache.engine.dtype import DtypeChoice, resolve_dtype
 from ragcache.engine.limits import check_engine_limits
+from ragcache.engine.route import Route, Router, RouteInputs, host_class
 from ragcache.engine.messages import (
     CONNECTOR_MODES, TRANSFER_KEY, BlendParams, PrecomputeItem, PrecomputeReport, RequestMetrics, SegmentRef,
     WorkerReady,
@@ -34,6 +35,7 @@ from ragcache.engine.selfcheck import BlendSupport
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.options import QueryOptions
 from ragcache.prompt import AssembledPrompt, PromptBuilder
+from ragcache.quality.records import IndexQuality
 from ragcache.util import lifeline, logs
 from ragcache.util.progress import progress
 
@@ -89,9 +91,11 @@ class PreparedRequest:
 
     Attributes:
         rid: the request id (also its ``cache_salt`` outside ``prefix`` mode).
+        mode: the mode that runs (``auto`` resolved to ``blend`` or ``full``).
         recompute_ratio: the blend's ratio for this request; None outside blend mode.
         inputs: vLLM's prompt dict (``prompt_token_ids`` and ``cache_salt``).
         sampling: the ``vllm.SamplingParams``.
+        route: why ``mode`` runs (:class:`~ragcache.engine.route.Route`).
     """
 
     rid: str
@@ -100,6 +104,13 @@ class PreparedRequest:
     recompute_ratio: float | None
     inputs: dict[str, Any]
     sampling: Any
+    route: Route | None = None
+
+    def finish(self, metrics: RequestMetrics) -> RequestMetrics:
+        """``metrics`` with this request's route."""
+        if self.route is None:
+            return metrics
+        return metrics.replace(route=self.route.mode, route_rule=self.route.rule, route_reason=self.route.reason)
 
 
 def first_position(logprobs: Any) -> dict[int, float] | None:
@@ -147,9 +158,9 @@ class StreamState:
     def generation(self) -> Generation:
         """The finished request: all text, all token ids, metrics (``total_s`` since the state was made)."""
         req = self.req
-        metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=self.last,
-                                             total_s=time.perf_counter() - self.t0,
-                                             recompute_ratio=req.recompute_ratio, token_ids=self.token_ids)
+        metrics = req.finish(RequestMetrics.from_output(
+            mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=self.last,
+            total_s=time.perf_counter() - self.t0, recompute_ratio=req.recompute_ratio, token_ids=self.token_ids))
         reason = self.last.outputs[0].finish_reason if self.last is not None else None
         return Generation("".join(self.text), self.token_ids, metrics, finish_reason=reason)
 
@@ -175,6 +186,7 @@ class EngineBase:
     worker: WorkerReady | None = None
     startup_s: float = 0.0
     blend_support: BlendSupport | None = None
+    router: Router | None = None
 
     def _configure(self, settings: Settings, llm: LLMInfo | None, *, in_process: bool) -> None:
         """Settings, model and dtype; the environment vLLM reads at creation (and the quiet default for
@@ -233,6 +245,7 @@ class EngineBase:
         warn when the blend will run its torch path on an accelerator (:func:`accelerator_blend_warning`)."""
         self.worker = WorkerReady.from_dict(reply)
         self.device = self.worker.device
+        self.router = Router(self.settings.route, host_class(self.device, self.dtype.cpu_flags))
         warning = accelerator_blend_warning(self.device, self.worker.attention)
         if warning:
             log.warning("%s", warning)
@@ -263,32 +276,43 @@ class EngineBase:
         return QueryOptions(mode=mode, max_tokens=1)
 
     def _request(self, prompt: AssembledPrompt, options: QueryOptions, *, logprobs: int | None = None,
-                 delta: bool = False, question_end: int = 0) -> PreparedRequest:
+                 delta: bool = False, question_end: int = 0, quality: IndexQuality | None = None) -> PreparedRequest:
         """The vLLM request of ``prompt`` answered as ``options`` say (mode default ``engine.mode``,
         ``max_tokens`` default ``engine.max_tokens``). The options were validated where the request
         entered; nothing is checked again here. ``question_end``: see
         :class:`~ragcache.engine.messages.BlendParams` (scoring requests hide their continuation from
-        the selection).
+        the selection). ``quality``: the index's blend quality, which ``auto`` routes by (None: the
+        prior, :meth:`ragcache.quality.records.QualityTable.prior`).
 
         Raises:
             BlendUnavailableError / ContextBeyondWindowError: see :meth:`BlendSupport.require
-                <ragcache.engine.selfcheck.BlendSupport.require>`.
+                <ragcache.engine.selfcheck.BlendSupport.require>` (an explicit reuse or blend; ``auto``
+                then routes to full prefill).
         """
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        mode = options.mode or self.settings.engine.mode
-        if self.blend_support is not None:
-            self.blend_support.require(mode, prompt.ctx_len)
+        asked = options.mode or self.settings.engine.mode
+        params = None
+        if asked in ("blend", "auto") or asked in CONNECTOR_MODES:
+            params = BlendParams.from_options(
+                self.settings.blend, options, mode="reuse" if asked == "reuse" else "blend", ctx_len=prompt.ctx_len,
+                lead_in_len=prompt.lead_in_len,
+                segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
+                question_end=question_end,
+            )
+        if asked == "auto":
+            route = self.route(prompt, params, quality)
+        else:
+            if self.blend_support is not None:
+                self.blend_support.require(asked, prompt.ctx_len)
+            route = Route(asked, "explicit", f"{asked}: asked by the request" if options.mode
+                          else f"{asked}: engine.mode = {asked!r}")
+        mode = route.mode
         rid = uuid.uuid4().hex
         extra = None
         ratio = None
         if mode in CONNECTOR_MODES:
-            params = BlendParams.from_options(
-                self.settings.blend, options, mode=mode, ctx_len=prompt.ctx_len, lead_in_len=prompt.lead_in_len,
-                segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
-                question_end=question_end,
-            )
             ratio = params.recompute_ratio if mode == "blend" else None
             extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}
         opts = options.sampling
@@ -308,7 +332,64 @@ class EngineBase:
         inputs: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
         if mode != "prefix":
             inputs["cache_salt"] = rid  # never share (or reuse) exact-prefix blocks with others
-        return PreparedRequest(rid, prompt, mode, ratio, inputs, sp)
+        return PreparedRequest(rid, prompt, mode, ratio, inputs, sp, route)
+
+    def route(self, prompt: AssembledPrompt, params: BlendParams, quality: IndexQuality | None = None) -> Route:
+        """Blend or full prefill for ``prompt`` under ``engine.mode = "auto"``
+        (:meth:`ragcache.engine.route.Router.decide`): full prefill where blend is unavailable for it
+        (the start-up self-check, a context beyond the model's window), else as the cost model and
+        the index's quality (``quality``; None: the prior) say."""
+        if self.blend_support is not None:
+            try:
+                self.blend_support.require("blend", prompt.ctx_len)
+            except Exception as exc:  # BlendUnavailableError, ContextBeyondWindowError
+                return Route("full", "unavailable", f"full prefill: blend is unavailable ({exc})")
+        chunks = prompt.segments[1:]
+        lengths = [s.length for s in chunks]
+        ctx = prompt.ctx_len
+        router = self.router
+        recompute = router.recompute_tokens(
+            ctx, len(prompt.token_ids), ratio=params.recompute_ratio, adaptive=params.budget == "adaptive",
+            min_tokens=params.min_recompute_tokens, max_ratio=params.max_recompute_ratio,
+            max_tokens=params.max_recompute_tokens)
+        inp = RouteInputs(prompt_tokens=len(prompt.token_ids), ctx_tokens=ctx, tail_tokens=prompt.tail_len,
+                          chunks=len(chunks), passage_tokens=sum(lengths) / len(lengths) if lengths else 0.0,
+                          recompute_tokens=recompute, tier_tokens=router.tier_tokens([s.key for s in chunks], lengths))
+        quality = quality or IndexQuality()
+        return router.decide(inp, quality.table, stale=quality.note)
+
+    def _observe(self, req: PreparedRequest, metrics: RequestMetrics) -> None:
+        """Feed a finished request to the router's cost model (after start-up)."""
+        if self.router is not None and self._measuring:
+            self.router.observe(metrics, [s.key for s in req.prompt.segments[1:]])
+
+    #: whether finished requests feed the cost model (off during start-up's one-off costs)
+    _measuring: bool = False
+
+    def _start_up_measurements(self) -> list[AssembledPrompt]:
+        """The synthetic prompts timed at start (``route.measure_at_start``): one untimed, then two
+        lengths, so the first routed requests know this host's prefill speed. Empty when off."""
+        if not self.settings.route.measure_at_start:
+            return []
+        ids = self.tokenizer.encode(" The quick brown fox jumps over the lazy dog near the river bank.",
+                                    add_special_tokens=False) or [1]
+        longest = min(1024, self.settings.engine.max_model_len // 2)
+        out = []
+        for n in (longest, 256, longest):
+            token_ids = (ids * (n // len(ids) + 1))[:n]
+            out.append(AssembledPrompt(token_ids, [], 0, 0))
+        return out
+
+    def _measured(self, generations: Sequence["Generation"]) -> None:
+        """Take the start-up measurements' results (the first is a warm-up) and start measuring."""
+        for g in generations[1:]:
+            self.router.add_full(g.metrics.prompt_tokens, g.metrics.prompt_tokens, g.metrics.ttft_s)
+        self._measuring = True
+        model = self.router.model
+        if model is not None:
+            log.info("route: %s; blend where predicted >= %gx sooner (route.min_speedup) and the index's quality "
+                     "table (or, uncalibrated, chunks of >= %d tokens) passes", model.describe(),
+                     self.settings.route.min_speedup, self.settings.route.min_passage_tokens)
 
     def _generation(self, req: PreparedRequest, out: Any, total_s: float) -> Generation:
         """A finished (FINAL_ONLY) ``RequestOutput`` as a :class:`Generation`."""
@@ -316,8 +397,10 @@ class EngineBase:
         token_ids = list(comp.token_ids)
         text = comp.text if req.sampling.detokenize else self.tokenizer.decode(token_ids, skip_special_tokens=True)
         first = first_position(comp.logprobs) if req.sampling.logprobs is not None else None
-        metrics = RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids), output=out,
-                                             total_s=total_s, recompute_ratio=req.recompute_ratio)
+        metrics = req.finish(RequestMetrics.from_output(mode=req.mode, prompt_tokens=len(req.prompt.token_ids),
+                                                        output=out, total_s=total_s,
+                                                        recompute_ratio=req.recompute_ratio))
+        self._observe(req, metrics)
         return Generation(text, token_ids, metrics, first, comp.finish_reason)
 
     # ---- scoring (continuation_logprobs on both engines) -----------------------------------

@@ -34,6 +34,7 @@ from ragcache.engine.selfcheck import run_self_check
 from ragcache.models import LLMInfo
 from ragcache.options import DEFAULTS, QueryOptions, SamplingOptions
 from ragcache.prompt import AssembledPrompt
+from ragcache.quality.records import IndexQuality
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class BlendEngine(EngineBase):
         self.blend_support = run_self_check(self)  # its two requests warm vLLM and the layer-wise forward up
         if self.blend_support.check is None:
             self._warm_up()
+        self._measured([self.generate(p, QueryOptions(mode="full", max_tokens=1))
+                        for p in self._start_up_measurements()])
         self.startup_s = time.perf_counter() - t0
         log.info("%s", self.ready_line())
 
@@ -142,7 +145,7 @@ class BlendEngine(EngineBase):
 
     def generate_many(self, prompts: Sequence[AssembledPrompt],
                       options: QueryOptions | Sequence[QueryOptions] = DEFAULTS, *,
-                      logprobs: int | None = None) -> list[Generation]:
+                      logprobs: int | None = None, quality: IndexQuality | None = None) -> list[Generation]:
         """Run several prompts as one batch (concurrent in vLLM), each answered as ``options`` say
         (mode, max_tokens, recompute ratio, selection, sampling; the settings' defaults where unset;
         greedy decoding unless ``options.sampling`` says otherwise); one options per prompt, or one
@@ -151,6 +154,7 @@ class BlendEngine(EngineBase):
         Args:
             logprobs: when set, the first generated token's top-``logprobs`` log-probabilities are
                 returned (-1 = the whole vocabulary), for quality measurements.
+            quality: the index's blend quality, which ``auto`` routes by (None: the prior).
 
         Raises:
             ValueError: sampling values vLLM rejects.
@@ -160,7 +164,7 @@ class BlendEngine(EngineBase):
         per_prompt = [options] * len(prompts) if isinstance(options, QueryOptions) else list(options)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} options for {len(prompts)} prompts: give one per prompt, or one")
-        reqs = [self._request(p, o, logprobs=logprobs) for p, o in zip(prompts, per_prompt)]
+        reqs = [self._request(p, o, logprobs=logprobs, quality=quality) for p, o in zip(prompts, per_prompt)]
         t0 = time.perf_counter()
         with self._lock:
             outs = self.llm.generate([r.inputs for r in reqs], [r.sampling for r in reqs], use_tqdm=False)
@@ -168,9 +172,9 @@ class BlendEngine(EngineBase):
         return [self._generation(r, out, total) for r, out in zip(reqs, outs)]
 
     def generate(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS, *,
-                 logprobs: int | None = None) -> Generation:
+                 logprobs: int | None = None, quality: IndexQuality | None = None) -> Generation:
         """One prompt; see :meth:`generate_many`."""
-        return self.generate_many([prompt], options, logprobs=logprobs)[0]
+        return self.generate_many([prompt], options, logprobs=logprobs, quality=quality)[0]
 
     def count_load_ops(self, prompts: Sequence[AssembledPrompt],
                        options: QueryOptions | Sequence[QueryOptions] = DEFAULTS) -> list[dict[str, Any]]:
@@ -209,13 +213,14 @@ class BlendEngine(EngineBase):
             out = self.llm.generate([req.inputs], [req.sampling], use_tqdm=False)[0]
         return self._continuation_logprobs(out, prompt, continuation)
 
-    def stream(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS) -> Iterator[str | Generation]:
+    def stream(self, prompt: AssembledPrompt, options: QueryOptions = DEFAULTS, *,
+               quality: IndexQuality | None = None) -> Iterator[str | Generation]:
         """Yield text pieces as they are decoded, then the final :class:`Generation` (``options`` as
         :meth:`generate_many`).
 
         A reader that stops early aborts the request in vLLM (its KV slots are freed).
         """
-        req = self._request(prompt, options, delta=True)
+        req = self._request(prompt, options, delta=True, quality=quality)
         engine = self.llm.llm_engine
         state = StreamState(req)
         with self._lock:
@@ -233,7 +238,9 @@ class BlendEngine(EngineBase):
             finally:
                 if not finished:  # the reader stopped early: free the request's slots in vLLM
                     engine.abort_request([req_id], internal=True)
-        yield state.generation()
+        gen = state.generation()
+        self._observe(req, gen.metrics)
+        yield gen
 
     def ops_probe(self, token_ids: Sequence[int]) -> OpsProbe:
         """The worker's report on the model's DecoderOps adapter, exercised on ``token_ids``

@@ -534,6 +534,12 @@ class RequestMetrics(ContextStats):
             full prefill or another ratio, or ``"auto"`` found no calibration; empty otherwise.
         repetition_loop: the answer repeats an n-gram of >= 2 tokens >= 3 times in a row
             (:func:`ragcache.quality.measures.repetition_loop`): a degenerate answer.
+        route: the path that ran: ``"blend"`` or ``"full"`` under ``engine.mode = "auto"``, else the
+            mode asked; "" where no engine said. route_rule: why, as a short code (``explicit``,
+            ``faster``, ``slower``, ``quality``, ``no_context``, ``unavailable``; see
+            :class:`ragcache.engine.route.Route`). route_reason: why, in one sentence, e.g. "full
+            prefill: blend predicted 1.2x for a 1,300-token prompt on this host, below
+            route.min_speedup 1.5".
     """
 
     mode: str
@@ -547,6 +553,9 @@ class RequestMetrics(ContextStats):
     ratio_source: str = ""
     ratio_note: str = ""
     repetition_loop: bool = False
+    route: str = ""
+    route_rule: str = ""
+    route_reason: str = ""
 
     @classmethod
     def from_output(cls, *, mode: str, prompt_tokens: int, output: Any, total_s: float,
