@@ -158,6 +158,8 @@ def format_answer(answer) -> str:
     lines.append(f"mode {mode} | TTFT {m.ttft_s:.3f} s | retrieval {m.retrieval_s:.3f} s | total {m.total_s:.2f} s | "
                  f"prompt {m.prompt_tokens} tok | reused {m.reused_tokens} | recomputed {m.recomputed_tokens}{depth} | "
                  f"tier hits: {hits}")
+    if m.route_rule and m.route_rule != "explicit":  # engine.mode = auto: the path it took, and why
+        lines.append(f"route {m.route_reason}")
     if m.budget_reason.startswith("adaptive"):  # the recompute budget this question got, and why
         lines.append(f"budget {m.budget_reason}")
     return "\n".join(lines)

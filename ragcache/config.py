@@ -40,7 +40,7 @@ SETTINGS_FILE_ENV = "RAGCACHE_SETTINGS_FILE"
 DEFAULT_CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragcache"
 
 Mode = Literal["full", "prefix", "reuse", "blend", "auto"]
-MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend")
+MODES: tuple[str, ...] = ("full", "prefix", "reuse", "blend", "auto")
 #: the modes under which a request may blend, so blend-only options apply (``auto`` routes each request to
 #: blend or full prefill)
 BLENDING_MODES: tuple[str, ...] = ("blend", "auto")

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from ragcache.index.retrieval import RetrievedChunk, Retriever
     from ragcache.ingest.ingestor import IngestReport
     from ragcache.prompt import AssembledPrompt
-    from ragcache.quality.records import Calibration, IndexQuality
+    from ragcache.quality.records import Calibration
+    from ragcache.quality.table import IndexQuality
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ class RAGPipeline:
         measures it): its :class:`~ragcache.quality.records.QualityTable`, or none with a note when the
         calibration was measured under other settings, another dtype or another kind of host (then
         the router uses its prior and says why)."""
-        from ragcache.quality.records import IndexQuality
+        from ragcache.quality.table import IndexQuality
 
         cal = self._read_calibration()
         if cal is None or cal.quality is None:

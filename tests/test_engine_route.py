@@ -10,7 +10,8 @@ import pytest
 
 from ragcache.config import RouteSettings
 from ragcache.engine.route import PRIOR_G, CostModel, Router, RouteInputs, host_class
-from ragcache.quality.records import Calibration, QualityCell, QualityTable, passage_class, prompt_class
+from ragcache.quality.records import Calibration
+from ragcache.quality.table import QualityCell, QualityTable, passage_class, prompt_class
 
 F = (0.04, 0.25, 0.08)  # full prefill: s, s per 1k tokens, s per 1k tokens^2
 B = (0.03, 0.06, 1.7)  # blend: s, s per 1k context tokens, x prefill's cost of its recomputed tokens
@@ -165,7 +166,7 @@ def test_host_class_names_the_fastest_matrix_unit():
 
 
 def test_classes_and_the_quality_table_round_trip_through_a_calibration_record():
-    assert [prompt_class(n) for n in (1300, 2048, 3500, 4608, 6000)] == ["short", "mid", "mid", "long", "long"]
+    assert [prompt_class(n) for n in (1300, 2500, 3500, 5000, 6000)] == ["short", "mid", "mid", "long", "long"]
     assert [passage_class(n) for n in (130, 200, 330, 400, 600)] == ["short", "mid", "mid", "long", "long"]
     table = _long_ok()
     cal = Calibration(ratio=0.15, max_kl=0.05, selection="question", model_fingerprint="m", n=8, source="probes",

@@ -33,7 +33,7 @@ def test_options_share_the_settings_ranges_and_name_the_option_and_the_rule():
                           ({"sampling": {"temperature": 3}}, "sampling.temperature 3: must be in [0, 2]"),
                           ({"selection": "question/0"}, "selection.granule 0: must be in [1, 256]"),
                           ({"selection": "attention"}, "'deviation', 'question' or 'hybrid'"),
-                          ({"mode": "fast"}, "'full', 'prefix', 'reuse' or 'blend'"),
+                          ({"mode": "fast"}, "'full', 'prefix', 'reuse', 'blend' or 'auto'"),
                           ({"max_tokens": 2, "sampling": {"min_tokens": 4}},
                            "min_tokens (4) is larger than max_tokens (2)")):
         with pytest.raises(QueryOptionsError) as e:

@@ -61,6 +61,8 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
         depth = f", recomputed {m.recompute_note}" if m.recompute_note else ""
         parts.insert(0, f"recompute {m.ratio_text}{depth}")
     st.caption(" · ".join(parts))
+    if m.route_rule and m.route_rule != "explicit":  # engine.mode = auto: the path it took, and why
+        st.caption(f":material/alt_route: route {_escape(m.route_reason)}")
     if m.budget_reason.startswith("adaptive"):  # the recompute budget this question got, and why
         st.caption(f"budget {_escape(m.budget_reason)}")
     if m.load_error:  # the worker could not serve the cached context: vLLM prefilled it in full

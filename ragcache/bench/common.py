@@ -18,6 +18,7 @@ from ragcache import strategies
 from ragcache.bench.metrics import rounded
 from ragcache.chunks import Chunk
 from ragcache.config import MODES
+from ragcache.quality.table import PROMPT_CLASS_EDGES, prompt_class
 from ragcache.options import QueryOptions, QueryOptionsError, SelectionSpec
 
 if TYPE_CHECKING:
@@ -47,16 +48,15 @@ TARGETS = {
     "disk_vs_cpu_ttft_max": 1.2,        # disk-tier blend TTFT <= 1.2x cpu-tier, pipeline_overlap on
     "blend_ops_max": 1000,              # operators one blend dispatches in the worker (any length, any device)
 }
-#: prompt-length classes by mean prompt tokens: short below ``mid``, long from ``long`` on
-PROMPT_LENGTHS = {"mid": 2500, "long": 5000}
+#: prompt-length classes by mean prompt tokens: short below ``mid``, long from ``long`` on (the router's
+#: classes, :data:`ragcache.quality.records.PROMPT_CLASS_EDGES`)
+PROMPT_LENGTHS = dict(zip(("mid", "long"), PROMPT_CLASS_EDGES))
 
 
 def prompt_length(prompt_tokens: float | None) -> str:
-    """``"short"``, ``"mid"`` or ``"long"`` for a mean prompt length in tokens (None: long, the
-    strictest speed target)."""
-    if prompt_tokens is None or prompt_tokens >= PROMPT_LENGTHS["long"]:
-        return "long"
-    return "mid" if prompt_tokens >= PROMPT_LENGTHS["mid"] else "short"
+    """``"short"``, ``"mid"`` or ``"long"`` for a mean prompt length in tokens
+    (:func:`ragcache.quality.records.prompt_class`; None: long, the strictest speed target)."""
+    return "long" if prompt_tokens is None else prompt_class(prompt_tokens)
 
 
 class BenchConfigError(ValueError):

@@ -76,7 +76,22 @@ def _ttft_tables(result: Mapping[str, Any]) -> list[Table]:
     st = result.get("stages")
     if st:
         out.append(_stage_table(st))
+    if result.get("routes"):
+        out.append(_route_table(result["routes"]))
     return out
+
+
+def _route_table(routes: Mapping[str, Any]) -> Table:
+    """``auto`` per prompt-length class: the routes taken, its TTFT against full prefill's and blend's,
+    answers equal to full's, and the gold NLL of the requests it blended."""
+    rows = [[name, r["n"], r["prompt_tokens_mean"], ", ".join(f"{k} {v}" for k, v in sorted(r["routes"].items())),
+             r["auto_over_full_median"], r["auto_over_full_p90"], r["auto_over_blend_median"],
+             f"{r['agree_tokens_n']}/{r['n']}", _pct(r["blended_gold_nll_rel_full"]), r["route_s_max"]]
+            for name, r in routes.items() if r]
+    return ("auto: the path each request took (route:rule), per prompt length; TTFT ratios are medians of "
+            "per-request ratios",
+            ["prompts", "n", "tokens", "routes", "auto/full med", "auto/full p90", "auto/blend med",
+             "equal to full", "blended gold NLL vs full %", "route s max"], rows)
 
 
 def _stage_table(st: Mapping[str, Any]) -> Table:

@@ -103,8 +103,9 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
                 gens[v.name] = engine.generate(prompt, v.options(max_tokens), logprobs=-1)
             ops = _blend_ops(engine, prompt, main) if main is not None else None
             gold_ids = answer_ids(engine, ex.answers[0]) if (nll and ex.answers) else []
-            gold = _continuation_nlls(engine, prompt, gold_ids, variants)
-            own = _continuation_nlls(engine, prompt, gens["full"].token_ids if nll else [], variants)
+            ran = {name: g.metrics.route or g.metrics.mode for name, g in gens.items()}
+            gold = _continuation_nlls(engine, prompt, gold_ids, variants, ran)
+            own = _continuation_nlls(engine, prompt, gens["full"].token_ids if nll else [], variants, ran)
             results = {v.name: _quality_record(gens[v.name], gens, v, ex.answers, gold[v.name], own[v.name])
                        for v in variants}
             records.append({
@@ -151,20 +152,23 @@ def _plain_generation(engine: "BlendEngine", plain: PlainVLLM, prompt: "Assemble
 
 
 def _continuation_nlls(engine: "BlendEngine", prompt: "AssembledPrompt", continuation: Sequence[int],
-                       variants: Sequence[Variant]) -> dict[str, float | None]:
+                       variants: Sequence[Variant], ran: Mapping[str, str]) -> dict[str, float | None]:
     """Mean teacher-forced NLL (nats/token) of ``continuation`` per variant (None without tokens, and
-    for ``plain``); one exact score for full and prefix."""
+    for ``plain``); one exact score for full and prefix. ``ran``: the mode each variant's request
+    ran in (``auto`` scored on the path it took)."""
     nlls: dict[str, float | None] = {}
     exact_nll: float | None = None
     for v in variants:
+        mode = ran.get(v.name, v.mode)
         if not continuation or v.mode == PLAIN:
             nlls[v.name] = None
-        elif v.mode in ("full", "prefix"):
+        elif mode in ("full", "prefix"):
             if exact_nll is None:
                 exact_nll = mean_nll(engine.continuation_logprobs(prompt, continuation, EXACT))
             nlls[v.name] = exact_nll
         else:
-            nlls[v.name] = mean_nll(engine.continuation_logprobs(prompt, continuation, v.options()))
+            options = v.options().model_copy(update={"mode": mode})
+            nlls[v.name] = mean_nll(engine.continuation_logprobs(prompt, continuation, options))
     return nlls
 
 
@@ -196,12 +200,15 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
                  main_name: str | None, passages: int, max_tokens: int, prefix_warmup: str, run_s: float,
                  layers: tuple[int, int, int]) -> dict[str, Any]:
     summaries = {v.name: summarize_variant(v, records) for v in variants}
+    routes = route_table(records, main_name) if "auto" in summaries else None
     main = {"full": summaries["full"]}
     for m in (PLAIN, "prefix", "reuse"):
         if m in summaries:
             main[m] = summaries[m]
     if main_name in summaries:
         main["blend"] = summaries[main_name]
+    if "auto" in summaries:
+        main["auto"] = summaries["auto"]
     sweep = [summaries[v.name] for v in variants if v.mode == "blend"]
     stages = with_floor(stage_table(summaries, main_name), *layers)
     counted = [r["blend_ops"] for r in records if r.get("blend_ops")]
@@ -216,9 +223,70 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
         "ratios": sorted({v.ratio for v in variants if v.ratio is not None}),
         "selections": sorted({v.selection for v in variants if v.selection}),
         "modes": main, "sweep": sweep, "variants": summaries, "stages": stages,
-        "blend_ops": blend_ops, "targets": ttft_targets(main, stages, blend_ops),
+        "blend_ops": blend_ops, "targets": {**ttft_targets(main, stages, blend_ops), **auto_targets(routes)},
+        "routes": routes,
         "run_s": round(run_s, 1), "examples": records,
     }
+
+
+def route_table(records: Sequence[dict[str, Any]], blend_name: str | None) -> dict[str, Any]:
+    """``auto`` against full prefill and blend, per prompt-length class (:func:`prompt_length`) and
+    over all: requests routed to each path and why, auto's TTFT over full's (median, p90) and over
+    blend's, answers equal to full's (tokens), and the gold NLL of the requests it blended against
+    full's on the same prompts."""
+    def summary(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        autos = [r["results"]["auto"] for r in rs]
+        fulls = [r["results"]["full"] for r in rs]
+        over_full = [a["ttft_s"] / f["ttft_s"] for a, f in zip(autos, fulls) if f["ttft_s"] > 0]
+        over_blend = ([a["ttft_s"] / r["results"][blend_name]["ttft_s"] for a, r in zip(autos, rs)
+                       if r["results"][blend_name]["ttft_s"] > 0] if blend_name else [])
+        blended = [(a, f) for a, f in zip(autos, fulls) if a.get("route") == "blend"]
+        nll = mean(a["gold_nll"] for a, _ in blended)
+        nll_full = mean(f["gold_nll"] for _, f in blended)
+        rules: dict[str, int] = {}
+        for a in autos:
+            key = f"{a.get('route')}:{a.get('route_rule')}"
+            rules[key] = rules.get(key, 0) + 1
+        return {
+            "n": len(rs), "prompt_tokens_mean": rounded(mean(r["prompt_tokens"] for r in rs), 1),
+            "blended": len(blended), "routes": rules,
+            "auto_over_full_median": rounded(median(over_full), 3),
+            "auto_over_full_p90": rounded(percentile(over_full, 90), 3),
+            "auto_over_blend_median": rounded(median(over_blend), 3) if over_blend else None,
+            "agree_tokens": rounded(mean(a["agree_tokens"] for a in autos)),
+            "agree_tokens_n": int(sum(a["agree_tokens"] for a in autos)),
+            "blended_gold_nll_rel_full": rounded(nll / nll_full - 1.0) if (nll and nll_full) else None,
+            "route_s_max": rounded(max((a.get("route_s") or 0.0) for a in autos), 5),
+        }
+
+    classes: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        classes.setdefault(prompt_length(r["prompt_tokens"]), []).append(r)
+    return {"all": summary(records) if records else None,
+            **{c: summary(rs) for c, rs in sorted(classes.items())}}
+
+
+def auto_targets(routes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The targets of ``auto`` (:func:`route_table`): never slower than full prefill (median TTFT
+    ratio <= 1.05 and p90 <= 1.15 over all requests), blended requests' gold NLL at most +5% of
+    full's, and on long prompts as fast as blend (median <= 1.05x blend's)."""
+    if not routes or not routes.get("all"):
+        return {}
+    every = routes["all"]
+    out = {
+        "auto_vs_full_median": target(every["auto_over_full_median"], 1.05, "max",
+                                      "median per-request TTFT(auto)/TTFT(full) over every prompt"),
+        "auto_vs_full_p90": target(every["auto_over_full_p90"], 1.15, "max",
+                                   "p90 per-request TTFT(auto)/TTFT(full) over every prompt"),
+        "auto_blended_gold_nll": target(every["blended_gold_nll_rel_full"], TARGETS["blend_nll_rel_max"], "max",
+                                        "gold NLL of the requests auto blended / full prefill's on them - 1"),
+    }
+    out["auto_route_cost"] = target(every["route_s_max"], 0.005, "max",
+                                    "longest routing decision of a request, seconds")
+    if routes.get("long") and routes["long"]["auto_over_blend_median"] is not None:
+        out["auto_vs_blend_long"] = target(routes["long"]["auto_over_blend_median"], 1.05, "max",
+                                           "median per-request TTFT(auto)/TTFT(blend) on long prompts")
+    return out
 
 
 def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from ragcache.engine.selfcheck import arun_self_check
 from ragcache.models import LLMInfo
 from ragcache.options import DEFAULTS, QueryOptions
 from ragcache.prompt import AssembledPrompt
-from ragcache.quality.records import IndexQuality
+from ragcache.quality.table import IndexQuality
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from ragcache.engine.selfcheck import BlendSupport
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.options import QueryOptions
 from ragcache.prompt import AssembledPrompt, PromptBuilder
-from ragcache.quality.records import IndexQuality
+from ragcache.quality.table import IndexQuality
 from ragcache.util import lifeline, logs
 from ragcache.util.progress import progress
 
@@ -110,7 +110,8 @@ class PreparedRequest:
         """``metrics`` with this request's route."""
         if self.route is None:
             return metrics
-        return metrics.replace(route=self.route.mode, route_rule=self.route.rule, route_reason=self.route.reason)
+        return metrics.replace(route=self.route.mode, route_rule=self.route.rule, route_reason=self.route.reason,
+                               route_s=self.route.decide_s)
 
 
 def first_position(logprobs: Any) -> dict[int, float] | None:

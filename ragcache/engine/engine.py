@@ -34,7 +34,7 @@ from ragcache.engine.selfcheck import run_self_check
 from ragcache.models import LLMInfo
 from ragcache.options import DEFAULTS, QueryOptions, SamplingOptions
 from ragcache.prompt import AssembledPrompt
-from ragcache.quality.records import IndexQuality
+from ragcache.quality.table import IndexQuality
 
 log = logging.getLogger(__name__)
 

@@ -539,7 +539,7 @@ class RequestMetrics(ContextStats):
             ``faster``, ``slower``, ``quality``, ``no_context``, ``unavailable``; see
             :class:`ragcache.engine.route.Route`). route_reason: why, in one sentence, e.g. "full
             prefill: blend predicted 1.2x for a 1,300-token prompt on this host, below
-            route.min_speedup 1.5".
+            route.min_speedup 1.5". route_s: seconds the routing decision took (0 for an explicit mode).
     """
 
     mode: str
@@ -556,6 +556,7 @@ class RequestMetrics(ContextStats):
     route: str = ""
     route_rule: str = ""
     route_reason: str = ""
+    route_s: float = 0.0
 
     @classmethod
     def from_output(cls, *, mode: str, prompt_tokens: int, output: Any, total_s: float,

@@ -40,7 +40,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ragcache.config import RouteSettings
-from ragcache.quality.records import QualityTable, passage_class, prompt_class
+from ragcache.quality.table import QualityTable, passage_class, prompt_class
 
 log = logging.getLogger(__name__)
 

@@ -104,6 +104,10 @@ class ServerMetrics:
         self.context_load_errors = Counter("ragcache_context_load_errors", "Completed requests whose cached context "
                                            "the worker could not serve (vLLM prefilled it in full; the server log "
                                            "has the error)", im, registry=r)
+        self.routes = Counter("ragcache_routed_requests", "Completed requests by the path that ran (route: blend, "
+                              "full, or an explicit mode) and why (rule: faster, slower, quality, no_context, "
+                              "unavailable under engine.mode = auto; explicit otherwise)", ["index", "route", "rule"],
+                              registry=r)
         self.in_flight = Gauge("ragcache_requests_in_flight", "Chat completions being answered now", registry=r)
         self.engine_unfinished = Gauge("ragcache_engine_unfinished_requests", "Requests vLLM holds now (waiting "
                                        "or running); 0 when idle, or a request leaked", registry=r)
@@ -133,6 +137,7 @@ class ServerMetrics:
         for tier in m.chunk_tiers:
             self._count_chunk(tier)
         self.requests.labels(index, m.mode, "completed", tenant).inc()
+        self.routes.labels(index, m.route or m.mode, m.route_rule or "explicit").inc()
         if m.load_error:
             self.context_load_errors.labels(*key).inc()
 
