@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ratio qualifies it says so and recommends --mode full.")
     p.add_argument("--index", default="default", help="index name under ingest.index_dir, or a folder")
     p.add_argument("--questions", type=Path, default=None,
-                   help="file of your own questions (one per line, or a JSON list of strings or of {question}); "
+                   help="file of your own questions (one per line, or a JSON list of strings or of {question}, "
+                   "or of {question, answers: [str]}: with gold answers the quality table is judged by their NLL); "
                    "default: probe questions about the index's chunks")
     p.add_argument("--n", type=int, default=20, help="prompts to measure")
     p.add_argument("--max-kl", type=float, default=DEFAULT_MAX_KL,
@@ -45,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="token selection to calibrate (default: blend.selection), under the other blend settings "
                    "in force (granule, recompute_depth, ...); the record holds only while they and the dtype stay "
                    "the same")
+    p.add_argument("--top-ks", default="",
+                   help="comma-separated top_k values the quality table of engine.mode = \"auto\" is measured at "
+                   "(prompts of several lengths; default: retrieval.top_k alone)")
     p.add_argument("--seed", type=int, default=0, help="seed of the probe-question draw")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
     p.set_defaults(func=run)
@@ -76,7 +80,33 @@ def _check(args: argparse.Namespace) -> list[float]:
         raise ConfigError(f"--masses {args.masses!r}: expected comma-separated numbers in (0, 1) ({exc})") from None
     if args.questions is not None and not args.questions.is_file():
         raise ConfigError(f"--questions {args.questions}: no such file")
+    try:
+        args.top_k_values = [int(x) for x in args.top_ks.split(",") if x.strip()] or [None]
+    except ValueError:
+        raise ConfigError(f"--top-ks {args.top_ks!r}: expected comma-separated integers, e.g. 5,10") from None
+    bad = [k for k in args.top_k_values if k is not None and not 1 <= k <= 100]
+    if bad:
+        raise ConfigError(f"--top-ks {bad[0]}: must be in [1, 100] (the range of the setting retrieval.top_k)")
     return ratios
+
+
+def read_answers(path: Path) -> list[list[str]] | None:
+    """The gold answers of a JSON list of ``{question, answers: [str]}`` objects (one list per question
+    :func:`read_questions` returns), or None when the file gives no answers for some question."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    if not isinstance(data, list):
+        return None
+    out = []
+    for q in data:
+        if isinstance(q, dict) and str(q.get("question", "")).strip():
+            answers = q.get("answers")
+            if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+                return None
+            out.append(answers)
+    return out or None
 
 
 def read_questions(path: Path) -> list[str]:
@@ -114,15 +144,19 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("ragcache calibrate writes calibration.json into a FAISS index folder; pgvector indexes "
                           "are not calibrated yet: set blend.recompute_ratio to a number")
     questions = read_questions(args.questions)[: args.n] if args.questions else None
+    answers = read_answers(args.questions) if args.questions else None
+    if answers is not None:
+        answers = answers[: args.n]
     rag = open_index(args)
     source = "questions"
     if questions is None:
         questions = probe_questions(list(rag.retriever.index.chunks()), args.n, args.seed)
         source = "probes"
-    with progress(total=len(questions), unit="prompt", desc="calibrate") as bar:
+    with progress(total=len(questions) * (1 + len(args.top_k_values)), unit="prompt", desc="calibrate") as bar:
         cal = calibrate(rag, questions, ratios=ratios, max_kl=args.max_kl, max_nll_rel=args.max_nll,
                         min_speedup=args.min_speedup, selection=args.selection, source=source, progress=bar.update,
-                        masses=args.mass_values if rag.settings.blend.adapts(args.selection) else None)
+                        masses=args.mass_values if rag.settings.blend.adapts(args.selection) else None,
+                        answers=answers, quality_top_ks=args.top_k_values)
     path = write_calibration(readable_path(rag.index_path), cal)
     if args.json:
         from dataclasses import asdict
@@ -172,6 +206,15 @@ def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
     if cal.settings:
         print("measured under " + ", ".join(f"{name.removeprefix('blend.')} = {value}"
                                             for name, value in cal.settings.items()))
+    table = cal.quality_table
+    if table is not None and table.cells:
+        print("quality table (engine.mode = \"auto\" blends only where it passes):")
+        print(f"{'prompts':>8} {'passages':>9} {'n':>3} {'tokens':>7} {'passage tok':>11} {'equal':>6} {'KL':>7} "
+              f"{'gold NLL':>9}  verdict")
+        for c in table.cells:
+            gold = f"{100 * c.gold_nll_rel:+.1f}%" if c.gold_nll_rel is not None else "-"
+            print(f"{c.prompt_class:>8} {c.passage_class:>9} {c.n:>3} {c.prompt_tokens:>7.0f} {c.passage_tokens:>11.0f} "
+                  f"{c.agree:>6.0%} {c.kl_mean:>7.4f} {gold:>9}  {'blend' if c.passes else 'full'}: {c.why}")
     if cal.recommendation == "full":
         print(f"recommendation: full prefill (--mode full): {cal.reason}")
     else:

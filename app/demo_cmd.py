@@ -2,8 +2,10 @@
 
 Renders the standard-library documentation of a few Python modules with pydoc (text that ships
 with the installed Python, ~32k LLM tokens), ingests it into the index ``demo`` with KV
-precompute, then answers questions whose answers are in those pages in ``blend`` and ``full``
-mode and prints a table: TTFT per mode, speedup, reused/recomputed tokens, tier hits. A second run
+precompute, calibrates it, then answers questions whose answers are in those pages as a user's
+default request does (``engine.mode = "auto"``: blend or full prefill per request, with the reason)
+and again in full prefill, plus one long-context question (many more chunks retrieved), and prints
+a table: the route taken, TTFT of both, speedup, reused/recomputed tokens, tier hits. A second run
 reuses the index and the stored KV (nothing is ingested or precomputed again).
 """
 
@@ -33,6 +35,10 @@ DEMO_QUESTIONS = [
     ("What does statistics.median return?", "median"),
     ("What does bisect.insort do?", "insert"),
 ]
+#: the long-context question: asked with LONG_TOP_K chunks retrieved (a prompt of ~6k tokens), where
+#: blend's savings are largest
+LONG_QUESTION = "How do functools.lru_cache and functools.cache differ?"
+LONG_TOP_K = 12
 
 
 def render_corpus(folder: Path) -> list[Path]:
@@ -55,6 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", default="demo", help="index name for the demo corpus")
     p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS), help="how many demo questions to ask")
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON to this file")
+    p.add_argument("--no-long-context", dest="long_context", action="store_false",
+                   help=f"skip the long-context question ({LONG_TOP_K} chunks retrieved)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip calibrating the demo index (then blend uses blend.recompute_ratio as set); "
                    "without it the demo calibrates an index that has no calibration yet")
@@ -133,44 +141,50 @@ def run(args: argparse.Namespace) -> int:
     print(report.summary(), flush=True)
     calibrated_now = _calibrate(rag) if args.calibrate else False
 
+    asked = [(q, None) for q, _ in DEMO_QUESTIONS[: args.questions]]
+    if args.long_context:
+        asked.append((LONG_QUESTION, LONG_TOP_K))
     rows = []
-    for question, _ in DEMO_QUESTIONS[: args.questions]:
-        blend = rag.query(question, mode="blend")
-        full = rag.query(question, mode="full")
+    for question, top_k in asked:
+        auto = rag.query(question, top_k=top_k)  # the default request: engine.mode decides the path
+        full = rag.query(question, mode="full", top_k=top_k)
+        m = auto.metrics
         rows.append({
-            "question": question, "answer": blend.text, "full_answer": full.text,
-            "ttft_blend_s": blend.metrics.ttft_s, "ttft_full_s": full.metrics.ttft_s,
-            "speedup": full.metrics.ttft_s / max(blend.metrics.ttft_s, 1e-9),
-            "prompt_tokens": blend.metrics.prompt_tokens, "reused_tokens": blend.metrics.reused_tokens,
-            "recomputed_tokens": blend.metrics.recomputed_tokens, "tier_hits": blend.metrics.tier_hits,
-            "recompute_ratio": blend.metrics.recompute_ratio, "ratio_source": blend.metrics.ratio_source,
-            "loop_blend": blend.metrics.repetition_loop, "loop_full": full.metrics.repetition_loop,
-            "sources": [s.title or s.doc_id for s in blend.sources],
+            "question": question, "top_k": top_k or settings.retrieval.top_k, "answer": auto.text,
+            "full_answer": full.text, "route": m.route or m.mode, "route_rule": m.route_rule,
+            "route_reason": m.route_reason, "ttft_s": m.ttft_s, "ttft_full_s": full.metrics.ttft_s,
+            "speedup": full.metrics.ttft_s / max(m.ttft_s, 1e-9),
+            "prompt_tokens": m.prompt_tokens, "reused_tokens": m.reused_tokens,
+            "recomputed_tokens": m.recomputed_tokens, "tier_hits": m.tier_hits,
+            "recompute_ratio": m.recompute_ratio, "ratio_source": m.ratio_source,
+            "loop": m.repetition_loop, "loop_full": full.metrics.repetition_loop,
+            "same_as_full": auto.text == full.text,
+            "sources": [s.title or s.doc_id for s in auto.sources],
         })
         r = rows[-1]
-        print(f"- {question}\n    blend: {_cut(r['answer'], 100)}\n    full:  {_cut(r['full_answer'], 100)}",
-              flush=True)
+        print(f"- {question} ({r['top_k']} chunks, {r['prompt_tokens']} tokens)\n    route: {r['route_reason']}\n"
+              f"    {r['route']}: {_cut(r['answer'], 100)}\n    full:  {_cut(r['full_answer'], 100)}", flush=True)
 
-    header = f"{'question':<38} {'TTFT blend':>10} {'TTFT full':>9} {'speedup':>7} {'prompt':>6} " \
-             f"{'reused':>6} {'recomp':>6} {'loop':>4}  tier hits"
+    header = f"{'question':<38} {'route':>5} {'TTFT':>8} {'TTFT full':>9} {'speedup':>7} {'prompt':>6} " \
+             f"{'reused':>6} {'recomp':>6} {'=full':>5}  tier hits"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        hits = ",".join(f"{t}:{n}" for t, n in sorted(r["tier_hits"].items()))
-        print(f"{_cut(r['question'], 38):<38} {r['ttft_blend_s']:>9.3f}s {r['ttft_full_s']:>8.3f}s "
+        hits = ",".join(f"{t}:{n}" for t, n in sorted(r["tier_hits"].items())) or "-"
+        print(f"{_cut(r['question'], 38):<38} {r['route']:>5} {r['ttft_s']:>7.3f}s {r['ttft_full_s']:>8.3f}s "
               f"{r['speedup']:>6.1f}x {r['prompt_tokens']:>6} {r['reused_tokens']:>6} {r['recomputed_tokens']:>6} "
-              f"{'yes' if r['loop_blend'] else 'no':>4}  {hits}")
+              f"{'yes' if r['same_as_full'] else 'no':>5}  {hits}")
     if rows:
-        med = statistics.median(r["speedup"] for r in rows)
-        loops = sum(r["loop_blend"] for r in rows)
-        source = RATIO_SOURCES.get(rows[0]["ratio_source"], rows[0]["ratio_source"])
-        cal = rag.calibration()
-        if rows[0]["ratio_source"] == "fallback" and cal is not None and cal.recommendation == "full":
-            source = ("blend.fallback_ratio: the calibration above recommends full prefill for this index; "
-                      "blend is shown beside full for comparison")
-        print(f"\nmedian TTFT speedup of blend over full prefill: {med:.1f}x; blend recompute ratio "
-              f"{rows[0]['recompute_ratio']:g} ({source}); "
-              f"answers with a repetition loop: blend {loops}/{len(rows)}, full "
-              f"{sum(r['loop_full'] for r in rows)}/{len(rows)}")
+        blended = [r for r in rows if r["route"] == "blend"]
+        say = (f"\nroutes (engine.mode = {settings.engine.mode}): {len(blended)} of {len(rows)} questions blended, "
+               f"{len(rows) - len(blended)} answered by full prefill")
+        if blended:
+            med = statistics.median(r["speedup"] for r in blended)
+            source = RATIO_SOURCES.get(blended[0]["ratio_source"], blended[0]["ratio_source"])
+            say += (f"; the blended ones {med:.1f}x sooner than full prefill (median), at recompute ratio "
+                    f"{blended[0]['recompute_ratio']:g} ({source}), {sum(r['same_as_full'] for r in blended)}/"
+                    f"{len(blended)} answers equal to full prefill's")
+        print(say + f"; answers with a repetition loop: {sum(r['loop'] for r in rows)}/{len(rows)} "
+              f"(full prefill {sum(r['loop_full'] for r in rows)}/{len(rows)})")
         busy = busy_note()
         if busy:
             print(busy)
@@ -187,4 +201,4 @@ def run(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(run(argparse.Namespace(settings=None, index="demo", questions=len(DEMO_QUESTIONS), json_out=None,
-                                    calibrate=True)))
+                                    calibrate=True, long_context=True)))

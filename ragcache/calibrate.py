@@ -40,6 +40,7 @@ from ragcache.index.folder import CALIBRATION
 from ragcache.options import QueryOptions, QueryOptionsError
 from ragcache.quality.measures import kl_divergence, mean_nll, rotated
 from ragcache.quality.records import Calibration, RatioScore, read_calibration, write_calibration
+from ragcache.quality.table import QualityCell, QualityTable, passage_class, prompt_class
 
 if TYPE_CHECKING:
     from ragcache.chunks import Chunk
@@ -71,6 +72,9 @@ DEFAULT_MAX_KL = 0.05
 DEFAULT_MAX_NLL_REL = 0.05
 #: default speed target: blend's median TTFT at least this many times below full prefill's
 DEFAULT_MIN_SPEEDUP = 1.2
+#: the quality table's gold-free gate: at least this share of blend's greedy answers equal to full
+#: prefill's (with first-token KL at most ``max_kl``); with gold answers, their NLL decides instead
+DEFAULT_MIN_AGREE = 0.5
 
 
 class CalibrationError(ValueError):
@@ -157,7 +161,8 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
               max_kl: float = DEFAULT_MAX_KL, max_nll_rel: float = DEFAULT_MAX_NLL_REL,
               min_speedup: float = DEFAULT_MIN_SPEEDUP, selection: str | None = None, max_tokens: int = 24,
               source: str = "probes", progress: Callable[[int], None] | None = None,
-              masses: Sequence[float] | None = None) -> Calibration:
+              masses: Sequence[float] | None = None, answers: Sequence[Sequence[str]] | None = None,
+              quality_top_ks: Sequence[int | None] | None = (None,)) -> Calibration:
     """Blend at each ratio (or, with ``masses``, at each adaptive-budget threshold) against full
     prefill on ``questions`` over ``rag``'s index.
 
@@ -176,6 +181,10 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     compared as a user's repeated questions over the index see them, not with one ratio per
     question paying the first disk or remote read (without a RAM tier every blend reads alike).
     ``progress`` is called with 1 after every question.
+
+    Then, unless ``quality_top_ks`` is None, the quality table of ``engine.mode = "auto"``
+    (:func:`measure_quality` on the same questions, with ``answers`` where given, at each of
+    ``quality_top_ks``) goes into the record's ``quality``.
 
     Returns:
         the :class:`Calibration` (not yet written; see :func:`write_calibration`).
@@ -284,6 +293,10 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
             if any(s.good for s in scores):
                 reason += " except those that recompute the whole context, which is full prefill done slower"
         recommendation = "full"
+    quality = None
+    if quality_top_ks is not None:
+        quality = measure_quality(rag, questions, answers=answers, top_ks=quality_top_ks, max_kl=max_kl,
+                                  progress=progress).to_list()
     return Calibration(ratio=best.ratio if best else None, mass_left=best.mass_left if best else None,
                        max_kl=max_kl, selection=selection,
                        model_fingerprint=engine.llm_info.fingerprint, n=len(questions), source=source,
@@ -291,8 +304,103 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), max_nll_rel=max_nll_rel,
                        min_speedup=min_speedup, full_loop_share=round(full_loop, 4),
                        recommendation=recommendation, reason=reason,
-                       settings=rag.calibrated_settings(selection))
+                       settings=rag.calibrated_settings(selection), quality=quality)
 
 
 def _median(values: Sequence[float]) -> float:
     return sorted(values)[len(values) // 2] if values else 0.0
+
+
+def measure_quality(rag: "RAGPipeline", questions: Sequence[str], *, answers: Sequence[Sequence[str]] | None = None,
+                    top_ks: Sequence[int | None] = (None,), max_tokens: int = 16, max_kl: float = DEFAULT_MAX_KL,
+                    max_gold_nll_rel: float = DEFAULT_MAX_NLL_REL, min_agree: float = DEFAULT_MIN_AGREE,
+                    progress: Callable[[int], None] | None = None) -> QualityTable:
+    """Blend's answers against full prefill's per prompt-length and passage-length class
+    (:func:`~ragcache.quality.table.prompt_class`, :func:`~ragcache.quality.table.passage_class`): the
+    table ``engine.mode = "auto"`` routes by.
+
+    Each question is retrieved with each of ``top_ks`` (None: ``retrieval.top_k``) and answered greedily
+    (``max_tokens``) in full prefill and in the blend a request gets on this index (the settings, and
+    the calibrated ratio under ``blend.recompute_ratio = "auto"``); its class is that of its prompt.
+    Per class: the share of equal answers, the first-token KL, the NLL of full's answer under blend and,
+    with ``answers`` (gold answers per question), the gold answers' NLL under blend against full's.
+    A class passes with gold answers when their NLL is at most ``max_gold_nll_rel`` above full's;
+    without, when at least ``min_agree`` of the answers equal full's and the mean KL is at most
+    ``max_kl``; and in both only when blend loops no more often than full prefill.
+    ``progress`` is called with 1 after every prompt.
+
+    Raises:
+        CalibrationError: no questions, or ``answers`` not one list per question.
+    """
+    if not questions:
+        raise CalibrationError("no questions to measure the quality table with")
+    if answers is not None and len(answers) != len(questions):
+        raise CalibrationError(f"{len(answers)} answer lists for {len(questions)} questions")
+    engine = rag.engine
+    full_opts = QueryOptions(mode="full", max_tokens=max_tokens)
+    blend_opts, _ = rag._for_engine(QueryOptions(mode="blend", max_tokens=max_tokens))
+    rows: dict[tuple[str, str], list[dict[str, float | None]]] = {}
+    warmed = False
+    for k in top_ks:
+        for q, gold in zip(questions, answers or [None] * len(questions)):
+            chunks = [r.chunk for r in rag.retrieve(q, top_k=k)]
+            prompt = engine.prompts.build(q, chunks, namespace=rag.namespace)
+            if not warmed:
+                engine.generate(prompt, ENGINE_WARM_UP)
+                warmed = True
+            full = engine.generate(prompt, full_opts, logprobs=-1)
+            blend = engine.generate(prompt, blend_opts, logprobs=-1)
+            row: dict[str, float | None] = {
+                "prompt_tokens": len(prompt.token_ids),
+                "passage_tokens": statistics.fmean(s.length for s in prompt.segments[1:]) if chunks else 0.0,
+                "agree": float(blend.token_ids == full.token_ids),
+                "kl": kl_divergence(full.first_token_logprobs or {}, blend.first_token_logprobs or {}),
+                "loop_blend": float(blend.metrics.repetition_loop), "loop_full": float(full.metrics.repetition_loop),
+                "nll_full": None, "nll_blend": None, "gold_full": None, "gold_blend": None}
+            if full.token_ids:
+                row["nll_full"] = mean_nll(engine.continuation_logprobs(prompt, full.token_ids, EXACT))
+                row["nll_blend"] = mean_nll(engine.continuation_logprobs(prompt, full.token_ids, blend_opts))
+            ids = list(engine.tokenizer(gold[0].strip(), add_special_tokens=False)["input_ids"]) if gold else []
+            if ids:
+                row["gold_full"] = mean_nll(engine.continuation_logprobs(prompt, ids, EXACT))
+                row["gold_blend"] = mean_nll(engine.continuation_logprobs(prompt, ids, blend_opts))
+            key = (prompt_class(row["prompt_tokens"]), passage_class(row["passage_tokens"]))
+            rows.setdefault(key, []).append(row)
+            if progress is not None:
+                progress(1)
+    return QualityTable([_quality_cell(key, rs, max_kl, max_gold_nll_rel, min_agree) for key, rs in sorted(rows.items())])
+
+
+def _rel(rows: Sequence[dict[str, float | None]], blend: str, full: str) -> float | None:
+    """mean(blend) / mean(full) - 1 over the rows that have both, or None."""
+    pairs = [(r[blend], r[full]) for r in rows if r[blend] is not None and r[full] is not None]
+    if not pairs or not sum(f for _, f in pairs):
+        return None
+    return round(sum(b for b, _ in pairs) / sum(f for _, f in pairs) - 1.0, 4)
+
+
+def _quality_cell(key: tuple[str, str], rows: Sequence[dict[str, float | None]], max_kl: float,
+                  max_gold_nll_rel: float, min_agree: float) -> QualityCell:
+    """One class's measures and verdict (see :func:`measure_quality`)."""
+    n = len(rows)
+    agree = statistics.fmean(r["agree"] for r in rows)
+    kl = statistics.fmean(r["kl"] for r in rows)
+    loops_blend = statistics.fmean(r["loop_blend"] for r in rows)
+    loops_full = statistics.fmean(r["loop_full"] for r in rows)
+    gold = _rel(rows, "gold_blend", "gold_full")
+    if gold is not None:
+        passes = gold <= max_gold_nll_rel
+        why = f"gold-answer NLL {100 * gold:+.1f}% of full prefill's (at most {100 * max_gold_nll_rel:+g}%)"
+    else:
+        passes = agree >= min_agree and kl <= max_kl
+        why = (f"{round(agree * n)}/{n} answers equal to full prefill's (at least {min_agree:.0%}), first-token KL "
+               f"{kl:.3f} (at most {max_kl:g})")
+    if loops_blend > loops_full:
+        passes = False
+        why += f"; loops in {loops_blend:.0%} of blend's answers against {loops_full:.0%} of full's"
+    return QualityCell(prompt_class=key[0], passage_class=key[1], n=n,
+                       prompt_tokens=round(statistics.fmean(r["prompt_tokens"] for r in rows), 1),
+                       passage_tokens=round(statistics.fmean(r["passage_tokens"] for r in rows), 1),
+                       agree=round(agree, 4), kl_mean=round(kl, 5), answer_nll_rel=_rel(rows, "nll_blend", "nll_full"),
+                       gold_nll_rel=gold, loops_blend=round(loops_blend, 4), loops_full=round(loops_full, 4),
+                       passes=passes, why=why)

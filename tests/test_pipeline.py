@@ -145,11 +145,13 @@ def test_cli_ingest_then_ask_json(corpus, tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "3 chunks added" in r.stdout and "KV" in r.stdout
-    r = subprocess.run(cli + ["ask", "What is the capital of Zorbia?", "--index", "cli", "--json", "--top-k", "2"],
-                       env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(cli + ["ask", "What is the capital of Zorbia?", "--index", "cli", "--json", "--top-k", "2",
+                              "--mode", "blend"], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)  # stdout is exactly the JSON object (engine logs go to stderr)
     assert set(out) == {"answer", "sources", "metrics"}
+    # the explicit mode overrides engine.mode = "auto" (which sends these ~40-token passages to full prefill)
+    assert (out["metrics"]["route"], out["metrics"]["route_rule"]) == ("blend", "explicit")
     assert len(out["sources"]) == 2 and out["metrics"]["reused_tokens"] > 0
     assert out["sources"][0]["tier"] in ("cpu", "disk")
     r = subprocess.run(cli + ["ask", "anything?", "--index", "missing"], env=env, cwd=REPO,

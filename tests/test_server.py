@@ -60,7 +60,8 @@ def served(tmp_path_factory):
         (docs / name).write_text(text)
     settings = Settings.load(
         store={"ssd_cache_dir": str(root / "kv"), "remote_url": "", "cpu_kv_pool_gb": 1.0},
-        engine={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 16},
+        # blend by default, as the tests of blend's answers here expect; auto is asked per request
+        engine={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 16, "mode": "blend"},
         ingest={"index_dir": str(root / "idx")}, serve={"index": INDEX, "max_in_flight": 16},
         blend={"min_recompute_tokens": 0},  # short documents: the default floor would recompute every token
     )
@@ -143,6 +144,31 @@ def test_completion_returns_text_sources_and_reused_tokens_in_blend_and_none_in_
     rc = full.model_extra["ragcache"]
     assert rc["metrics"]["mode"] == "full" and rc["metrics"]["recompute_ratio"] is None
     assert [s["tier"] for s in rc["sources"]] == [None, None]
+
+
+def test_auto_routes_each_request_and_says_why_and_an_explicit_mode_overrides_it(served):
+    """``"mode": "auto"``: the Zorbia passages (~40 tokens) are far under ``route.min_passage_tokens`` on an
+    uncalibrated index, so auto answers by full prefill (nothing reused) and says why; ``"mode": "blend"``
+    blends the same prompt. /metrics counts both by route and rule."""
+    url, _ = served
+    c = client(url)
+    before = scrape(url)
+    auto = c.chat.completions.create(messages=user("What is the capital of Zorbia?"), model=INDEX, max_tokens=8,
+                                     extra_body={"ragcache": {"top_k": 2, "mode": "auto"}})
+    m = auto.model_extra["ragcache"]["metrics"]
+    assert (m["route"], m["route_rule"], m["mode"]) == ("full", "quality", "full")
+    assert "route.min_passage_tokens" in m["route_reason"] and 0 <= m["route_s"] < 0.05
+    assert m["reused_tokens"] == 0 and m["recomputed_tokens"] == 0 and m["chunk_tiers"] == []
+    assert auto.usage.prompt_tokens_details.cached_tokens == 0
+    blend = c.chat.completions.create(messages=user("What is the capital of Zorbia?"), model=INDEX, max_tokens=8,
+                                      extra_body={"ragcache": {"top_k": 2, "mode": "blend"}})
+    m = blend.model_extra["ragcache"]["metrics"]
+    assert (m["route"], m["route_rule"], m["mode"]) == ("blend", "explicit", "blend") and m["reused_tokens"] > 0
+    after = scrape(url)
+    for route, rule in (("full", "quality"), ("blend", "explicit")):
+        moved = (total(after, "ragcache_routed_requests_total", route=route, rule=rule)
+                 - total(before, "ragcache_routed_requests_total", route=route, rule=rule))
+        assert moved == 1, (route, rule)
 
 
 def test_stream_sends_sources_first_then_text_then_a_usage_chunk_only_when_asked_then_done(served):
