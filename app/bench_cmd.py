@@ -115,8 +115,9 @@ def _selections(text: str) -> list[str]:
 
 
 #: ``--dataset``'s help, wherever the flag is
-DATASET_HELP = ("QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR), demo (questions over the demo "
-                "corpus, shipped with ragcache) or a JSON path")
+DATASET_HELP = ("QA file: demo (questions over the demo corpus, shipped with ragcache), musique, hotpotqa (public sets "
+                "read from $RAGCACHE_DATA_DIR; see the README) or the path of a JSON list of {question, answers: [str], "
+                "ctxs: [{title, text}]}")
 
 
 def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset: str = "musique") -> None:
