@@ -1,5 +1,5 @@
-"""`ragcache bench ttft|hotset|throughput|tiers|storage|ingest|serve|scale|bandwidth|retrieval|coldstart|plain` and
-`ragcache eval`: reproducible numbers.
+"""`ragcache bench ttft|hotset|throughput|tiers|storage|ingest|serve|scale|bandwidth|retrieval|coldstart|plain`,
+`ragcache bench report` (tables of committed results) and `ragcache eval`: reproducible numbers.
 
 Thin flag parsing over ragcache.bench, where the runners, metrics, tables and plots live.
 Every benchmark writes RESULT.json, RESULT.md (its tables) and, where it has one, RESULT.png, and
@@ -115,8 +115,9 @@ def _selections(text: str) -> list[str]:
 
 
 #: ``--dataset``'s help, wherever the flag is
-DATASET_HELP = ("QA file: musique, hotpotqa (under ../shared/data or $RAGCACHE_DATA_DIR), demo (questions over the demo "
-                "corpus, shipped with ragcache) or a JSON path")
+DATASET_HELP = ("QA file: demo (questions over the demo corpus, shipped with ragcache), musique, hotpotqa (public sets "
+                "read from $RAGCACHE_DATA_DIR; see the README) or the path of a JSON list of {question, answers: [str], "
+                "ctxs: [{title, text}]}")
 
 
 def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset: str = "musique") -> None:
@@ -131,7 +132,7 @@ def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset:
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, storage, ingest, "
-                       "serve, scale, bandwidth, retrieval, coldstart, plain",
+                       "serve, scale, bandwidth, retrieval, coldstart, plain; report: tables of committed results",
                        description="Each benchmark prints its tables and writes RESULT.json, RESULT.md and (ttft, hotset, "
                        "throughput, serve) RESULT.png; "
                        "see docs/benchmarks.md for what is measured and how.", formatter_class=_FMT)
@@ -289,6 +290,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                    help="vLLM's scheduler budget per step (default: vLLM's, 4096 on CPU)")
     n.set_defaults(func=run_plain)
+
+    rp = kinds.add_parser("report", help="tables of committed results: print a RESULT.json's, or regenerate the "
+                          "generated sections of a markdown document (docs/benchmarks.md) from the JSON each names",
+                          description="A generated section is the text between '<!-- bench report: FILE [tables=1,2] "
+                          "[targets] -->' (or 'summary FILE ...', one row per ttft result) and '<!-- end bench report "
+                          "-->'; FILE is relative to the document's folder. Nothing is measured.",
+                          formatter_class=_FMT)
+    rp.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                    help="RESULT.json (its tables are printed as markdown) or a markdown document (its generated "
+                    "sections are rewritten)")
+    rp.add_argument("--check", action="store_true",
+                    help="rewrite nothing: name the generated sections that differ from their JSON, exit 1 if any")
+    rp.set_defaults(func=run_report)
 
     e = sub.add_parser("eval", help="answer quality of one mode against full prefill and the gold answers (JSON)",
                        description="KL(full || mode) of the first token, mean gold-answer NLL, token F1, Rouge-L, "
@@ -587,3 +601,29 @@ def run_plain(args: argparse.Namespace) -> int:
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 
+
+def run_report(args: argparse.Namespace) -> int:
+    import json
+
+    from ragcache.bench.report import regenerate, render, source_line, stale_sections
+
+    stale = []
+    for path in args.paths:
+        try:
+            text = path.read_text(encoding="utf-8")
+            if path.suffix == ".json":
+                result = json.loads(text)
+                print(source_line(result, str(path)) + "\n\n" + render(result, markdown=True) + "\n")
+            elif args.check:
+                stale += [f"{path}: {spec}" for spec in stale_sections(text, path.parent)]
+            else:
+                new = regenerate(text, path.parent)
+                if new != text:
+                    path.write_text(new, encoding="utf-8")
+                    print(f"{path}: generated sections rewritten")
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"ragcache: error: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+    for line in stale:
+        print(f"stale: {line} (run `ragcache bench report {line.split(':')[0]}`)")
+    return 1 if stale else 0

@@ -111,7 +111,7 @@ class EngineSettings(_Section):
     )
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (start-up minutes on CPU)")
     in_process: bool = Field(
-        True, description="run vLLM's engine core in this process (start-up ~6 s vs ~30 s multi-process on CPU)"
+        True, description="run vLLM's engine core in this process (starts faster than a separate engine process)"
     )
     mode: Mode = Field(
         "auto", description="default query mode: auto (each request blends where blend is predicted sooner at full "
@@ -155,7 +155,8 @@ class BlendSettings(_Section):
         "keep the ratio's budget, which holds what their question reads")
     min_recompute_tokens: int = Field(
         384, ge=0, description="a blend recomputes at least this many context tokens (all of a shorter context), "
-        "whatever the ratio gives: on short prompts 15% is too few for the passage an answer reads, and answers loop "
+        "whatever the ratio gives: on short prompts the ratio alone is too few for the passage an answer reads, and "
+        "answers loop "
         "(0 = the ratio alone; a ratio of 0 stays plain reuse)")
     recompute_depth: float = Field(
         1.0, gt=0.0, le=1.0, description="share of the model's layers, from the first, in which the selected tokens "
@@ -185,9 +186,8 @@ class BlendSettings(_Section):
         "the reused KV (0 = only the layers up to the check layer; -1 = all)")
     question_heads: Literal["mean", "max"] = Field(
         "mean", description="question scores: each layer's attention from the question is pooled over the query heads "
-        "by mean, or by max (a token scores what its most attentive head gives it: better first-token KL on 6 of 7 "
-        "QA sets, but it concentrates the budget on a repeated name and the demo's heapq answer loops; "
-        "docs/benchmarks.md)")
+        "by mean, or by max (a token scores what its most attentive head gives it; it can concentrate the budget on a "
+        "repeated name)")
     candidates: float = Field(
         2.0, ge=1.0, le=8.0, description="question selection: the question's attention picks this many times the "
         "budget, those tokens go through the layers before refine_layer, and the budget is kept among them by "
@@ -196,13 +196,11 @@ class BlendSettings(_Section):
     refine_layer: int = Field(
         1, ge=1, le=64, description="question selection with candidates > 1: the layer at which the budget is kept "
         "among the candidates, by their V error summed over layers 1 .. refine_layer (deeper sees a stale token's "
-        "growing error but sends the extra candidates through that many layers: 3 measured ~3% more TTFT for "
-        "first-token KL vs refine_layer 1 of -11% on HotpotQA 20-29, +0.4% on HotpotQA 0-9, +6% on MuSiQue, -1% on "
-        "the demo set, and about as many loops (3/90 vs 4/90); docs/benchmarks.md)")
+        "growing error but sends the extra candidates through that many layers)")
     pipeline_overlap: bool | Literal["auto"] = Field(
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "
-        "local disk (there the thread's copies compete with the compute for the same cores: 12-24% slower TTFT)")
+        "local disk (there the thread's copies compete with the compute for the same cores)")
     attention: Literal["auto", "kernel", "torch"] = Field(
         "auto", description="the blend's attention: vLLM's own kernel over the paged KV cache (kernel), torch SDPA "
         "(torch), or auto (the kernel where vLLM's backend offers one, unless torch measures faster on this host)")

@@ -141,8 +141,8 @@ def _is_hf_folder(path: Path) -> bool:
 def convert_gguf(gguf: Path, target: Path, architecture: str) -> None:
     """Dequantise a GGUF with transformers and save a float32 HF folder at ``target`` atomically.
 
-    Follows the recipe in DESIGN.md: clear ``hf_quantizer`` and ``config.quantization_config``
-    before ``save_pretrained`` and set ``config.architectures``.
+    Clears ``hf_quantizer`` and ``config.quantization_config`` before ``save_pretrained`` and sets
+    ``config.architectures``.
 
     Raises:
         OSError: the GGUF cannot be read or the target folder cannot be written.

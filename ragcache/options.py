@@ -27,7 +27,7 @@ From there the object travels unchanged: the pipeline reads ``top_k`` and ``hist
 ``mode``, ``max_tokens``, ``recompute_ratio``, ``selection`` and ``sampling`` (into the connector's
 ``BlendParams`` and vLLM's ``SamplingParams``). Nothing below checks these values again; the one
 change on the way is the pipeline filling in the recompute ratio of the index's calibration when
-the caller gave none (:meth:`with_ratio`). Imports ragcache.config, ragcache.conversation and
+the caller gave none (:meth:`QueryOptions.with_ratio`). Imports ragcache.config, ragcache.conversation and
 pydantic only: every layer may use it.
 """
 

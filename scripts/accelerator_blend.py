@@ -257,7 +257,7 @@ def main() -> None:
               f"{r['ops_per_blend']} ({r['ops_per_layer']}) | {r[f'ops_per_pass_x{args.requests}']} | {r['host_ms']} | "
               f"{r['device_ms'] if r['device_ms'] is not None else '-'} | {r.get('host_waits', '-')} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "dtype": "bfloat16",
+    args.out.write_text(json.dumps({"benchmark": "accelerator", "device": name, "torch": torch.__version__, "dtype": "bfloat16",
                                     "shape": args.shape, "adapter": args.adapter, "requests": args.requests,
                                     "dims": dims, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

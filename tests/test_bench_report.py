@@ -1,12 +1,17 @@
-"""ragcache.bench.report without a model: tables, targets, plots and result files."""
+"""ragcache.bench.report without a model: tables, targets, plots and result files, and the tables of
+docs/benchmarks.md, generated from the committed JSON under docs/bench/ (drift between a figure and
+its run fails here)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from ragcache.bench.report import markdown_table, render, write_result
+from ragcache.bench.report import SECTION, markdown_table, regenerate, render, section, stale_sections, write_result
 from ragcache.bench.ttft import ttft_targets
 
 
@@ -132,3 +137,65 @@ def test_agreed_prefix_counts_tokens_until_the_first_divergence():
     assert agreed_prefix([9, 2, 3, 4], [1, 2, 3, 4]) == 0.0
     assert agreed_prefix([1, 2], [1, 2, 3, 4]) == 0.5  # stopped early: the rest is not agreed
     assert agreed_prefix([1, 2], []) is None
+
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BENCHMARKS = DOCS / "benchmarks.md"
+
+
+def test_benchmarks_md_is_what_its_json_renders():
+    text = BENCHMARKS.read_text(encoding="utf-8")
+    assert stale_sections(text, DOCS) == [], "run `ragcache bench report docs/benchmarks.md`"
+    assert regenerate(text, DOCS) == text
+
+
+def test_every_table_of_benchmarks_md_is_generated_from_a_named_json_file():
+    text = BENCHMARKS.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 400
+    sections = list(SECTION.finditer(text))
+    assert sections
+    outside = SECTION.sub("", text)
+    assert not [line for line in outside.splitlines() if line.startswith("|")], "a table outside a generated section"
+    for m in sections:
+        named = [w for w in m["spec"].split() if w.endswith(".json")]
+        assert named and all((DOCS / w).is_file() for w in named), m["spec"]
+        assert all(f"]({w})" in m["body"] for w in named), f"the section does not link its JSON: {m['spec']}"
+
+
+@pytest.mark.parametrize("path", sorted((DOCS / "bench").glob("*.json")), ids=lambda p: p.name)
+def test_every_committed_result_renders(path):
+    result = json.loads(path.read_text(encoding="utf-8"))
+    assert render(result, markdown=True).count("|---") >= 1
+
+
+def test_a_changed_figure_shows_as_a_stale_section(tmp_path):
+    (tmp_path / "bench").mkdir()
+    result = json.loads((DOCS / "bench" / "bench_ingest.json").read_text(encoding="utf-8"))
+    (tmp_path / "bench" / "r.json").write_text(json.dumps(result), encoding="utf-8")
+    doc = tmp_path / "doc.md"
+    doc.write_text("# t\n\n<!-- bench report: bench/r.json -->\n<!-- end bench report -->\n\nend\n", encoding="utf-8")
+    fresh = regenerate(doc.read_text(encoding="utf-8"), tmp_path)
+    assert "ingest (" in fresh and fresh.endswith("\n\nend\n") and stale_sections(fresh, tmp_path) == []
+    result["precompute"]["tokens_per_s"] = 1.5
+    (tmp_path / "bench" / "r.json").write_text(json.dumps(result), encoding="utf-8")
+    assert stale_sections(fresh, tmp_path) == ["bench/r.json"]
+    with pytest.raises(ValueError, match="tables 1-1"):
+        section("bench/r.json tables=2", tmp_path)
+
+
+def test_bench_report_command_checks_and_rewrites_a_document(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "r.json").write_bytes((DOCS / "bench" / "bench_ingest.json").read_bytes())
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- bench report: bench/r.json -->\n<!-- end bench report -->\n", encoding="utf-8")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "app.cli", "bench", "report", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    assert cli(str(doc), "--check").returncode == 1
+    assert cli(str(doc)).returncode == 0 and "ingest (" in doc.read_text(encoding="utf-8")
+    assert cli(str(doc), "--check").returncode == 0
+    missing = cli(str(tmp_path / "absent.json"))
+    assert missing.returncode == 2 and "absent.json" in missing.stderr

@@ -78,6 +78,12 @@ def test_blend_params_round_trip_through_plain_data():
     assert auto.recompute_ratio == 0.2  # "auto" unresolved by the caller: the fallback
     with pytest.raises(ValueError, match="malformed"):
         BlendParams.from_dict({k: v for k, v in d.items() if k != "ctx_len"})
+    # the budget's settings have their defaults in config alone: the record restates none of them
+    budget = ("budget", "mass_left", "max_recompute_ratio", "max_recompute_tokens")
+    assert {k: d[k] for k in budget} == BlendSettings().model_dump(include=set(budget))
+    for key in budget:
+        with pytest.raises(ValueError, match="malformed"):
+            BlendParams.from_dict({k: v for k, v in d.items() if k != key})
     with pytest.raises(ValueError, match="modes"):
         params(mode="full")
     assert params(selection="hybrid").selection.strategy == "hybrid"

@@ -1,6 +1,6 @@
 """QA data for the benchmarks: the MuSiQue / HotpotQA files and their passages as chunks.
 
-Owns: where the shared data lives, the short dataset names, reading ``{question, answers, ctxs}``
+Owns: where the public QA sets are read from, the short dataset names, reading ``{question, answers, ctxs}``
 JSON files into :class:`QAExample`, and turning passages into :class:`~ragcache.chunks.Chunk`
 objects with fixed token ids. Imports ragcache.chunks only; never the engine, app/ or ui/.
 """
@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from ragcache.chunks import Chunk, chunk_id_for
 
-#: MuSiQue / HotpotQA files under the shared data folder, by short name
+#: MuSiQue / HotpotQA files under the data folder (:func:`shared_data_dir`), by short name
 DATASETS = {
     "musique": "musique/musique_s.json",
     "hotpotqa": "hotpotqa/hotpotqa_distractor_100.json",
@@ -33,7 +33,7 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 class DatasetNotFoundError(FileNotFoundError):
-    """The QA file does not exist (the shared data lives in ../shared/data beside the repository)."""
+    """The QA file does not exist; the message says how to name one that does."""
 
 
 @dataclass
@@ -54,7 +54,9 @@ class QAExample:
 
 
 def shared_data_dir() -> Path:
-    """``$RAGCACHE_DATA_DIR``, else ``../shared/data`` beside the repository (or the working directory)."""
+    """The folder of the public QA sets: ``$RAGCACHE_DATA_DIR``, else a ``shared/data`` folder next to the
+    repository (or to the working directory) where there is one; the path where it was looked for
+    otherwise."""
     env = os.environ.get("RAGCACHE_DATA_DIR")
     if env:
         return Path(env)
@@ -79,9 +81,11 @@ def resolve_dataset(name_or_path: str | os.PathLike[str]) -> Path:
     else:
         path = Path(key).expanduser()
     if not path.is_file():
+        where = (f"set RAGCACHE_DATA_DIR to the folder holding {DATASETS[key]} (the README says where MuSiQue and "
+                 f"HotpotQA come from); " if key in DATASETS else "")
         raise DatasetNotFoundError(
-            f"dataset {path} not found: pass --dataset musique|hotpotqa|demo (the first two under ../shared/data, "
-            f"or set RAGCACHE_DATA_DIR) or a JSON file of {{question, answers, ctxs:[{{title, text}}]}}")
+            f"dataset {key}: {path} not found; {where}--dataset takes musique, hotpotqa, demo (ships with ragcache) "
+            f"or a JSON file: a list of {{question, answers: [str], ctxs: [{{title, text}}]}}")
     return path
 
 

@@ -1,9 +1,11 @@
 """Presentation of benchmark results: text and markdown tables, plots, and the result files.
 
 Owns: the tables of each benchmark kind (``TABLES``) and its plot where it has one (``PLOTS``),
-the targets table, :func:`render` (every table as text or markdown) and :func:`write_result`
-(RESULT.json, RESULT.md, RESULT.png). Works on the plain result dicts the runners return: imports
-no runner, no engine, no vLLM; matplotlib only inside :func:`plot`; never app/ or ui/.
+the targets table, :func:`render` (every table as text or markdown), :func:`write_result`
+(RESULT.json, RESULT.md, RESULT.png) and the generated sections of a markdown document
+(:func:`regenerate`: docs/benchmarks.md's tables, each rendered from the committed JSON it names, so
+a figure there cannot drift from its run). Works on the plain result dicts the runners return:
+imports no runner, no engine, no vLLM; matplotlib only inside :func:`plot`; never app/ or ui/.
 
 A new benchmark kind adds one function to ``TABLES`` (and one to ``PLOTS`` if it has a plot).
 """
@@ -11,6 +13,7 @@ A new benchmark kind adds one function to ``TABLES`` (and one to ``PLOTS`` if it
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -165,8 +168,9 @@ def _throughput_tables(result: Mapping[str, Any]) -> list[Table]:
 
 def _tiers_tables(result: Mapping[str, Any]) -> list[Table]:
     h = ["tier", "overlap", "n", "TTFT med (s)", "TTFT p90 (s)", "load (s)", "worker (s)", "vs cpu"]
+    # worker_s_median: blend_s_median in results written before 2026-12-01 (docs/bench/bench_tier_ttft.json)
     rows = [[s["tier"], s["pipeline_overlap"], s["n"], s["ttft_median_s"], s["ttft_p90_s"], s["load_s_median"],
-             s["worker_s_median"], s["vs_cpu_median"]] for s in result["summary"]]
+             s.get("worker_s_median", s.get("blend_s_median")), s["vs_cpu_median"]] for s in result["summary"]]
     return [(f"blend TTFT by tier (n={result['n']}, full TTFT median {result['full_ttft_median_s']} s)", h, rows)]
 
 
@@ -245,8 +249,10 @@ def _retrieval_tables(r: Mapping[str, Any]) -> list[Table]:
 
 def _coldstart_tables(r: Mapping[str, Any]) -> list[Table]:
     rows = [[mode, m["first_s"], m["steady_median_s"], m["first_vs_steady"]] for mode, m in r["modes"].items()]
-    return [(f"cold start: engine start {r['startup_s']} s, {r['prompt_tokens']}-token prompt, {r['repeats']} "
-             "requests per mode", ["mode", "first TTFT (s)", "later TTFT median (s)", "first / later"], rows)]
+    # start_s and no repeats: the results of scripts/cold_start.py, before this benchmark (docs/bench/cold_start_*)
+    repeats = r.get("repeats") or max(len(m.get("ttft_s", ())) for m in r["modes"].values())
+    return [(f"cold start: engine start {r.get('startup_s', r.get('start_s'))} s, {r['prompt_tokens']}-token prompt, "
+             f"{repeats} requests per mode", ["mode", "first TTFT (s)", "later TTFT median (s)", "first / later"], rows)]
 
 
 def _plain_tables(r: Mapping[str, Any]) -> list[Table]:
@@ -254,7 +260,6 @@ def _plain_tables(r: Mapping[str, Any]) -> list[Table]:
              [[r["dtype"], r["runs"], r["ttft_median_s"], ", ".join(f"{t:g}" for t in r["ttft_s"])]])]
 
 
-#: ``result["benchmark"]`` -> its tables
 def _storage_tables(r: Mapping[str, Any]) -> list[Table]:
     h = ["form", "bytes/token", "vs fp32", "KL blend", "vs none", "KL reuse", "vs none", "gold NLL blend", "vs none",
          "TTFT cpu (s)", "vs none", "TTFT disk cold (s)", "vs none", "TTFT Redis (s)", "vs none"]
@@ -276,11 +281,38 @@ def _storage_tables(r: Mapping[str, Any]) -> list[Table]:
     return out
 
 
+def _span(values: Sequence[float], unit: str = "") -> str:
+    """``"lo-hi unit"`` of ``values`` (one value when they are equal)."""
+    lo, hi = min(values), max(values)
+    return (f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}") + unit
+
+
+def _accelerator_tables(r: Mapping[str, Any]) -> list[Table]:
+    """scripts/accelerator_blend.py's rows (one run, or many with a ``run`` each): per shape and
+    context length, the range over runs of the prefill's and the blend's milliseconds."""
+    groups: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    for row in r["rows"]:
+        groups.setdefault((row.get("shape", r.get("shape", "?")), row["context_tokens"]), []).append(row)
+    rows = [[shape, tokens, len({x.get("run", 0) for x in g}), _span([x["hf_prefill_ms"] for x in g], " ms"),
+             _span([x["blend_ms"] for x in g], " ms"), _span([x["reuse_ms"] for x in g], " ms"),
+             _span([x["blend_vs_hf_prefill"] for x in g], "x")] for (shape, tokens), g in groups.items()]
+    return [(f"blend/'s torch path against transformers' prefill, torch {r['torch']} (random weights; 'vs prefill' "
+             "= prefill ms / blend ms; a range is over runs)",
+             ["shape", "context tokens", "runs", "transformers prefill", "blend", "reuse", "blend vs prefill"], rows)]
+
+
+def _transcribed_tables(r: Mapping[str, Any]) -> list[Table]:
+    """Tables kept as numbers only (their run's own JSON was not kept): as the file gives them."""
+    return [(t["title"], list(t["headers"]), [list(row) for row in t["rows"]]) for t in r["tables"]]
+
+
+#: ``result["benchmark"]`` -> its tables
 TABLES: dict[str, Callable[[Mapping[str, Any]], list[Table]]] = {
     "ttft": _ttft_tables, "eval": _eval_tables, "hotset": _hotset_tables, "throughput": _throughput_tables,
     "tiers": _tiers_tables, "ingest": _ingest_tables, "serve": _serve_tables, "scale": _scale_tables,
     "bandwidth": _bandwidth_tables, "retrieval": _retrieval_tables, "coldstart": _coldstart_tables,
-    "plain": _plain_tables, "storage": _storage_tables,
+    "plain": _plain_tables, "storage": _storage_tables, "accelerator": _accelerator_tables,
+    "transcribed": _transcribed_tables,
 }
 
 
@@ -314,6 +346,126 @@ def render(result: Mapping[str, Any], markdown: bool = False) -> str:
     if tt:
         parts.append(("**targets**\n\n" if markdown else "targets\n") + fn(*tt))
     return "\n\n".join(parts)
+
+
+# ---- generated sections of a markdown document ------------------------------------------------
+
+#: a generated section of a markdown document: the marker names what is rendered there, the body is
+#: rewritten by :func:`regenerate`. ``FILE [tables=1,2] [targets]`` renders those tables (1-based, in
+#: :func:`tables`' order; default all) of one result, ``summary FILE ...`` one row per ttft result
+SECTION = re.compile(r"^<!-- bench report: (?P<spec>[^\n]*?) -->\n(?P<body>.*?)^<!-- end bench report -->$",
+                     re.S | re.M)
+
+
+def _dataset(result: Mapping[str, Any]) -> str:
+    """The QA set of a ttft result by its short name, with the examples' first and last index."""
+    path = str(result.get("dataset") or "")
+    name = next((label for key, label in (("musique", "MuSiQue"), ("hotpot", "HotpotQA"), ("demo", "demo"))
+                 if key in Path(path).name), Path(path).name or "?")
+    idx = [e["index"] for e in result.get("examples", []) if "index" in e]
+    return f"{name} {min(idx)}-{max(idx)}" if idx else name
+
+
+def _command(result: Mapping[str, Any]) -> str:
+    """The run's command without its ``--out`` (where that run wrote is no part of what it measured)."""
+    return re.sub(r"\s+--out\s+\S+", "", str(result.get("command") or "")).strip()
+
+
+def source_line(result: Mapping[str, Any], link: str) -> str:
+    """Where a generated table comes from: its JSON, its command, when and on what it ran."""
+    m, eng = result.get("machine") or {}, result.get("engine") or {}
+    parts = [f"From [{Path(link).name}]({link})"]
+    if _command(result):
+        parts.append(f"`{_command(result)}`")
+    when = str(result.get("started") or result.get("date") or "")[:16].replace("T", " ")
+    where = (f"{m.get('cpu_count', '?')} cores ({m.get('cpu_model', 'unknown CPU')})" if m
+             else str(result.get("device") or "unknown machine"))
+    dtype = eng.get("dtype") or result.get("dtype")
+    load = m.get("load_avg_1_5_15")
+    return (", ".join(parts) + f": {when + ' ' if when else ''}on {where}" + (f", {dtype}" if dtype else "")
+            + (f", load average {load[0]:g} at the start" if load else "") + ".")
+
+
+def _drop_empty_columns(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[list[str], list[list[Any]]]:
+    """The table without the columns no row has a value in (a run without plain, NLL or stages)."""
+    keep = [i for i in range(len(headers)) if i == 0 or any(r[i] is not None for r in rows)]
+    return [headers[i] for i in keep], [[r[i] for i in keep] for r in rows]
+
+
+def summary_table(results: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
+    """One row per ttft result ``(link, result)``: TTFT of full prefill, plain vLLM and the default
+    blend, blend's speedup over the faster of the two, and its quality against full prefill."""
+    h = ["run", "dtype", "set", "n", "prompt tokens", "full (s)", "plain vLLM (s)", "blend (s)", "blend vs best",
+         "KL blend / reuse", "gold NLL vs full %", "agree Rouge-L", "recomputed %"]
+    rows = []
+    for link, r in results:
+        md, blend, reuse = r["modes"], r["modes"]["blend"], r["modes"].get("reuse") or {}
+        kl_ratio = (blend["kl_mean"] / reuse["kl_mean"]) if reuse.get("kl_mean") else None
+        rows.append([f"[{Path(link).stem}]({link})", (r.get("engine") or {}).get("dtype"), _dataset(r), r["n"],
+                     round(md["full"]["prompt_tokens_mean"]) if md["full"].get("prompt_tokens_mean") else None,
+                     md["full"]["ttft_median_s"], (md.get("plain") or {}).get("ttft_median_s"), blend["ttft_median_s"],
+                     blend.get("speedup_vs_best_median") or blend["speedup_median"], kl_ratio,
+                     _pct(blend.get("gold_nll_rel_full")), blend["agree_rouge_l_mean"],
+                     _pct(blend["recomputed_frac_mean"])])
+    return ("TTFT medians and blend's quality against full prefill, one run per row (the default blend: "
+            "'vs best' = median per example of min(full, plain vLLM) / blend)", h, rows)
+
+
+def section(spec: str, base: Path) -> str:
+    """The markdown body of the generated section ``spec`` (paths relative to ``base``, the document's folder).
+
+    Raises:
+        ValueError: a malformed spec, a table number the result does not have, or a summary of
+            something other than ttft results.
+        FileNotFoundError: a named JSON file does not exist.
+    """
+    words = spec.split()
+    if not words:
+        raise ValueError("an empty bench report marker")
+    if words[0] == "summary":
+        results = [(w, json.loads((base / w).read_text(encoding="utf-8"))) for w in words[1:]]
+        if not results or any(r.get("benchmark") != "ttft" for _, r in results):
+            raise ValueError(f"summary takes ttft results: {spec!r}")
+        title, h, rows = summary_table(results)
+        return f"**{title}**\n\n" + markdown_table(*_drop_empty_columns(h, rows))
+    link, options = words[0], words[1:]
+    result = json.loads((base / link).read_text(encoding="utf-8"))
+    every = tables(result)
+    picked, with_targets = list(range(len(every))), False
+    for opt in options:
+        if opt == "targets":
+            with_targets = True
+        elif opt.startswith("tables="):
+            picked = [int(i) - 1 for i in opt.removeprefix("tables=").split(",")]
+            if any(not 0 <= i < len(every) for i in picked):
+                raise ValueError(f"{spec!r}: {link} has tables 1-{len(every)}")
+        else:
+            raise ValueError(f"{spec!r}: unknown option {opt!r} (tables=1,2 or targets)")
+    parts = [source_line(result, link)]
+    for i in picked:
+        title, h, rows = every[i]
+        parts.append(f"**{title}**\n\n" + markdown_table(*_drop_empty_columns(h, rows)))
+    tt = targets_table(result) if with_targets else None
+    if tt:
+        parts.append("**targets**\n\n" + markdown_table(*tt))
+    return "\n\n".join(parts)
+
+
+def regenerate(text: str, base: Path) -> str:
+    """``text`` (a markdown document in folder ``base``) with every generated section rendered anew
+    from the JSON its marker names; the rest of the document is kept as it is.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`section`.
+    """
+    return SECTION.sub(lambda m: f"<!-- bench report: {m['spec']} -->\n{section(m['spec'], base)}\n"
+                       "<!-- end bench report -->", text)
+
+
+def stale_sections(text: str, base: Path) -> list[str]:
+    """The specs of the generated sections of ``text`` that differ from what their JSON renders."""
+    return [m["spec"] for m in SECTION.finditer(text)
+            if m["body"] != section(m["spec"], base) + "\n"]
 
 
 # ---- plots per benchmark kind ------------------------------------------------------------------

@@ -9,9 +9,9 @@ when n < N, which is wrong there, so visibility is decided by absolute position:
 a query iff ``k_positions[j] <= query position`` (CacheBlend, Yao et al., EuroSys'25, §4: selective
 KV recompute of the HKVD tokens attends over the whole fused KV cache).
 
-Speed on CPU (../shared/DESIGN.md): 4-D SDPA inputs ``[1, H, T, D]`` with the KV heads expanded to
-the query heads run ~4x faster than 3-D inputs with ``enable_gqa``; a dense ``[n, N]`` mask skips no
-work and masked SDPA costs about twice the ``is_causal`` kernel. So a contiguous run of queries that
+Speed on CPU: 4-D SDPA inputs ``[1, H, T, D]`` with the KV heads expanded to the query heads run
+faster than 3-D inputs with ``enable_gqa``; a dense ``[n, N]`` mask skips no work and masked SDPA
+costs more than the ``is_causal`` kernel. So a contiguous run of queries that
 starts where the keys start uses ``is_causal``; anything else is processed in blocks of sorted
 queries, each block attending only to the keys up to its last query's position, with a mask only
 inside that window.

@@ -17,7 +17,7 @@ A blend is a plan (:func:`~ragcache.blend.plan.plan_blend`: budget, probe, depth
 phases, each a short function here: :func:`_prefill_to_check` (the layers before the check layer
 for every token, and the check layer's fresh KV), :func:`_probe` (the question tail alone over the
 reused KV), :func:`decide_budgets` (the one place the budget is decided after the probe),
-:func:`_select` / :func:`_refine` (which tokens), and :func:`_selective_layers` (only those tokens,
+:func:`_select` / :class:`_Refinement` (which tokens), and :func:`_selective_layers` (only those tokens,
 in every later layer). Several blends of one engine step run as one pass (:func:`blend_batch`):
 their context tokens are concatenated, projections and MLP run on all their selected tokens at once,
 the attention is one call of the engine's varlen kernel, and the number of operators a pass
@@ -383,7 +383,7 @@ def _probe(ops: DecoderOps, batch: _Batch, layers: range, kv, question: _Questio
     scores fused over layers, ICML'26); no context token is computed. With ``emit`` each reused layer
     goes to the engine's cache now (the selective layers then write only their rows); without it the
     selective layers read it again. Returns the reused V ``[S, Hkv, D]`` of the layers in ``keep_v``
-    that are among ``layers`` (for :func:`_refine`)."""
+    that are among ``layers`` (for :class:`_Refinement`)."""
     kept: dict[int, torch.Tensor] = {}
     for layer in layers:
         k, v = kv.get(layer)  # [S, Hkv, D], moved to the context's positions
@@ -754,7 +754,8 @@ def blend_kv(
     error summed over layers 1 .. R, CacheBlend's gradual filtering); only the kept tokens go on,
     the dropped ones keep the fresh KV of the layers they went through.
 
-    Every attention over the context runs through ``attention`` (default :func:`torch_attention`),
+    Every attention over the context runs through ``attention`` (default: blend/'s own, :func:`torch_attention`
+    on a CPU and :func:`~ragcache.blend.attention.masked_attention` elsewhere),
     right after ``on_layer`` (or ``write_rows``) received that layer's final K/V: an engine passes its
     own kernel over the cache ``on_layer`` writes. ``on_layer`` receives, for every layer, the final K (post-RoPE)
     and V of all N context tokens: fresh for layers ``<= check_layer`` (layer 0 on the fast path above:
@@ -781,7 +782,7 @@ def blend_kv(
             recomputed, in (0, 1]: from layer ``ceil(recompute_depth * L)`` on (at least the check
             layer + 1) only forced tokens go forward and every other token keeps its reused KV.
             Applies only when a selection is made (a budget below every token): ratio 1.0 stays
-            exact. Measured in docs/benchmarks.md ("recompute depth").
+            exact.
         min_recompute_tokens: with a ratio above 0, recompute at least this many tokens (all N
             when fewer; :func:`~ragcache.blend.select.hkvd_budget`).
         check_layer: the layer where the tokens are selected, in ``[0, num_layers)``.
@@ -799,7 +800,8 @@ def blend_kv(
         ``ragcache.config.BlendSettings``.)
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None``, see above.
         attention: the context's causal attention (:data:`~ragcache.blend.attention.Attention`);
-            default :func:`~ragcache.blend.attention.torch_attention` over ``positions``.
+            default :func:`~ragcache.blend.attention.torch_attention` over ``positions`` on a CPU,
+            :func:`~ragcache.blend.attention.masked_attention` on any other device.
         write_rows: ``(layer, index [n], k [n, Hkv, D], v [n, Hkv, D]) -> None`` (:data:`WriteRows`),
             overwriting rows of a layer ``on_layer`` wrote; give it only with an ``attention`` that
             reads K/V back from the engine's cache. Then a layer the question probe loaded goes to

@@ -15,6 +15,7 @@ not operators. Must not import vLLM, transformers, or anything above blend/ in r
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from typing import Any
 
 #: an operator event's name: ``namespace::name`` (aten::mm, _C::rms_norm, ...)
 _OPERATOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_]")
+#: Kineto's log level above its highest severity (USDT, 5): none of its lines are printed
+_KINETO_QUIET = "6"
 #: namespaces of profiler bookkeeping, not operators
 _NOT_OPERATORS = ("profiler::",)
 
@@ -80,8 +83,11 @@ def count_ops() -> Iterator[OpCount]:
     """Count the operators dispatched inside the ``with`` block (all threads the profiler sees).
 
     Yields an :class:`OpCount` that is filled in when the block exits. The profiler slows the block
-    down: time it separately.
+    down: time it separately. Kineto's own log lines (``USDT ... profiler_start`` and
+    ``profiler_stop`` on stderr, per profile) are silenced unless ``KINETO_LOG_LEVEL`` is set; the
+    level is read when the process's first profile starts.
     """
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
     from torch.profiler import ProfilerActivity, profile
 
     result = OpCount()

@@ -37,7 +37,7 @@ Any strategy may choose in runs (``granule`` > 1): each chunk is cut into aligne
 scores, and the best runs are taken whole until the budget is spent (the last one trimmed to its
 best tokens). Recomputed tokens in runs cost less attention than scattered ones on a paged-attention
 kernel (each run is one causal query segment), and a run recomputes a token's neighbourhood, not
-only the token (../shared/DESIGN.md, docs/benchmarks.md for the granule sweep).
+only the token.
 
 Invariants of every strategy: the budget is exact (``min(ceil(ratio * N), N - forced)`` tokens
 plus the forced ones); tokens with no cached KV (``forced``) are always selected; tokens whose

@@ -5,10 +5,9 @@ fine depends on the hardware, not only on "CPU or GPU":
 
 - CUDA: bfloat16 (float16 where the GPU has no bf16).
 - CPU with AMX-BF16 or AVX512-BF16 (Intel Sapphire Rapids and later, Cooper Lake, AMD Zen 4+):
-  bfloat16. Measured on a 2-core Xeon Sapphire Rapids (AMX): vLLM prefill of a 6.2k-token
-  MuSiQue prompt 6.1-6.9 s in bf16 against 15.9-16.2 s in fp32 (docs/benchmarks.md, "dtype per host").
-- Any other CPU: float32. Without bf16 dot-product instructions bf16 is emulated: on an AMD EPYC
-  (AVX2 only) the same prefill took 128 s in bf16 against 44 s in fp32 (docs/benchmarks.md).
+  bfloat16, which these CPUs compute natively.
+- Any other CPU: float32. Without bf16 dot-product instructions bf16 is emulated, and slower than
+  float32 (docs/benchmarks.md measures both on such a host).
 
 The choice is made from the CPU's flags (``/proc/cpuinfo``; torch's own probe where that file is
 missing), which costs nothing at start-up and is the same on every start. An explicit

@@ -123,7 +123,7 @@ class BlendEngine(EngineBase):
         """Compute and store the KV of the head and of each chunk's unit not stored yet.
 
         Every unit is computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`)
-        and keyed in the index namespace ``namespace`` (see :meth:`PromptBuilder.key`).
+        and keyed in the index namespace ``namespace`` (see :meth:`ragcache.prompt.PromptBuilder.key`).
         Blocks the engine while it runs: call it at ingest time, not beside live requests.
         Chunks go to the worker ``batch_size`` at a time (with ``show_progress``, a bar on a
         terminal's stderr, a line every few seconds in a log). Returns what was computed (the head

@@ -107,7 +107,8 @@ class BlendParams:
             ``[blend]`` settings of the same names in force for this request (see
             :class:`ragcache.config.BlendSettings`); ``check_layer`` resolved for the selection;
             ``budget`` and ``mass_left`` as the request's options set them (a request's ``mass_left``
-            implies the adaptive budget unless it sets ``budget``).
+            implies the adaptive budget unless it sets ``budget``). Required, here and in
+            :meth:`from_dict`: their defaults are the settings', declared once in ragcache.config.
     """
 
     mode: str
@@ -122,10 +123,10 @@ class BlendParams:
     check_layer: int
     deviation: str
     pipeline_overlap: bool | str
-    budget: str = "fixed"
-    mass_left: float = 0.05
-    max_recompute_ratio: float = 1.0
-    max_recompute_tokens: int = 1 << 30
+    budget: str
+    mass_left: float
+    max_recompute_ratio: float
+    max_recompute_tokens: int
 
     @classmethod
     def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
@@ -180,10 +181,9 @@ class BlendParams:
                 recompute_depth=float(data["recompute_depth"]),
                 check_layer=int(data["check_layer"]),
                 deviation=str(data["deviation"]),
-                pipeline_overlap=_overlap(data["pipeline_overlap"]), budget=str(data.get("budget", "fixed")),
-                mass_left=float(data.get("mass_left", 0.05)),
-                max_recompute_ratio=float(data.get("max_recompute_ratio", 1.0)),
-                max_recompute_tokens=int(data.get("max_recompute_tokens", 1 << 30)),
+                pipeline_overlap=_overlap(data["pipeline_overlap"]), budget=str(data["budget"]),
+                mass_left=float(data["mass_left"]), max_recompute_ratio=float(data["max_recompute_ratio"]),
+                max_recompute_tokens=int(data["max_recompute_tokens"]),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None

@@ -7,8 +7,8 @@ module can call) and :func:`measure_attention` / :class:`AttentionChoice` (``ble
 "auto"``: kernel or torch, by a start-up measurement on this host).
 
 Why: the blend's selective layers run n recomputed queries over all N context keys. Through torch
-SDPA that costs 2-4.6x what vLLM's ISA-specific CPU kernel (``cpu_attention_with_kv_cache``; ISA
-amx, vec or vec16) needs for the same work (../shared/DESIGN.md). The kernel takes varlen queries
+SDPA that costs several times what vLLM's ISA-specific CPU kernel (``cpu_attention_with_kv_cache``;
+ISA amx, vec or vec16) needs for the same work. The kernel takes varlen queries
 over a paged cache: each "sequence" i owns the queries ``query_start_loc[i]:query_start_loc[i+1]``,
 which are its LAST tokens, and attends causally to its first ``seq_lens[i]`` cached tokens through
 ``block_table[i]``. So each contiguous run ``[s, e)`` of recomputed tokens becomes one sequence with

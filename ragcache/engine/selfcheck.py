@@ -271,7 +271,7 @@ class _Plan:
 
     @property
     def probe_ids(self) -> list[int]:
-        """Token ids the worker exercises the adapter on (:data:`Rpc.OPS_PROBE`)."""
+        """Token ids the worker exercises the adapter on (:data:`ragcache.engine.messages.Rpc.OPS_PROBE`)."""
         return [] if self.prompt is None else self.prompt.token_ids[:min(self.prompt.ctx_len, PROBE_TOKENS)]
 
     def early(self, found: OpsProbe) -> BlendSupport | None:
