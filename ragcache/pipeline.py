@@ -319,7 +319,7 @@ class RAGPipeline:
 
     def index_quality(self) -> "IndexQuality":
         """The index's blend quality per class for ``engine.mode = "auto"`` (``ragcache calibrate``
-        measures it): its :class:`~ragcache.quality.records.QualityTable`, or none with a note when the
+        measures it): its :class:`~ragcache.quality.table.QualityTable`, or none with a note when the
         calibration was measured under other settings, another dtype or another kind of host (then
         the router uses its prior and says why)."""
         from ragcache.quality.table import IndexQuality

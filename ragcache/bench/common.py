@@ -49,13 +49,13 @@ TARGETS = {
     "blend_ops_max": 1000,              # operators one blend dispatches in the worker (any length, any device)
 }
 #: prompt-length classes by mean prompt tokens: short below ``mid``, long from ``long`` on (the router's
-#: classes, :data:`ragcache.quality.records.PROMPT_CLASS_EDGES`)
+#: classes, :data:`ragcache.quality.table.PROMPT_CLASS_EDGES`)
 PROMPT_LENGTHS = dict(zip(("mid", "long"), PROMPT_CLASS_EDGES))
 
 
 def prompt_length(prompt_tokens: float | None) -> str:
     """``"short"``, ``"mid"`` or ``"long"`` for a mean prompt length in tokens
-    (:func:`ragcache.quality.records.prompt_class`; None: long, the strictest speed target)."""
+    (:func:`ragcache.quality.table.prompt_class`; None: long, the strictest speed target)."""
     return "long" if prompt_tokens is None else prompt_class(prompt_tokens)
 
 

@@ -283,7 +283,7 @@ class EngineBase:
         entered; nothing is checked again here. ``question_end``: see
         :class:`~ragcache.engine.messages.BlendParams` (scoring requests hide their continuation from
         the selection). ``quality``: the index's blend quality, which ``auto`` routes by (None: the
-        prior, :meth:`ragcache.quality.records.QualityTable.prior`).
+        prior, :meth:`ragcache.quality.table.QualityTable.prior`).
 
         Raises:
             BlendUnavailableError / ContextBeyondWindowError: see :meth:`BlendSupport.require

@@ -6,9 +6,9 @@ requests), :class:`RouteInputs` (what is known of a request before it is schedul
 :class:`Router` (the decision, :meth:`Router.decide`, and the model kept fresh from the engine's own
 finished requests, :meth:`Router.observe`) and :class:`Route` (the decision and why, carried into
 ``RequestMetrics.route`` / ``route_reason`` / ``route_rule``). The quality side is the index's
-:class:`~ragcache.quality.records.QualityTable` (``ragcache calibrate``), looked up per prompt-length
+:class:`~ragcache.quality.table.QualityTable` (``ragcache calibrate``), looked up per prompt-length
 class and passage-length class; without one, the conservative prior
-:meth:`~ragcache.quality.records.QualityTable.prior` decides.
+:meth:`~ragcache.quality.table.QualityTable.prior` decides.
 
 The cost model (x = tokens / 1000; every coefficient >= 0, fitted by non-negative least squares):
 
