@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import streamlit as st
 
-from ragcache.config import MODES, Settings
+from ragcache.config import BLENDING_MODES, MODES, Settings
 from ragcache.conversation import Turn
 from ragcache.options import QueryOptions
 from ui import components, state
@@ -30,7 +30,8 @@ log = logging.getLogger("ui.chat_page")  # run as __main__ by st.navigation
 MESSAGES = "messages"
 TTFT_LOG = "ttft_log"
 
-MODE_HELP = ("blend: reuse chunk KV and recompute the HKVD tokens (CacheBlend) · reuse: reuse chunk KV, "
+MODE_HELP = ("auto: blend where it is predicted sooner at full prefill's quality, else full prefill (each answer says "
+             "which and why) · blend: reuse chunk KV and recompute the HKVD tokens (CacheBlend) · reuse: reuse chunk KV, "
              "recompute nothing · prefix: vLLM prefix caching only · full: normal prefill, no reuse")
 
 
@@ -51,10 +52,10 @@ def sidebar_controls(settings: Settings) -> ChatControls:
         mode = st.selectbox("Mode", MODES, index=MODES.index(settings.engine.mode), key="mode",
                             persist_state="session", help=MODE_HELP)
         auto = settings.blend.recompute_ratio == "auto" and st.toggle(
-            "Calibrated ratio (auto)", value=True, key="ratio_auto", persist_state="session", disabled=mode != "blend",
+            "Calibrated ratio (auto)", value=True, key="ratio_auto", persist_state="session", disabled=mode not in BLENDING_MODES,
             help="use the ratio `ragcache calibrate` recorded for this index (blend.fallback_ratio without one)")
         ratio = st.slider("Recompute ratio", 0.0, 1.0, float(settings.blend.static_ratio), 0.01,
-                          key="recompute_ratio", persist_state="session", disabled=mode != "blend" or auto,
+                          key="recompute_ratio", persist_state="session", disabled=mode not in BLENDING_MODES or auto,
                           help="share of context tokens recomputed in blend mode")
         top_k = st.number_input("top_k", 1, 100, int(settings.retrieval.top_k), 1, key="top_k",
                                 persist_state="session", help="chunks retrieved per question")
@@ -64,7 +65,7 @@ def sidebar_controls(settings: Settings) -> ChatControls:
         if st.button("Clear conversation", icon=":material/delete_sweep:", disabled=not st.session_state[MESSAGES]):
             st.session_state[MESSAGES] = []
             st.session_state[TTFT_LOG] = []
-    ratio = None if auto or mode != "blend" else float(ratio)
+    ratio = None if auto or mode not in BLENDING_MODES else float(ratio)
     options = QueryOptions(mode=mode, top_k=int(top_k), recompute_ratio=ratio)
     return ChatControls(options, bool(compare) and mode != "full")
 
