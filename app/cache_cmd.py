@@ -305,4 +305,6 @@ def run_verify(args: argparse.Namespace) -> int:
                 continue
             print(f"{name}: checked {r['checked']}, ok {r['ok']}, other model/layout/form {r['foreign']}, "
                   f"corrupt {r['corrupt']} (removed)")
+            for key in r["removed"]:
+                print(f"  removed {key}: {r['damage'][key]}")
     return 0 if all(r["up"] for r in report.values()) else 1

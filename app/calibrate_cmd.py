@@ -36,12 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="quality target: NLL of full prefill's answer under blend at most this share above full's")
     p.add_argument("--min-speedup", type=float, default=DEFAULT_MIN_SPEEDUP,
                    help="speed target: blend's median TTFT at least this many times below full prefill's")
-    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS),
-                   help="recompute ratios to try (a fixed budget: blend.budget = \"fixed\", or a selection without "
-                   "the question's attention)")
+    p.add_argument("--ratios", default=None,
+                   help="recompute ratios to try, comma-separated: under a fixed budget (blend.budget = \"fixed\", or "
+                   "a selection without the question's attention) the budgets themselves (default "
+                   f"{','.join(f'{r:g}' for r in DEFAULT_RATIOS)}); under the adaptive budget the ratios its budgets "
+                   "are centred on, each tried with every --masses threshold (default blend.recompute_ratio)")
     p.add_argument("--masses", default=",".join(f"{m:g}" for m in DEFAULT_MASSES),
-                   help="adaptive budget (blend.budget = \"adaptive\"): blend.mass_left thresholds to try, at "
-                   "blend.recompute_ratio; the largest that meets the targets is recorded")
+                   help="adaptive budget (blend.budget = \"adaptive\"): blend.mass_left thresholds to try around "
+                   "each ratio; per ratio the largest that meets the targets is a candidate, and the candidate that "
+                   "recomputes the least is recorded")
     p.add_argument("--selection", choices=strategies.names(), default=None,
                    help="token selection to calibrate (default: blend.selection), under the other blend settings "
                    "in force (granule, recompute_depth, ...); the record holds only while they and the dtype stay "
@@ -54,8 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _check(args: argparse.Namespace) -> list[float]:
-    """Flags checked before the engine starts; returns the ratios."""
+def _check(args: argparse.Namespace) -> list[float] | None:
+    """Flags checked before the engine starts; returns the ratios given (None: ``--ratios`` not given)."""
     from ragcache.config import ConfigError
 
     if not args.max_kl > 0:
@@ -68,10 +71,13 @@ def _check(args: argparse.Namespace) -> list[float]:
         raise ConfigError(f"--n {args.n}: must be >= 1")
     from ragcache.calibrate import CalibrationError, blend_options
 
-    try:
-        ratios = list(blend_options([float(x) for x in args.ratios.split(",") if x.strip()], args.selection))
-    except (ValueError, CalibrationError) as exc:  # not numbers, or out of range (checked as every ratio is)
-        raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1] ({exc})") from None
+    ratios = None
+    if args.ratios is not None:
+        try:
+            ratios = list(blend_options([float(x) for x in args.ratios.split(",") if x.strip()], args.selection))
+        except (ValueError, CalibrationError) as exc:  # not numbers, or out of range (checked as every ratio is)
+            raise ConfigError(f"--ratios {args.ratios!r}: expected comma-separated numbers in [0, 1] ({exc})") \
+                from None
     try:
         from ragcache.calibrate import budget_options
 
@@ -179,19 +185,23 @@ def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
     """The calibration's table (one row per ratio, with its speedup over full prefill) and its verdict;
     ``min_recompute_tokens`` (``blend.min_recompute_tokens``), when given, is named where it raised a ratio."""
     adaptive = any(s.mass_left is not None for s in cal.scores)
+    centres = sorted({s.ratio for s in cal.scores}) if adaptive else []
     first = "mass_left" if adaptive else "ratio"
-    print(f"{first:>9} {'recomputed':>11} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} "
+    lead = f"{'ratio':>6} " if len(centres) > 1 else ""  # several centre ratios: each row names its own
+    print(f"{lead}{first:>9} {'recomputed':>11} {'KL(full||blend)':>16} {'answer NLL vs full':>19} {'loops':>6} "
           f"{'TTFT med (s)':>13} {'speedup':>8} {'meets':>6}")
     for s in cal.scores:
         nll = f"{100 * s.answer_nll_rel:+.1f}%" if s.answer_nll_rel is not None else "-"
         speed = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
         share = f"{100 * s.recomputed_share:.1f}%" if s.recomputed_share is not None else "-"
         point = s.mass_left if adaptive else s.ratio
-        print(f"{point:>9g} {share:>11} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% "
+        lead = f"{s.ratio:>6g} " if len(centres) > 1 else ""
+        print(f"{lead}{point:>9g} {share:>11} {s.kl_mean:>16.4f} {nll:>19} {100 * s.loop_share:>5.0f}% "
               f"{s.ttft_median_s:>13.3f} {speed:>8} {'yes' if s.meets else 'no':>6}")
     if adaptive:
-        print(f"mass_left: the adaptive budget's threshold (the question's attention left on reused KV), around ratio "
-              f"{cal.scores[0].ratio:g}; recomputed: the share of each context it chose")
+        around = f"ratio {centres[0]:g}" if len(centres) == 1 else "the ratio of its row"
+        print(f"mass_left: the adaptive budget's threshold (the question's attention left on reused KV), around "
+              f"{around}; recomputed: the share of each context it chose")
     if any(s.raised_by_floor for s in cal.scores):
         floor = f" ({min_recompute_tokens} tokens)" if min_recompute_tokens is not None else ""
         print(f"recomputed: the share of each context actually recomputed. Where it exceeds the ratio, "

@@ -96,7 +96,8 @@ def _calibrate(rag) -> bool:
         print(f"calibrating the demo index: {CALIBRATION_PROBES} probe questions, blend {tried} against "
               f"full prefill", flush=True)
         cal = calibrate(rag, probe_questions(list(rag.retriever.index.chunks()), CALIBRATION_PROBES),
-                        ratios=CALIBRATION_RATIOS, max_tokens=16, masses=CALIBRATION_MASSES if adaptive else None)
+                        ratios=None if adaptive else CALIBRATION_RATIOS, max_tokens=16,
+                        masses=CALIBRATION_MASSES if adaptive else None)  # adaptive: around the settings' ratio
         write_calibration(readable_path(rag.index_path), cal)
     print_calibration(cal, rag.settings.blend.min_recompute_tokens)
     if calibrated_now and cal.recommendation == "full":

@@ -157,7 +157,7 @@ def budget_options(ratio: float, masses: Sequence[float], selection: str | None 
         raise CalibrationError(str(exc)) from None
 
 
-def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[float] = DEFAULT_RATIOS,
+def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[float] | None = None,
               max_kl: float = DEFAULT_MAX_KL, max_nll_rel: float = DEFAULT_MAX_NLL_REL,
               min_speedup: float = DEFAULT_MIN_SPEEDUP, selection: str | None = None, max_tokens: int = 24,
               source: str = "probes", progress: Callable[[int], None] | None = None,
@@ -166,11 +166,14 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
     """Blend at each ratio (or, with ``masses``, at each adaptive-budget threshold) against full
     prefill on ``questions`` over ``rag``'s index.
 
-    With ``masses`` (the adaptive budget, ``blend.budget = "adaptive"``), the blends run at the
-    settings' ratio (``blend.recompute_ratio``, or ``blend.fallback_ratio`` for ``"auto"``) with
-    ``mass_left`` set to each threshold in turn, and the record keeps the largest threshold (the
-    fewest tokens recomputed) that meets the targets: the rule's threshold fitted on this index's
-    own questions, which ``recompute_ratio = "auto"`` then uses.
+    ``ratios`` (None: :data:`DEFAULT_RATIOS`) are the fixed budgets tried. With ``masses`` (the
+    adaptive budget, ``blend.budget = "adaptive"``) they are instead the ratios the budgets are
+    centred on (None: the settings' ratio, ``blend.recompute_ratio``, or ``blend.fallback_ratio``
+    for ``"auto"``): around each, the blends run with ``mass_left`` set to each threshold in turn.
+    Per ratio the largest threshold (the fewest tokens recomputed) that meets the targets is the
+    candidate, and the record keeps the candidate that recomputed the smallest share of the
+    contexts (the smaller ratio on a tie): the rule fitted on this index's own questions, which
+    ``recompute_ratio = "auto"`` then uses.
 
     Per question: retrieval as in a real query, one full-prefill request (greedy answer of
     ``max_tokens`` tokens, first-token distribution over the whole vocabulary), then per ratio one
@@ -194,11 +197,15 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
             or ``min_speedup`` <= 0.
     """
     if masses is not None:
-        centre = rag.settings.blend.static_ratio
-        blends = budget_options(centre, masses, selection, max_tokens)
+        centres = [rag.settings.blend.static_ratio] if ratios is None else ratios
+        blend_options(centres, selection)  # each centre checked as a ratio is
+        blends = {}
+        for centre in sorted(set(float(r) for r in centres)):
+            blends.update(budget_options(centre, masses, selection, max_tokens))
     else:
+        ratios = DEFAULT_RATIOS if ratios is None else ratios
         blends = {(r, None): o for r, o in blend_options(ratios, selection, max_tokens).items()}
-    points = list(blends)  # (ratio, mass_left or None), cheapest first
+    points = list(blends)  # (ratio, mass_left or None): per ratio ascending, cheapest first
     if not questions:
         raise CalibrationError("no questions to calibrate with")
     if not max_kl > 0:
@@ -260,10 +267,11 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
         # a blend over the whole context is full prefill through the blend's path: its "speedup" is noise
         score.meets = good and speedup is not None and speedup >= min_speedup and not score.whole_context
         scores.append(score)
-    best = next((s for s in scores if s.meets), None)
+    best = _cheapest(scores)
     if best is not None:
         at = f"ratio {best.ratio:g}" if best.mass_left is None else (
-            f"mass_left {best.mass_left:g} (recomputing {100 * (best.recomputed_share or 0):.0f}% of these contexts)")
+            f"mass_left {best.mass_left:g} around ratio {best.ratio:g} (recomputing "
+            f"{100 * (best.recomputed_share or 0):.0f}% of these contexts)")
         recommendation, reason = "blend", (f"blend at {at} answers like full prefill (KL "
                                            f"{best.kl_mean:.3g} <= {max_kl:g}) {best.speedup:.1f}x sooner")
         if best.raised_by_floor:
@@ -305,6 +313,21 @@ def calibrate(rag: "RAGPipeline", questions: Sequence[str], *, ratios: Sequence[
                        min_speedup=min_speedup, full_loop_share=round(full_loop, 4),
                        recommendation=recommendation, reason=reason,
                        settings=rag.calibrated_settings(selection), quality=quality)
+
+
+def _cheapest(scores: Sequence[RatioScore]) -> RatioScore | None:
+    """The score to record among ``scores`` (per ratio ascending, each ratio's cheapest first), or None
+    when none meets the targets: the first that meets under a fixed budget; under an adaptive one,
+    per centre ratio the first that meets, then of those the one that recomputed the smallest share
+    (the earlier on a tie or where a share is unknown)."""
+    meeting = [s for s in scores if s.meets]
+    if not meeting or meeting[0].mass_left is None:
+        return meeting[0] if meeting else None
+    firsts: dict[float, RatioScore] = {}
+    for s in meeting:
+        firsts.setdefault(s.ratio, s)
+    unknown = float("inf")
+    return min(firsts.values(), key=lambda s: unknown if s.recomputed_share is None else s.recomputed_share)
 
 
 def _median(values: Sequence[float]) -> float:

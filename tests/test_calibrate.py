@@ -72,6 +72,44 @@ def test_a_ratio_over_the_whole_context_is_marked_and_never_meets(capsys):
     assert "100%: the ratio recomputed the whole context" in out and "recommendation: full prefill" in out
 
 
+def test_under_the_adaptive_budget_each_centre_ratio_gets_a_row_and_the_cheapest_candidate_is_recorded(capsys):
+    from app.calibrate_cmd import print_calibration
+    from ragcache.calibrate import _cheapest
+
+    def score(ratio, mass, meets, share):
+        return RatioScore(ratio, 0.01, 0.0, 1.0, meets, speedup=2.0, good=meets, recomputed_share=share,
+                          mass_left=mass)
+
+    # per centre ratio the largest threshold that meets is its candidate; the least recomputing candidate wins
+    scores = [score(0.1, 0.05, False, 0.12), score(0.1, 0.02, True, 0.31),
+              score(0.3, 0.05, True, 0.22), score(0.3, 0.02, True, 0.35)]
+    assert _cheapest(scores) is scores[2]
+    assert _cheapest(scores[:2]) is scores[1] and _cheapest(scores[:1]) is None
+    fixed = [RatioScore(0.1, 0.2, 0.2, 1.0, False), RatioScore(0.2, 0.0, 0.0, 1.0, True, recomputed_share=0.5),
+             RatioScore(0.3, 0.0, 0.0, 1.0, True, recomputed_share=0.3)]
+    assert _cheapest(fixed) is fixed[1]  # a fixed budget: the smallest ratio that meets, as before
+    record = Calibration(ratio=0.3, mass_left=0.05, max_kl=0.05, selection="question", model_fingerprint="fp", n=3,
+                         source="probes", full_ttft_median_s=1.0, scores=scores, created="now")
+    print_calibration(record)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["ratio", "mass_left"]
+    assert [line.split()[:2] for line in lines[1:5]] == [["0.1", "0.05"], ["0.1", "0.02"], ["0.3", "0.05"], ["0.3", "0.02"]]
+    assert "around the ratio of its row" in lines[5]
+    print_calibration(dataclasses.replace(record, scores=scores[2:]))  # one centre: no ratio column
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == "mass_left" and "around ratio 0.3;" in lines[3]
+
+
+def test_calibrate_ratios_are_given_or_left_to_the_budget():
+    from app.calibrate_cmd import _check
+    from app.cli import build_parser
+
+    parser = build_parser()
+    assert _check(parser.parse_args(["calibrate"])) is None  # fixed: the default grid; adaptive: the settings' ratio
+    assert _check(parser.parse_args(["calibrate", "--ratios", "0.3"])) == [0.3]
+    assert _check(parser.parse_args(["calibrate", "--ratios", "0.3,0.1,0.3"])) == [0.1, 0.3]
+
+
 def test_probe_questions_are_seeded_and_about_the_chunks():
     chunks = [chunk(f"Passage {i} tells of the river number {i} and its bridges.") for i in range(10)]
     a, b = probe_questions(chunks, 4, seed=1), probe_questions(chunks, 4, seed=1)
@@ -211,7 +249,7 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
 
 @pytest.mark.integration
 @pytest.mark.parametrize("budget", ["adaptive"], indirect=True)
-def test_calibrate_fits_the_adaptive_budget_threshold_that_auto_then_uses(engine, tmp_path, budget):
+def test_calibrate_fits_the_adaptive_budget_threshold_that_auto_then_uses(engine, tmp_path, monkeypatch, budget):
     from ragcache.calibrate import calibrate, probe_questions
     from ragcache.pipeline import RAGPipeline
 
@@ -242,6 +280,25 @@ def test_calibrate_fits_the_adaptive_budget_threshold_that_auto_then_uses(engine
     assert after.metrics.ratio_source == "calibration" and "(target 0.3)" in after.metrics.budget_reason
     asked = rag.query("How many seats does the Amber Hall have?", mode="blend", max_tokens=4, mass_left=0.05)
     assert "(target 0.05)" in asked.metrics.budget_reason  # a request's own threshold wins
+
+    # ratios given (`calibrate --ratios`): the budgets are centred on them, each with every threshold
+    blends = []
+    generate = engine.generate
+
+    def recording(prompt, options, **kw):
+        if options.mode == "blend":
+            blends.append((options.recompute_ratio, options.mass_left, options.budget))
+        return generate(prompt, options, **kw)
+
+    monkeypatch.setattr(engine, "generate", recording)
+    centred = calibrate(rag, questions[:1], ratios=(0.5, 0.3), masses=(0.3,), max_kl=10.0, max_nll_rel=10.0,
+                        max_tokens=4, min_speedup=0.01)
+    monkeypatch.undo()
+    assert [(s.ratio, s.mass_left) for s in centred.scores] == [(0.3, 0.3), (0.5, 0.3)]
+    assert sorted(set(blends)) == [(0.3, 0.3, "adaptive"), (0.5, 0.3, "adaptive")]
+    meeting = [s for s in centred.scores if s.meets]
+    assert meeting and (centred.ratio, centred.mass_left) == (min(meeting, key=lambda s: s.recomputed_share).ratio, 0.3)
+    assert f"around ratio {centred.ratio:g}" in centred.reason
 
 
 def test_the_ratio_note_says_when_a_blend_ratio_goes_against_the_index_calibration(monkeypatch):

@@ -23,6 +23,7 @@ from redis_server import start_redis
 from small_fs import fill, mount, skip_reason, unmount
 
 from app.cli import main
+from kv_fixtures import poison
 from ragcache.kvstore import DiskTier
 from ragcache_testing.services import RedisServer
 from tests.conftest import ZORBIA_DOCS
@@ -181,6 +182,57 @@ def test_damaged_kv_is_never_served_and_each_damage_is_counted_as_a_miss(probe):
     assert after.tiers["disk"].corrupt - before.tiers["disk"].corrupt == 2 * TOP_K
     assert after.tiers["remote"].corrupt - before.tiers["remote"].corrupt == TOP_K
     assert probe.cli("cache", "verify", "--json") == 0  # what is left is intact
+
+
+def assert_recomputed(probe: Probe, question: str, missing_tokens: int) -> None:
+    """The chunks of ``question`` were recomputed after a failed read, each counted as a chunk missing
+    at its lookup is (``missing_tokens``, and seconds), and the answer is the intact one."""
+    answer = ask(probe, question)
+    m = answer.metrics
+    assert answer.text == probe.baseline[question] and m.tier_hits == {"computed": TOP_K}
+    assert m.missing_computed_tokens == missing_tokens
+    assert m.stages["missing_compute_s"] > 0 and m.compute_s >= m.stages["missing_compute_s"]
+
+
+def test_non_finite_scales_behind_rewritten_checksums_are_never_served_and_cache_verify_names_them(probe, capsys):
+    probe.engine.forget(list(probe.rag.retriever.index.chunks()))  # missing at their lookup: the reference
+    missing = ask(probe, QUESTIONS[0]).metrics.missing_computed_tokens
+    assert missing >= sum(c.num_tokens for c in probe.rag.retriever.index.chunks())
+    keys = probe.keys()  # every chunk now on disk and in Redis, int8 (the default stored form)
+    client = redis_py.Redis.from_url(probe.redis.url)
+    before = probe.engine.store_stats()
+
+    for key in keys:  # disk: every V scale of layer 3 NaN, its crc32 rewritten; found in the batched pass
+        path = probe.disk.path(key)
+        path.write_bytes(poison(path.read_bytes(), "v_scale.3"))
+    assert_recomputed(probe, QUESTIONS[0], missing)
+    assert_answers_unchanged(probe, {"disk": TOP_K})  # what was recomputed is stored and served again
+
+    for key in keys:  # Redis alone: K scales of layer 7 infinite; found layer by layer (a network tier streams)
+        value = client.get(f"ragcache:kv:{key}")
+        client.set(f"ragcache:kv:{key}", poison(value, "k_scale.7", float("inf")))
+        probe.disk.path(key).unlink()
+    assert_recomputed(probe, QUESTIONS[0], missing)
+    assert_answers_unchanged(probe, {"disk": TOP_K})
+
+    after = probe.engine.store_stats()
+    assert after.tiers["disk"].corrupt - before.tiers["disk"].corrupt == TOP_K
+    assert after.tiers["remote"].corrupt - before.tiers["remote"].corrupt == TOP_K
+
+    victim = keys[0]  # `cache verify` checks the scales too, and names the entry
+    for tier, damage in (("disk", "v_scale.0"), ("remote", "v_scale.29")):
+        if tier == "disk":
+            probe.disk.path(victim).write_bytes(poison(probe.disk.path(victim).read_bytes(), damage))
+        else:
+            client.set(f"ragcache:kv:{victim}", poison(client.get(f"ragcache:kv:{victim}"), damage))
+    capsys.readouterr()
+    assert probe.cli("cache", "verify") == 0
+    out = capsys.readouterr().out
+    assert f"  removed {victim}: non-finite values in v_scale.0" in out
+    assert f"  removed {victim}: non-finite values in v_scale.29" in out
+    assert not probe.disk.path(victim).exists() and not client.exists(f"ragcache:kv:{victim}")
+    answer = ask(probe, QUESTIONS[0])
+    assert answer.text == probe.baseline[QUESTIONS[0]] and answer.metrics.tier_hits == {"disk": 2, "computed": 1}
 
 
 def test_redis_killed_and_back_costs_nothing_but_hits(probe):

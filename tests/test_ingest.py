@@ -581,3 +581,29 @@ def test_an_undecodable_jsonl_line_and_json_lines_that_are_no_records_are_named_
     assert "1 files ingested" in r.stdout and "0 skipped" in r.stdout and "2 chunks added" in r.stdout, r.stdout
     texts = sorted(c.text for c in Index.load(tmp_path / "indexes" / "qa", Settings.load()).chunks())
     assert texts == ["The Amber Hall has 212 seats and a copper roof.", "Velmora was founded in 1432 by Idris Kell."]
+
+
+@pytest.mark.parametrize("name, content, what", [
+    ("empty.json", "[]", "an empty list"),
+    ("empty-object.json", "{}", "an empty object"),
+    ("nested.json", '[{}, {"ctxs": []}, null]', "a list of empty values only"),
+    ("empty.jsonl", "[]\n\n{}\n", "every line holds empty JSON"),
+])
+def test_an_empty_json_file_is_nothing_to_ingest_not_a_document(models, tmp_path, capsys, name, content, what):
+    from app.cli import main
+
+    (tmp_path / name).write_text(content)
+    report = make_ingestor(models, tmp_path).ingest([tmp_path / name])
+    [skipped] = report.skipped
+    assert skipped.reason.startswith("nothing to ingest: ") and what in skipped.reason
+    assert "no records, no text" in skipped.reason
+    assert report.total_chunks == 0 and not report.written and not (tmp_path / "indexes" / "idx").exists()
+    # beside a real document it costs nothing: only the document is indexed
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / name).write_text(content)
+    (tmp_path / "docs" / "velmora.txt").write_text("Velmora was founded in 1432 by Idris Kell.")
+    assert main(["ingest", str(tmp_path / "docs"), "--index", str(tmp_path / "cli"), "--quiet", "--no-kv"]) == 0
+    out, err = capsys.readouterr()
+    assert f"skipped {tmp_path / 'docs' / name}: nothing to ingest" in err and "1 files ingested" in out
+    texts = [c.text for c in Index.load(tmp_path / "cli", Settings.load()).chunks()]
+    assert texts == ["Velmora was founded in 1432 by Idris Kell."]

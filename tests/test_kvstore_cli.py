@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_fixtures import poison
 
 from app.cli import main
 from ragcache.kvstore import DiskTier, KVSpec, TieredStore
@@ -63,6 +64,15 @@ def test_cache_verify_removes_corrupt_entries_and_keeps_other_models(setup, caps
     report = json.loads(capsys.readouterr().out)["tiers"]["disk"]
     assert (report["checked"], report["ok"], report["foreign"], report["corrupt"]) == (4, 2, 1, 1)
     assert report["removed"] == ["b"] and sorted(disk.keys()) == ["a", "c", "x"]
+
+
+def test_cache_verify_names_an_entry_whose_scales_are_not_finite_behind_matching_checksums(setup, capsys):
+    settings, disk = setup
+    disk.path("a").write_bytes(poison(disk.path("a").read_bytes(), "v_scale.1", float("nan")))
+    assert main(["--settings", str(settings), "cache", "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "disk: checked 4, ok 2, other model/layout/form 1, corrupt 1 (removed)" in out
+    assert "  removed a: non-finite values in v_scale.1" in out and sorted(disk.keys()) == ["b", "c", "x"]
 
 
 def test_cache_clear_empties_the_disk_folder(setup, capsys):

@@ -1,6 +1,7 @@
 """Compressed chunk KV (``store.kv_compression``): error bounds of each quantiser, stored bytes, the
-stored form as part of an entry's identity (another form is refused, then replaced), and checksums
-that catch a flipped byte in a compressed entry on disk and in Redis.
+stored form as part of an entry's identity (another form is refused, then replaced), checksums
+that catch a flipped byte in a compressed entry on disk and in Redis, and non-finite scales (or
+uncompressed K/V) behind rewritten checksums refused by every read.
 
 Through the real tiers (cpu, device on the CPU, disk, a real redis-server); no model.
 """
@@ -8,17 +9,18 @@ Through the real tiers (cpu, device on the CPU, disk, a real redis-server); no m
 from __future__ import annotations
 
 import json
+import logging
 import struct
 
 import pytest
 import redis
 import torch
-from kv_fixtures import SPEC
+from kv_fixtures import SPEC, poison
 from redis_server import start_redis
 from safetensors import safe_open
 
 from ragcache.chunks import ChunkKey
-from ragcache.kvstore import CpuTier, DeviceTier, DiskTier, KVSpec, RedisTier, TieredStore
+from ragcache.kvstore import CorruptEntryError, CpuTier, DeviceTier, DiskTier, KVSpec, RedisTier, TieredStore
 from ragcache.kvstore.codec import ERROR_BOUNDS, MIN_SCALE, QMAX, decode_all, encode, layer_parts
 from ragcache.kvstore.format import FORMAT_QUANTISED
 
@@ -317,3 +319,87 @@ def test_as_stored_hands_back_the_tensors_themselves_when_stored_as_they_are():
     k, v = kv_like_a_model()
     k2, v2 = store.as_stored(k, v)
     assert k2 is k and v2 is v
+
+
+NAN, INF = float("nan"), float("inf")
+#: (stored form, tensor poisoned, value): a quantised entry's V or K scales, an uncompressed entry's K
+POISONS = [("int8", "v_scale.1", NAN), ("int8", "k_scale.2", INF), ("int4", "v_scale.0", -INF),
+           ("none", "k.1", NAN)]
+
+
+def _written(folder, form: str, keys) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the same KV under ``keys`` in a disk-only store (so a later store's cpu tier is empty)."""
+    k, v = kv_like_a_model()
+    writer = TieredStore(REAL, [(DiskTier(folder), 10**9)], kv_compression=form)
+    for key in keys:
+        writer.put(key, k, v, 0)
+    return k, v
+
+
+@pytest.mark.parametrize("form, tensor, value", POISONS)
+def test_non_finite_floats_behind_matching_checksums_are_corrupt_in_every_read_of_a_disk_entry(
+        tmp_path, caplog, form, tensor, value):
+    folder = tmp_path / "kv"
+    disk = DiskTier(folder)
+    keys = ("get", "layer", "whole", "verify")
+    _written(folder, form, keys)
+    for key in keys:
+        disk.path(key).write_bytes(poison(disk.path(key).read_bytes(), tensor, value))
+    store = TieredStore(REAL, [(CpuTier(), 10**9), (disk, 10**9)], kv_compression=form)
+    why = f"non-finite values in {tensor}"
+    with caplog.at_level(logging.WARNING, logger="ragcache.kvstore"):
+        assert store.get("get") is None  # a whole read (TieredStore.get)
+        handle = store.open("layer")  # the header is intact: the damage shows at its layer
+        layer = int(tensor.rsplit(".", 1)[1])
+        for i in range(layer):
+            handle.stored_layer(i)
+        with pytest.raises(CorruptEntryError, match=why):
+            handle.stored_layer(layer)
+        with pytest.raises(CorruptEntryError, match=why):
+            store.open("whole").stored_entry()  # what the batched blend pass reads
+        report = store.verify()["disk"]
+    assert report["removed"] == ["verify"] and report["damage"] == {"verify": why} and report["ok"] == 0
+    assert store.stats()["disk"]["corrupt"] == 4 and store.stats()["cpu"]["entries"] == 0  # nothing promoted
+    assert list(disk.keys()) == []  # every one deleted
+    warned = [r.getMessage() for r in caplog.records if why in r.getMessage()]
+    assert sorted(w.split("'")[1] for w in warned) == sorted(keys)  # one line each
+
+
+def test_non_finite_scales_behind_matching_checksums_are_corrupt_in_redis(tmp_path):
+    server = start_redis(tmp_path)
+    try:
+        client = redis.Redis.from_url(server.url)
+        store = TieredStore(REAL, [(RedisTier(server.url), None)], kv_compression="int8")
+        for key in ("a", "b", "c"):
+            store.put(key, *kv_like_a_model(), 0)
+        for key, tensor, value in (("a", "v_scale.0", NAN), ("b", "k_scale.1", INF), ("c", "v_scale.2", NAN)):
+            client.set(f"ragcache:kv:{key}", poison(client.get(f"ragcache:kv:{key}"), tensor, value))
+        assert store.get("a") is None
+        with store.open("b") as handle, pytest.raises(CorruptEntryError, match="non-finite values in k_scale.1"):
+            handle.stored_entry()
+        report = store.verify()["remote"]
+        assert report["removed"] == ["c"] and report["damage"]["c"] == "non-finite values in v_scale.2"
+        assert store.stats()["remote"]["corrupt"] == 3
+        assert client.exists("ragcache:kv:a", "ragcache:kv:b", "ragcache:kv:c") == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("form", ["none", "int8"])
+def test_no_tier_takes_non_finite_kv(form):
+    store = TieredStore(REAL, [(CpuTier(), 10**9), (DeviceTier("cpu"), 10**9)], kv_compression=form)
+    k, v = kv_like_a_model()
+    v[2, 5, 1, 7] = NAN
+    with pytest.raises(ValueError, match="non-finite"):
+        store.put("chunk", k, v, 0)
+    assert store.contains("chunk") is None and store.stats()["cpu"]["entries"] == 0
+
+
+def test_an_intact_entry_passes_the_finite_check_whatever_its_magnitudes(tmp_path):
+    folder = tmp_path / "kv"
+    k, v = kv_like_a_model()
+    k[0] = 3e38  # a float32 sum of these overflows; each value is finite
+    store = TieredStore(REAL, [(DiskTier(folder), 10**9)], kv_compression="none")
+    store.put("big", k, v, 0)
+    entry, tier = store.get("big")
+    assert tier == "disk" and torch.equal(entry.k, k) and store.verify()["disk"]["ok"] == 1

@@ -68,6 +68,7 @@ def test_an_entry_that_cannot_fit_evicts_nothing_warns_once_and_is_counted(fs, c
     assert sorted(disk.keys()) == ["small"]  # never evicted for an entry that could not fit anyway
     warnings = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
     assert len(warnings) == 1 and "disk tier full" in warnings[0] and "MB free" in warnings[0]
+    assert "evicted: entry" in warnings[0] and "::" not in warnings[0]
     row = store.stats()["disk"]
     assert row["not_stored"] == 3 and row["evictions"] == 0 and row["write_errors"] == 0
     entry, tier = store.get("big0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 
@@ -264,6 +265,28 @@ def test_safetensors_file_not_written_by_ragcache_is_foreign_and_left_alone(tmp_
     store = TieredStore(SPEC, [(tier, 10**9)])
     assert store.get("a") is None
     assert store.stats()["disk"]["foreign"] == 1 and tier.path("a").exists()
+
+
+def test_each_kind_of_foreign_entry_is_logged_once_per_tier(tmp_path, caplog):
+    folder = tmp_path / "kv"
+    other = KVSpec("0000000000000000", 1, 4, 2, 8)
+    for key in ("other1", "other2"):
+        disk_store(folder, spec=other).put(key, *make_kv(), 0)
+    disk_store(folder, kv_compression="int8").put("int8", *make_kv(), 0)  # a swapped stored form
+    damaged = DiskTier(folder).path("damaged")  # a header whose format field was overwritten
+    disk_store(folder).put("damaged", *make_kv(), 0)
+    damaged.write_bytes(damaged.read_bytes().replace(b'"ragcache-kv/1"', b'"ragcache-kv/X"', 1))
+    store = disk_store(folder)
+    with caplog.at_level(logging.DEBUG, logger="ragcache.kvstore"):
+        for key in ("other1", "other2", "other1", "int8", "damaged", "damaged"):
+            assert store.get(key) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3 and all("left in place" in w for w in warnings), warnings
+    assert "'other1'" in warnings[0] and "model_fingerprint" in warnings[0]
+    assert "'int8'" in warnings[1] and "stored form 'int8'" in warnings[1]
+    assert "'damaged'" in warnings[2] and "ragcache-kv/X" in warnings[2]
+    assert store.stats()["disk"]["foreign"] == 6 and store.stats()["disk"]["corrupt"] == 0
+    assert sorted(DiskTier(folder).keys()) == ["damaged", "int8", "other1", "other2"]
 
 
 def test_file_vanishing_is_a_plain_miss(tmp_path):

@@ -315,6 +315,41 @@ def test_metrics_move_by_the_right_amounts(served):
     assert not any(":" in name for name, _ in after)
 
 
+def test_metrics_count_corrupt_and_foreign_entries_per_tier_and_answers_stay_right(served):
+    from kv_fixtures import poison
+
+    from ragcache.kvstore import DiskTier
+
+    url, state = served
+    rag, eng = state.pipeline(INDEX), state.engine
+    three = dict(model=INDEX, max_tokens=12, extra_body={"ragcache": {"top_k": 3}})  # every chunk of the index
+    question = user("Where is the Amber Hall?")
+    intact = client(url).chat.completions.create(messages=question, **three).choices[0].message.content
+    chunks = list(rag.retriever.index.chunks())
+    disk = DiskTier(state.settings.store.ssd_cache_dir)
+    files = [disk.path(eng.prompts.key(c, rag.namespace)) for c in chunks]
+    saved = [f.read_bytes() for f in files]  # written through to disk when first computed
+    asyncio.run_coroutine_threadsafe(eng.forget(chunks), state.loop).result(timeout=60)  # gone from the cpu tier too
+    files[0].write_bytes(poison(saved[0], "v_scale.3"))  # int8, the default: NaN scales behind a valid crc32
+    files[1].write_bytes(poison(saved[1], "k_scale.0", float("inf")))
+    files[2].write_bytes(saved[2].replace(b'"ragcache-kv/2"', b'"ragcache-kv/9"', 1))  # a format not read here
+    before = scrape(url)
+    answer = client(url).chat.completions.create(messages=question, **three)
+    after = scrape(url)
+
+    def delta(name: str, tier: str) -> float:
+        return total(after, name, tier=tier) - total(before, name, tier=tier)
+
+    assert answer.choices[0].message.content == intact
+    assert answer.model_extra["ragcache"]["metrics"]["tier_hits"] == {"computed": 3}
+    assert (delta("ragcache_corrupt_entries_total", "disk"), delta("ragcache_foreign_entries_total", "disk")) == (2, 1)
+    assert (delta("ragcache_corrupt_entries_total", "cpu"), delta("ragcache_foreign_entries_total", "cpu")) == (0, 0)
+    cache = httpx.get(f"{url}/v1/cache", timeout=30).json()["tiers"]  # the same counts as GET /v1/cache
+    for tier in ("cpu", "disk"):
+        assert total(after, "ragcache_corrupt_entries_total", tier=tier) == cache[tier]["corrupt"]
+        assert total(after, "ragcache_foreign_entries_total", tier=tier) == cache[tier]["foreign"]
+
+
 def test_a_client_disconnect_mid_stream_aborts_its_vllm_request(served):
     url, _ = served
     before = scrape(url)

@@ -396,8 +396,10 @@ class WorkerRuntime:
         writer = PagedWriter(self.attn_layers, contexts.slots(device), self._caches)
         t_load = time.perf_counter()
         streamed = group[0].streamed
+        missing_s = sum(o.missing_s for o in group)
         load = _streamed_loader(group, self) if streamed else self._stage_kv(group)
-        stage_s = time.perf_counter() - t_load
+        # a segment recomputed while staging (its entry went bad) is compute, not load
+        stage_s = time.perf_counter() - t_load - (sum(o.missing_s for o in group) - missing_s)
         if group[0].request is None:
             positions = torch.cat([torch.arange(n) for n in sizes]).to(device)
             results = [reuse_kv(ops, positions, load, writer.layer, prefetch=streamed)] * len(group)
@@ -438,10 +440,14 @@ class _Opened:
         """Segment j's entry went bad (or its tier away) mid-read: compute it now, never serve it."""
         p, token_ids = self.load.params, self.load.token_ids
         seg = p.segments[j]
-        log.warning("chunk KV %s unreadable %s (%s); recomputing it", seg.key, what, exc)
+        # the store has logged the damage (or, rate-limited, the failing tier) once already
+        log.debug("chunk KV %s unreadable %s (%s); recomputing it", seg.key, what, exc)
         self.handles[j].close()
+        t0 = time.perf_counter()
         self.handles[j] = runtime._compute_for_request(seg.key, token_ids[: p.lead_in_len], seg.start,
                                                        token_ids[seg.start:seg.start + seg.length])
+        self.missing_s += time.perf_counter() - t0  # a missing segment like one missed at open
+        self.missing_tokens += seg.length
         self.tiers[j] = COMPUTED
 
     def _guarded(self, j: int, runtime: "WorkerRuntime", read: Callable[[Any], Any], what: str) -> Any:

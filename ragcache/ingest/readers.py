@@ -176,6 +176,27 @@ def _passages(rec: object) -> "list[dict] | _Unusable":
     return [rec] if rec["text"].strip() else _Unusable("empty text")
 
 
+def _empty_json(value: object) -> bool:
+    """Whether a JSON value holds nothing to index: null, a blank string, or a list or object of only
+    such values (``[]``, ``{}``, ``[[], {}]``)."""
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, list):
+        return all(_empty_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(_empty_json(v) for v in value.values())
+    return False
+
+
+def _describe_empty(value: object) -> str:
+    """``[]`` -> "an empty list", ``[{}]`` -> "a list of empty values only" (``value``: :func:`_empty_json`)."""
+    if isinstance(value, (list, dict)) and value:
+        return f"{_JSON_TYPES[type(value)]} of empty values only"
+    return {list: "an empty list", dict: "an empty object", str: "an empty string"}.get(type(value), "null")
+
+
 class JsonRecordsReader(BaseReader):
     """JSON (a record or a list of records) and JSONL (one record per line).
 
@@ -183,7 +204,9 @@ class JsonRecordsReader(BaseReader):
     records with a ``text`` string give one document each. In a file with at least one such record,
     whatever else it holds is left out and named in ``left_out`` (a JSONL line that is not UTF-8,
     not JSON or not a record; a list item that is not a record) and the records are read. A file
-    without any record is indexed as its text (JSONL lines that are not JSON are still named).
+    that holds only empty JSON (``[]``, ``{}``, ``null``, ``""``, or lists and objects of those; in
+    JSONL, on every line) has nothing to ingest and is skipped (:class:`SkipFile`). Any other file
+    without a record is indexed as its text (JSONL lines that are not JSON are still named).
     Passage documents get :func:`passage_doc_id` as id and keep their title.
 
     Attributes:
@@ -200,12 +223,17 @@ class JsonRecordsReader(BaseReader):
         if path.suffix.lower() == ".jsonl":
             data = _read_bytes(path)
             items = _jsonl_lines(data)
+            if items and all(not isinstance(rec, _Unusable) and _empty_json(rec) for _, rec in items):
+                raise SkipFile("nothing to ingest: every line holds empty JSON ([], {}, null or \"\"; no records, "
+                               "no text)")
         else:
             data = _read_text_bytes(path)
             try:
                 loaded = json.loads(data)
             except json.JSONDecodeError as exc:
                 raise SkipFile(f"invalid JSON: {exc}") from None
+            if _empty_json(loaded):
+                raise SkipFile(f"nothing to ingest: the file holds {_describe_empty(loaded)} (no records, no text)")
             items = [(f"item {i}", rec) for i, rec in enumerate(loaded, 1)] if isinstance(loaded, list) else [
                 ("the file", loaded)]
         docs: dict[str, Document] = {}

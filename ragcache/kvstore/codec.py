@@ -193,6 +193,40 @@ def split_layer(parts: tuple[Part, ...], record: torch.Tensor) -> list[torch.Ten
     return views
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of the float tensor ``t`` is finite (no NaN, no infinity).
+
+    One float32 sum over ``t`` decides in the usual case (a NaN or an infinity makes the sum
+    non-finite, so a finite sum clears every element); only a sum that overflows from finite
+    values is looked at element by element.
+    """
+    if t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def non_finite_part(form: str, parts: tuple[Part, ...], record: torch.Tensor) -> str | None:
+    """The name of the first float part of one stored layer holding a NaN or an infinity, or None
+    when every one is finite: the scales of a quantised form (its integer values cannot be
+    non-finite), K and V of ``none``. :func:`encode` never writes such a layer, so a reader refuses
+    one as damaged.
+
+    Args:
+        form, parts: the entry's stored form and layer layout (:func:`layer_parts`).
+        record: the stored layer, ``[2, T, H, D]`` floats (``none``) or uint8 ``[record bytes]``.
+    """
+    if form == "none":
+        tensors = [record[0], record[1]]
+    else:
+        tensors = split_layer(parts, record)
+    for part, t in zip(parts, tensors):
+        if t.is_floating_point() and not all_finite(t):
+            return part.name
+    return None
+
+
 def decode_layer(form: str, parts: tuple[Part, ...], record: torch.Tensor, dtype: torch.dtype,
                  device: torch.device, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one stored layer, each ``[T, H, D]`` in ``dtype`` on ``device``.

@@ -20,7 +20,9 @@ Layout (plain safetensors, readable by ``safetensors.safe_open``)::
 
 A per-layer read is one ``pread`` of ``meta.layer_nbytes`` bytes, and the whole data area is
 exactly the store's ``kv`` tensor (``meta.kv_shape``). Checksums are ``zlib.crc32`` of each
-tensor's bytes (~3 GB/s), so a flipped byte in values or scales is caught. An uncompressed entry is
+tensor's bytes (~3 GB/s), so a flipped byte in values or scales is caught; a layer whose floats
+(scales, or uncompressed K and V) hold a NaN or an infinity is refused as damaged too, checksums
+matching or not (no writer stores one). An uncompressed entry is
 written as ``ragcache-kv/1``, byte for byte what earlier versions wrote and read; a quantised one as
 ``ragcache-kv/2``, which earlier versions count as foreign and leave alone.
 """
@@ -37,7 +39,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ragcache.kvstore.codec import FORMS
+from ragcache.kvstore.codec import FORMS, non_finite_part
 from ragcache.kvstore.entry import DTYPES, CorruptEntryError, ForeignEntryError, KVMeta
 
 FORMAT = "ragcache-kv/1"
@@ -191,16 +193,22 @@ def parse_header(raw: bytes, key: str, total_size: int | None) -> tuple[KVMeta, 
 
 
 def verify_layer(key: str, meta: KVMeta, layer: int, record: torch.Tensor) -> None:
-    """Check one stored layer (``meta.record_shape``, CPU, contiguous) against its checksums.
+    """Check one stored layer (``meta.record_shape``, CPU, contiguous) against its checksums, and
+    that its floats (a quantised layer's scales, an uncompressed layer's K and V) are finite: a
+    writer never stores a NaN or an infinity, so one is damage even where the checksums were
+    rewritten to match it.
 
     Raises:
-        CorruptEntryError: a checksum differs.
+        CorruptEntryError: a checksum differs, or a float part holds a non-finite value.
     """
     raw = byte_view(record)
     spans = _part_spans(meta)
     for j, (name, a, b) in enumerate(spans):
         if zlib.crc32(raw[a:b]) != meta.checksums[len(spans) * layer + j]:
             raise CorruptEntryError(key, f"checksum mismatch in {name}.{layer}")
+    bad = non_finite_part(meta.compression, meta.parts, record)
+    if bad is not None:
+        raise CorruptEntryError(key, f"non-finite values in {bad}.{layer}")
 
 
 class EntryReader(Protocol):

@@ -43,6 +43,7 @@ class TierSlot:
         counters: what the tier did in this process (see :mod:`~ragcache.kvstore.stats`).
         last_scan: ``time.monotonic()`` of the last :meth:`rescan`.
         full_warned: whether the one "tier full" warning was logged.
+        foreign_warned: the kinds of foreign entry (:meth:`found_foreign`) already logged as a warning.
     """
 
     def __init__(self, tier: Tier, capacity: int | None, policy: str, guard: TierGuard,
@@ -55,6 +56,7 @@ class TierSlot:
         self.counters = TierCounters()
         self.last_scan = 0.0
         self.full_warned = False
+        self.foreign_warned: set[str] = set()
         self._lock = lock
 
     @property
@@ -185,7 +187,7 @@ class TierSlot:
             if victims is None:
                 free = self.free_bytes()
                 room = "" if free is None else f", {free / 1e6:.1f} MB free on the filesystem"
-                self.not_stored(item.key, need, f"full{room}, even with every other entry evicted:")
+                self.not_stored(item.key, need, f"full{room}, even with every other entry evicted")
                 return None
             drop(victims)
             try:
@@ -197,7 +199,7 @@ class TierSlot:
                     failure = exc
                     break
                 if attempt == 2:
-                    self.not_stored(item.key, need, f"full ({exc}):")
+                    self.not_stored(item.key, need, f"full ({exc})")
                     return None
                 self.rescan()  # the free space changed under us: look again
             except TierError as exc:
@@ -235,8 +237,8 @@ class TierSlot:
         except CorruptEntryError as exc:
             self.discard_corrupt(key, exc)
             return None
-        except ForeignEntryError:
-            self.count(foreign=1)
+        except ForeignEntryError as exc:
+            self.found_foreign(key, str(exc), "format")
             return None
         except (TierError, OSError) as exc:
             self.read_failed(key, exc)
@@ -246,10 +248,24 @@ class TierSlot:
         reason = mismatch(reader.meta)
         if reason is not None:
             reader.close()
-            log.debug("%s tier: entry %r is foreign (%s)", self.name, key, reason)
-            self.count(foreign=1)
+            self.found_foreign(key, f"entry {key!r} is foreign: {reason}", reason)
             return None
         return reader
+
+    def found_foreign(self, key: str, why: str, kind: str) -> None:
+        """Count (``foreign``) an entry under ``key`` this store does not serve, left in place: ``why``
+        says what it is. The first entry of each ``kind`` (a format, or one difference from the
+        store's spec) in this tier is logged as a warning; later ones at debug level only (a folder
+        written under another ``kv_compression`` would otherwise log a line per chunk)."""
+        with self._lock:
+            self.counters.foreign += 1
+            first = kind not in self.foreign_warned
+            self.foreign_warned.add(kind)
+        if first:
+            log.warning("%s tier: %s; left in place, treated as a miss (further entries like it are only "
+                        "counted: foreign in `ragcache cache stats`)", self.name, why)
+        else:
+            log.debug("%s tier: %s; left in place, treated as a miss", self.name, why)
 
     def read_failed(self, key: str, exc: Exception) -> None:
         """Reading ``key`` failed (I/O error): warn (rate-limited) and count it (``read_errors``)."""

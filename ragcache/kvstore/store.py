@@ -19,10 +19,14 @@ Policy in one place:
   persistent tiers keep their copy).
 - A tier over capacity evicts (``lru`` or ``lfu``); an evicted entry is demoted to the next tier
   down when it is not already there (``device`` -> ``cpu`` -> ``disk`` -> ``remote``).
-- Damaged entries (bad header, truncated, checksum mismatch) are deleted, counted under
-  ``corrupt`` and treated as misses; entries of another model/layout or stored form
-  (``kv_compression``) are counted under
-  ``foreign``, left in place and treated as misses. Neither is ever returned.
+- Damaged entries (bad header, truncated, checksum mismatch, a NaN or infinity among their
+  scales or uncompressed K/V) are deleted, counted under ``corrupt`` (one warning each) and
+  treated as misses. A persistent tier's entry is checked as it is read (its bytes can change
+  outside this process); the memory tiers hold only what ``put`` accepted (it refuses non-finite
+  K/V) or a checked read returned, and nothing changes them in place. Entries of another
+  model/layout or stored form (``kv_compression``), or of a format this version does not read, are
+  counted under ``foreign`` (one warning per tier and kind of difference), left in place and
+  treated as misses. Neither is ever returned.
 - Lookups are counted once each, as :mod:`~ragcache.kvstore.stats` defines them (the prompt
   head's apart; a handle whose layer turns out damaged turns its hit into a miss; keys in a
   private namespace, :func:`ragcache.chunks.is_private_key`, not at all), in a ledger
@@ -68,7 +72,7 @@ from ragcache.kvstore.entry import (
     check_key,
     dtype_name,
 )
-from ragcache.kvstore.codec import SCALE_DTYPE, check_form, decode_all, encode, layer_parts
+from ragcache.kvstore.codec import SCALE_DTYPE, all_finite, check_form, decode_all, encode, layer_parts
 from ragcache.kvstore.format import EntryReader, checksums
 from ragcache.kvstore.guard import TierDown, TierGuard
 from ragcache.kvstore.handle import KVHandle
@@ -219,7 +223,7 @@ class TieredStore:
 
         Raises:
             ValueError: bad key, shapes that do not match the spec, a negative start_position, or
-                non-finite K/V with a quantised ``kv_compression``.
+                non-finite K/V (whatever ``kv_compression``: no tier ever holds a NaN or infinity).
             RuntimeError: the store was opened without a spec.
         """
         spec = self._spec()
@@ -229,6 +233,8 @@ class TieredStore:
             raise ValueError(f"start_position must be >= 0, got {start_position}")
         form = self.kv_compression
         kv, sdtype = self._encode(k, v)
+        if form == "none" and not all_finite(kv):  # the quantised forms' encoder refuses them itself
+            raise ValueError("KV holds non-finite values (NaN or infinity); not stored")
         meta = KVMeta(
             model_fingerprint=spec.model_fingerprint, layout_version=spec.layout_version,
             dtype=dtype_name(sdtype), num_layers=spec.num_layers, num_tokens=num_tokens,
@@ -515,7 +521,8 @@ class TieredStore:
         intact.
 
         Returns:
-            ``{tier: {"checked", "ok", "foreign", "corrupt", "removed": [keys], "up"}}``, where
+            ``{tier: {"checked", "ok", "foreign", "corrupt", "removed": [keys], "damage": {key: what},
+            "up"}}``, where
             ``ok`` counts intact entries of this store's spec and form (all intact ones without a
             spec) and ``foreign`` intact entries of another model, layout, stored form or format
             (see :func:`ragcache.kvstore.verify.verify_tier`).
@@ -626,7 +633,7 @@ class TieredStore:
         slot = self._slots[pos]
         if slot.tier.memory:
             if slot.capacity is not None and item.nbytes > slot.capacity:
-                slot.not_stored(item.key, item.nbytes, f"(capacity {slot.capacity / 1e6:.1f} MB) is too small:")
+                slot.not_stored(item.key, item.nbytes, f"(capacity {slot.capacity / 1e6:.1f} MB) is too small")
                 return False  # can never fit this tier
             with self._lock:
                 try:

@@ -14,7 +14,7 @@ from ragcache.kvstore.entry import CorruptEntryError, ForeignEntryError, KVMeta,
 from ragcache.kvstore.guard import TierDown, TierGuard
 from ragcache.kvstore.tier import Tier
 
-Outcome = Literal["ok", "foreign", "corrupt", "gone", "error", "down"]
+Outcome = Literal["ok", "foreign", "gone", "error", "down"]
 
 
 Mismatch = Callable[[KVMeta], "str | None"]
@@ -34,12 +34,14 @@ def verify_tier(
         discard: called with the key and error of each damaged entry; expected to delete it.
 
     Returns:
-        ``{"checked", "ok", "foreign", "corrupt", "removed": [keys], "up"}``: ``ok`` counts intact
-        entries of the store, ``foreign`` intact entries of another model, layout, stored form or format,
-        ``corrupt`` the damaged ones (their keys in ``removed``). Entries that vanished meanwhile
-        or could not be read (logged) are not counted.
+        ``{"checked", "ok", "foreign", "corrupt", "removed": [keys], "damage": {key: what}, "up"}``:
+        ``ok`` counts intact entries of the store, ``foreign`` intact entries of another model,
+        layout, stored form or format, ``corrupt`` the damaged ones (their keys in ``removed``, what
+        was wrong with each in ``damage``: "checksum mismatch in v.3", "non-finite values in
+        v_scale.0"...). Entries that vanished meanwhile or could not be read (logged) are not counted.
     """
-    rep: dict[str, Any] = {"checked": 0, "ok": 0, "foreign": 0, "corrupt": 0, "removed": [], "up": True}
+    rep: dict[str, Any] = {"checked": 0, "ok": 0, "foreign": 0, "corrupt": 0, "removed": [], "damage": {},
+                           "up": True}
     try:
         keys = list(guard.call(tier.keys)) if guard.available() else None
     except (TierDown, TierError, OSError):
@@ -52,19 +54,21 @@ def verify_tier(
         if outcome == "down":
             rep["up"] = False
             break
+        if isinstance(outcome, CorruptEntryError):
+            rep["removed"].append(key)
+            rep["damage"][key] = outcome.reason
+            outcome = "corrupt"
         if outcome in ("ok", "foreign", "corrupt"):
             rep["checked"] += 1
             rep[outcome] += 1
-            if outcome == "corrupt":
-                rep["removed"].append(key)
     return rep
 
 
 def _verify_one(
     tier: Tier, guard: TierGuard, mismatch: Mismatch | None, key: str,
     discard: Callable[[str, CorruptEntryError], None]
-) -> Outcome:
-    """Check one stored entry; "corrupt" ones have been handed to ``discard``."""
+) -> Outcome | CorruptEntryError:
+    """Check one stored entry; a damaged one is handed to ``discard`` and its error returned."""
     try:
         reader = guard.call(tier.open, key)
         if reader is None:
@@ -79,7 +83,7 @@ def _verify_one(
         return "foreign"
     except CorruptEntryError as exc:
         discard(key, exc)
-        return "corrupt"
+        return exc
     except (TierError, OSError) as exc:
         guard.warn("verify", f"{tier.name} tier: cannot check {key!r} ({exc})")
         return "error"

@@ -31,6 +31,10 @@ Now:
   ragcache_engine_unfinished_requests                requests vLLM holds (waiting or running) at the scrape
   ragcache_tier_bytes{tier}                          bytes of chunk KV each tier holds (at the last scrape)
   ragcache_evictions_total{tier}                     entries each tier evicted since the server started
+  ragcache_corrupt_entries_total{tier}               damaged entries each tier found (bad header, truncated,
+                                                      checksum mismatch, non-finite scales or K/V) and deleted
+  ragcache_foreign_entries_total{tier}               entries each tier found of another model, layout, stored
+                                                      form or format (left in place, not served)
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ COMPUTED = "computed"
 
 
 class _StoreCollector:
-    """``ragcache_tier_bytes`` and ``ragcache_evictions_total`` from the last store snapshot."""
+    """``ragcache_tier_bytes``, ``ragcache_evictions_total``, ``ragcache_corrupt_entries_total`` and
+    ``ragcache_foreign_entries_total`` from the last store snapshot."""
 
     def __init__(self) -> None:
         self.stats = StoreStats()
@@ -63,11 +68,18 @@ class _StoreCollector:
         size = GaugeMetricFamily("ragcache_tier_bytes", "Bytes of chunk KV held by each tier", labels=["tier"])
         evicted = CounterMetricFamily("ragcache_evictions", "Entries evicted by each tier to stay within its "
                                       "capacity, since the server started", labels=["tier"])
+        corrupt = CounterMetricFamily("ragcache_corrupt_entries", "Damaged chunk KV entries each tier found (bad "
+                                      "header, truncated, checksum mismatch, non-finite scales or K/V) and deleted, "
+                                      "since the server started", labels=["tier"])
+        foreign = CounterMetricFamily("ragcache_foreign_entries", "Chunk KV entries each tier found of another model, "
+                                      "layout, stored form or format (left in place, not served), since the server "
+                                      "started", labels=["tier"])
         for tier, s in self.stats.tiers.items():
             size.add_metric([tier], float(s.occupancy_bytes))
             evicted.add_metric([tier], float(s.evictions))
-        yield size
-        yield evicted
+            corrupt.add_metric([tier], float(s.corrupt))
+            foreign.add_metric([tier], float(s.foreign))
+        yield from (size, evicted, corrupt, foreign)
 
 
 class ServerMetrics:
