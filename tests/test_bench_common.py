@@ -74,3 +74,26 @@ def test_the_main_blend_is_the_settings_selection_else_the_first_at_the_default_
     assert name(["question/1", "question/16"]) == "blend:question/1@0.15"  # none is the settings': the first
     assert name(["deviation/8"]) == "blend:deviation/8@0.15"
     assert main_blend(make_variants(["reuse"], [], 0.15), 0.15, "question", 8) is None
+
+
+def test_the_route_table_compares_auto_with_full_and_blend_per_length_class_and_judges_its_targets():
+    from ragcache.bench.ttft import auto_targets, route_table
+
+    def record(tokens, auto_route, t_auto, t_full, t_blend, gold_auto, gold_full, agree):
+        return {"prompt_tokens": tokens, "results": {
+            "auto": {"ttft_s": t_auto, "route": auto_route, "route_rule": "faster" if auto_route == "blend" else "quality",
+                     "gold_nll": gold_auto, "agree_tokens": agree, "route_s": 0.001},
+            "full": {"ttft_s": t_full, "gold_nll": gold_full}, "blend@0.15": {"ttft_s": t_blend}}}
+
+    records = [record(1300, "full", 1.0, 1.0, 0.8, 2.0, 2.0, 1.0), record(1400, "full", 1.1, 1.0, 0.8, 2.0, 2.0, 1.0),
+               record(6000, "blend", 2.0, 6.0, 2.0, 1.9, 2.0, 0.0), record(6100, "blend", 2.2, 6.0, 2.0, 2.1, 2.0, 1.0)]
+    table = route_table(records, "blend@0.15")
+    assert set(table) == {"all", "short", "long"}
+    short, long = table["short"], table["long"]
+    assert short["routes"] == {"full:quality": 2} and short["blended"] == 0
+    assert short["auto_over_full_median"] == pytest.approx(1.05)
+    assert long["routes"] == {"blend:faster": 2} and long["auto_over_blend_median"] == pytest.approx(1.05)
+    assert long["blended_gold_nll_rel_full"] == pytest.approx(0.0) and long["agree_tokens_n"] == 1
+    targets = auto_targets(table)
+    assert targets["auto_vs_full_median"]["met"] and targets["auto_vs_blend_long"]["met"]
+    assert targets["auto_route_cost"]["met"]
