@@ -219,12 +219,12 @@ def print_calibration(cal, min_recompute_tokens: int | None = None) -> None:
     table = cal.quality_table
     if table is not None and table.cells:
         print("quality table (engine.mode = \"auto\" blends only where it passes):")
-        print(f"{'prompts':>8} {'passages':>9} {'n':>3} {'tokens':>7} {'passage tok':>11} {'equal':>6} {'KL':>7} "
+        print(f"{'prompts':>8} {'passages':>9} {'n':>3} {'tokens':>7} {'passage tok':>11} {'Rouge-L':>7} {'KL':>7} "
               f"{'gold NLL':>9}  verdict")
         for c in table.cells:
             gold = f"{100 * c.gold_nll_rel:+.1f}%" if c.gold_nll_rel is not None else "-"
             print(f"{c.prompt_class:>8} {c.passage_class:>9} {c.n:>3} {c.prompt_tokens:>7.0f} {c.passage_tokens:>11.0f} "
-                  f"{c.agree:>6.0%} {c.kl_mean:>7.4f} {gold:>9}  {'blend' if c.passes else 'full'}: {c.why}")
+                  f"{c.rouge_l:>7.2f} {c.kl_mean:>7.4f} {gold:>9}  {'blend' if c.passes else 'full'}: {c.why}")
     if cal.recommendation == "full":
         print(f"recommendation: full prefill (--mode full): {cal.reason}")
     else:

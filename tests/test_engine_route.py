@@ -61,8 +61,8 @@ def _router(**settings) -> Router:
 
 
 def _long_ok() -> QualityTable:
-    cell = QualityCell("long", "long", 8, 6000, 600, 0.75, 0.02, 0.1, -0.01, 0.0, 0.0, True, "gold NLL -1.0%")
-    bad = QualityCell("short", "short", 8, 1300, 130, 0.25, 0.04, 0.05, 0.13, 0.0, 0.0, False, "gold NLL +13%")
+    cell = QualityCell("long", "long", 8, 6000, 600, 0.75, 0.9, 0.02, 0.1, -0.01, 0.0, 0.0, True, "gold NLL -1.0%")
+    bad = QualityCell("short", "short", 8, 1300, 130, 0.25, 0.6, 0.04, 0.05, 0.13, 0.0, 0.0, False, "gold NLL +13%")
     return QualityTable([cell, bad])
 
 

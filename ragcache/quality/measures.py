@@ -1,15 +1,19 @@
 """Answer-quality measures the engine, the pipeline, calibration and the benchmarks share.
 
 Owns: :func:`kl_divergence` (first-token distributions), :func:`mean_nll` (teacher-forced
-likelihood) and :func:`repetition_loop` (a degenerate answer: a phrase repeated over and over);
-and :func:`rotated`, the order a measurement asks its variants in. Imports nothing from ragcache,
-so every layer may use it (bench/metrics re-exports the three measures).
+likelihood), :func:`repetition_loop` (a degenerate answer: a phrase repeated over and over), the
+SQuAD-style text measures (:func:`normalize_answer`, :func:`exact_match`, :func:`token_f1`,
+:func:`rouge_l`) and :func:`rotated`, the order a measurement asks its variants in. Imports nothing
+from ragcache, so every layer may use it (bench/metrics re-exports the measures).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 #: a loop is an n-gram of at least LOOP_MIN_NGRAM tokens repeated LOOP_MIN_REPEATS times in a row
@@ -90,3 +94,79 @@ def rotated(items: Sequence[Any], k: int) -> list[Any]:
         return []
     k %= len(items)
     return list(items[k:]) + list(items[:k])
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD answer normalisation: lower case, drop punctuation and the articles a/an/the, squeeze spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def _tokens(text: str) -> list[str]:
+    return normalize_answer(text).split()
+
+
+def _golds(golds: str | Iterable[str]) -> list[str]:
+    return [golds] if isinstance(golds, str) else list(golds)
+
+
+def exact_match(prediction: str, golds: str | Iterable[str]) -> float:
+    """1.0 when the normalised prediction equals any normalised gold answer, else 0.0."""
+    pred = normalize_answer(prediction)
+    return max((float(pred == normalize_answer(g)) for g in _golds(golds)), default=0.0)
+
+
+def _best_f_measure(prediction: str, golds: str | Iterable[str],
+                    overlap: Callable[[list[str], list[str]], int]) -> float:
+    """The maximum over the gold answers of ``2 * overlap / (len(pred) + len(gold))`` (= 2PR / (P + R)
+    with P = overlap / len(pred), R = overlap / len(gold)) on normalised tokens; an empty prediction
+    or gold scores 1.0 only against an empty counterpart."""
+    pred = _tokens(prediction)
+    best = 0.0
+    for gold in _golds(golds):
+        ref = _tokens(gold)
+        if not pred or not ref:
+            score = float(pred == ref)
+        else:
+            shared = overlap(pred, ref)
+            score = 0.0 if shared == 0 else 2 * shared / (len(pred) + len(ref))
+        best = max(best, score)
+    return best
+
+
+def _shared_tokens(pred: list[str], ref: list[str]) -> int:
+    return sum((Counter(pred) & Counter(ref)).values())
+
+
+def token_f1(prediction: str, golds: str | Iterable[str]) -> float:
+    """SQuAD token F1 in [0, 1] on normalised tokens, the maximum over the gold answers.
+
+    F1 = 2PR / (P + R) over the multiset of shared tokens; an empty prediction or gold scores 1.0
+    only against an empty counterpart.
+    """
+    return _best_f_measure(prediction, golds, _shared_tokens)
+
+
+def lcs_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common subsequence of ``a`` and ``b`` (O(len(a) * len(b)))."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b, 1):
+            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(prediction: str, golds: str | Iterable[str]) -> float:
+    """Rouge-L F-measure (beta = 1) in [0, 1] on normalised tokens, the maximum over the gold answers.
+
+    P = LCS / len(prediction), R = LCS / len(gold), F = 2PR / (P + R).
+    """
+    return _best_f_measure(prediction, golds, lcs_length)

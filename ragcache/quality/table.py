@@ -44,7 +44,8 @@ class QualityCell:
     Attributes:
         prompt_class, passage_class: the class (:func:`prompt_class`, :func:`passage_class`).
         n: prompts measured. prompt_tokens, passage_tokens: their mean lengths, tokens.
-        agree: share of blend's greedy answers equal to full prefill's.
+        agree: share of blend's greedy answers equal to full prefill's. rouge_l: their mean Rouge-L
+            against full prefill's (the gold-free gate).
         kl_mean: mean first-token KL(full || blend), nats.
         answer_nll_rel: mean NLL of full's answer under blend / under full - 1 (None: no answer).
         gold_nll_rel: mean NLL of the gold answers under blend / under full - 1 (None: no gold).
@@ -58,6 +59,7 @@ class QualityCell:
     prompt_tokens: float
     passage_tokens: float
     agree: float
+    rouge_l: float
     kl_mean: float
     answer_nll_rel: float | None
     gold_nll_rel: float | None
