@@ -37,7 +37,7 @@ def request(**fields) -> ChatCompletionRequest:
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"n": 2}, "n", "less than or equal to 1"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop sequences"),
-    ({"ragcache": {"mode": "fast"}}, "ragcache.mode", "'full', 'prefix', 'reuse' or 'blend'"),
+    ({"ragcache": {"mode": "fast"}}, "ragcache.mode", "'full', 'prefix', 'reuse', 'blend' or 'auto'"),
     ({"ragcache": {"recompute_ratio": 1.5}}, "ragcache.recompute_ratio", "less than or equal to 1"),
     ({"ragcache": {"topk": 3}}, "ragcache.topk", "Extra inputs are not permitted"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'system', 'developer', 'user' or"),

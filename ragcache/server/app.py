@@ -26,7 +26,10 @@ scoped key also for any name that is no index served here). How large a request 
 :mod:`ragcache.server.limits` (413 for a body over ``serve.max_body_bytes``, answered before it is
 parsed; 431 for a request line and headers over ``serve.max_header_bytes``). The mode a
 request gets when it names none is the server's (:func:`serving_mode`): ``engine.mode``, or
-``serve.blend_fallback`` when reuse/blend turned out unavailable at start.
+``serve.blend_fallback`` when reuse/blend turned out unavailable at start. A request's blend-only
+options (recompute_ratio, selection, budget, mass_left) are a 400 naming the option, the mode and
+where it came from when that mode never blends, the server's default mode included
+(:func:`ragcache.options.check_request`), before any work.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ragcache.config import ConfigError, Settings
 from ragcache.engine.messages import CONNECTOR_MODES
 from ragcache.engine.selfcheck import BlendUnavailableError
+from ragcache.options import MODE_FROM_SETTING, QueryOptionsError, RequestOptions, check_request
 from ragcache.server.keys import Access, KeyRing
 from ragcache.server.limits import BodyLimit
 from ragcache.server.metrics import ServerMetrics
@@ -83,6 +87,9 @@ T = TypeVar("T")
 
 #: pipelines kept (one per index version); older ones are dropped first
 MAX_PIPELINES = 16
+
+#: what a request's options are called in its error messages: the fields of its ``ragcache`` object
+OPTION_NAMES = {name: f"ragcache.{name}" for name in RequestOptions.model_fields}
 
 
 def serving_mode(settings: Settings, support: "BlendSupport | None") -> str:
@@ -161,6 +168,28 @@ class ServerState:
                 log.warning("serve.keys_file changed but cannot be used (%s); the keys read before still apply", exc)
             self._keys_stamp = stamp
         return self._keys
+
+    @property
+    def mode_from(self) -> str:
+        """Where :attr:`mode` (the mode of a request that names none) comes from, in words for
+        error messages: the setting ``engine.mode``, or ``serve.blend_fallback``."""
+        if self.mode == self.settings.engine.mode:
+            return MODE_FROM_SETTING
+        return (f"no mode given: serve.blend_fallback = {self.mode!r}, as {self.settings.engine.mode} mode "
+                "(engine.mode) is unavailable on this server")
+
+    def check_options(self, opts: RequestOptions) -> None:
+        """Refuse options this server would ignore (:func:`ragcache.options.check_request` against
+        the server's default mode and ``[blend]`` settings).
+
+        Raises:
+            APIError: 400 naming the option (``param``), the mode and where that mode came from.
+        """
+        try:
+            check_request(opts, self.settings.blend, default_mode=self.mode, mode_from=self.mode_from,
+                          names=OPTION_NAMES)
+        except QueryOptionsError as exc:
+            raise APIError(400, str(exc), param=exc.name, code="option_not_applicable") from None
 
     def readable_indexes(self, access: Access) -> list[str]:
         """The indexes served here that ``access`` may read."""
@@ -543,6 +572,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         index = state.resolve_index(body.model, opts.index, names)
         path = state.index_path(index)  # resolved once per request
         question, history = body.conversation()
+        state.check_options(opts)
         mode = opts.mode or state.mode
         options = body.query_options(history).model_copy(update={"mode": mode})  # the server's default mode
         if state.engine.blend_support is not None:
