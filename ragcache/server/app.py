@@ -48,16 +48,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragcache.config import ConfigError, Settings
+from ragcache.config import Settings
 from ragcache.engine.messages import CONNECTOR_MODES
 from ragcache.engine.selfcheck import BlendUnavailableError
 from ragcache.options import MODE_FROM_SETTING, QueryOptionsError, RequestOptions, check_request
-from ragcache.server.keys import Access, KeyRing
+from ragcache.server.keys import Access, KeyRing, KeySource, KeysUnavailableError
 from ragcache.server.limits import BodyLimit
 from ragcache.server.metrics import ServerMetrics
 from ragcache.server.responses import (
     BlendAvailability,
     CacheReport,
+    KeysFileHealth,
     ChatCompletionChunk,
     ChatCompletionResponse,
     Delta,
@@ -131,43 +132,38 @@ class ServerState:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self._keys_stamp: tuple[Any, ...] | None = None
-        self._keys = self.keyring()  # a bad keys file fails here, at start
+        self.keys = KeySource(settings.serve)  # a missing or invalid keys file fails here, at start
         self.engine: "AsyncBlendEngine | None" = None
         self.mode = settings.engine.mode
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServerMetrics()
+        self.metrics.watch_keys(lambda: self.keys.status)
         self.in_flight = 0
         self._pipelines: dict[tuple[str, int], "RAGPipeline"] = {}
         self._noted: set[tuple[str, str]] = set()  # (index, ratio note) logged once
 
     def keyring(self) -> KeyRing:
-        """The keys accepted now: built from ``serve.api_key`` and ``serve.keys_file``, and built
-        again when either setting or the file's content changes (keys are added or revoked without
-        a restart, on the next request, whatever the file's mtime: the file is read on every call,
-        a few microseconds for a file of many keys; a file that turns invalid or unreadable keeps
-        the keys read before, with a warning).
+        """The keys accepted now (:class:`~ragcache.server.keys.KeySource`: ``serve.api_key`` and
+        ``serve.keys_file``, read again on every call: a key added or revoked counts from the next
+        request, whatever the file's mtime).
 
         Raises:
-            ConfigError: the keys file is invalid when first read.
+            APIError: 503 naming the keys file while it is missing, or invalid with
+                ``serve.keys_invalid = "refuse"`` (every key is refused).
         """
-        s = self.settings.serve
-        content = None
-        if s.keys_file:
-            try:
-                content = Path(s.keys_file).expanduser().read_bytes()
-            except OSError:
-                pass  # reported by KeyRing.from_settings below, once per change
-        stamp = (s.api_key, s.keys_file, content)
-        if stamp != self._keys_stamp:
-            try:
-                self._keys = KeyRing.from_settings(s, content)
-            except ConfigError as exc:
-                if self._keys_stamp is None:
-                    raise
-                log.warning("serve.keys_file changed but cannot be used (%s); the keys read before still apply", exc)
-            self._keys_stamp = stamp
-        return self._keys
+        try:
+            return self.keys.keyring()
+        except KeysUnavailableError as exc:
+            raise APIError(503, str(exc), code="keys_unavailable") from None
+
+    def keys_health(self) -> KeysFileHealth | None:
+        """The keys file's state for /health, read now (None: no keys file)."""
+        try:
+            self.keys.keyring()
+        except KeysUnavailableError:
+            pass  # the state says it
+        status = self.keys.status
+        return None if status is None else KeysFileHealth(state=status.state, since=status.since, keys=status.keys)
 
     @property
     def mode_from(self) -> str:
@@ -519,7 +515,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
     @app.get("/health")
     async def health() -> Health:
         """Liveness and load: the engine, the mode requests get by default (and whether reuse/blend is
-        available), requests in flight, the default index."""
+        available), requests in flight, the default index, the keys file's state (read now)."""
         eng = state.engine
         support = eng.blend_support
         return Health(device=eng.device, startup_s=round(eng.startup_s, 2), mode=state.mode,
@@ -527,7 +523,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
                                               reason=None if support is None else support.reason),
                       dtype=eng.dtype.dtype, in_flight=state.in_flight,
                       engine_unfinished_requests=eng.num_unfinished_requests, default_index=settings.serve.index,
-                      model=settings.models.model)
+                      model=settings.models.model, keys_file=state.keys_health())
 
     @app.get("/v1/models")
     async def models(access: Access = Depends(authorized)) -> ModelList:
