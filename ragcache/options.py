@@ -7,7 +7,9 @@ history), :class:`SamplingOptions`, :class:`SelectionSpec`, the ranges they shar
 :data:`~ragcache.config.Granule`, defined once in :mod:`ragcache.config`) and
 :class:`QueryOptionsError`.
 
-A request's options are validated once, where the request enters:
+A request's options are validated once, where the request enters (and held once against the
+settings it will run under, :func:`check_request`, where its default mode is known: the
+pipeline's ``prepare``, the server, the CLI; no option is dropped without a word):
 
 - the SDK: ``RAGPipeline.query(question, top_k=3, ...)`` builds them with :meth:`QueryOptions.parse`
   (or takes a ``QueryOptions`` its caller built, which pydantic validated then);
@@ -221,7 +223,8 @@ def adaptive_rule(option: str, selection: str, source: str = "the request's", no
 
 
 class QueryOptionsError(ValueError):
-    """A request option out of its range: one line naming the option (as the caller called it),
+    """A request option out of its range or of another type, contradicting another option, or one
+    the settings it runs under would ignore: one line naming the option (as the caller called it),
     the value and the rule.
 
     Attributes:
