@@ -508,7 +508,7 @@ def test_a_keys_file_emptied_deleted_or_broken_refuses_the_removed_key_on_the_ne
         return httpx.get(f"{smol.url}/health", timeout=30).json()["keys_file"]
 
     before = keys_health()
-    assert before["state"] == "ok" and before["keys"] == 3 and before["since"] <= time.time()
+    assert before == {"state": "ok", "since": before["since"]} and before["since"] <= time.time()
     try:
         keys.write_text("")
         assert status("acme-key-1") == 401 and status("ops-key-9") == 401 and status("shared-key") == 200

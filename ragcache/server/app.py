@@ -163,7 +163,7 @@ class ServerState:
         except KeysUnavailableError:
             pass  # the state says it
         status = self.keys.status
-        return None if status is None else KeysFileHealth(state=status.state, since=status.since, keys=status.keys)
+        return None if status is None else KeysFileHealth(state=status.state, since=status.since)
 
     @property
     def mode_from(self) -> str:

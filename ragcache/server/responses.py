@@ -231,11 +231,10 @@ class KeysFileHealth(BaseModel):
     """The state of ``serve.keys_file`` (:class:`~ragcache.server.keys.KeysFileStatus`): ``ok``,
     ``empty`` (every scoped key refused), ``missing`` or ``invalid`` (every key refused with 503,
     unless ``serve.keys_invalid = "keep"`` keeps the keys read before an invalid file), since when
-    (unix seconds) and how many scoped keys are accepted."""
+    (unix seconds). /health is open to everyone: it says nothing about the keys themselves."""
 
     state: Literal["ok", "empty", "missing", "invalid"]
     since: float
-    keys: int
 
 
 class Health(BaseModel):
