@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic.fields import FieldInfo
 
 from app.help import HelpFormatter
-from ragcache.options import QueryOptions
+from ragcache.options import QueryOptions, check_request
 
 
 def _ratio(text: str) -> float | str:
@@ -114,19 +114,29 @@ def run_settings(args: argparse.Namespace):
 
 def open_pipeline(args: argparse.Namespace):
     """The query flags and the question checked, then :func:`open_index`; every check that needs no
-    model (flags, the question, settings, the index) runs before the engine starts. Sets
-    ``args.options`` (the query flags as QueryOptions) and, for ``ask``, ``args.question`` (checked)."""
+    model (flags, the question, settings, the flags against the settings, the index) runs before the
+    engine starts. Sets ``args.options`` (the query flags as QueryOptions) and, for ``ask``,
+    ``args.question`` (checked).
+
+    Raises:
+        QueryOptionsError: a flag out of range or contradicting another, or one the settings would
+            ignore (:func:`~ragcache.options.check_request`, e.g. ``--recompute-ratio`` when
+            ``engine.mode = "full"`` and no ``--mode`` is given). And as :func:`open_index`.
+    """
     from ragcache.conversation import check_question
 
     args.options = query_options(args)
     if getattr(args, "question", None) is not None:
         args.question = check_question(args.question)  # checked once: the pipeline takes it as checked
-    return open_index(args)
+    settings = run_settings(args)
+    auto = {"recompute_ratio": "auto"} if args.recompute_ratio == "auto" else None  # a setting for this run
+    check_request(args.options, settings.blend, default_mode=settings.engine.mode, names=QUERY_FLAGS, given=auto)
+    return open_index(args, settings)
 
 
-def open_index(args: argparse.Namespace):
-    """Settings from --settings (:func:`run_settings`), then the pipeline over --index, whose manifest
-    is checked before the engine starts.
+def open_index(args: argparse.Namespace, settings=None):
+    """The pipeline over --index, whose manifest is checked before the engine starts, with
+    ``settings`` (None: from --settings, :func:`run_settings`).
 
     Raises:
         ConfigError: invalid settings. IndexNotFoundError / IndexMismatchError: --index is no usable index.
@@ -134,7 +144,7 @@ def open_index(args: argparse.Namespace):
     from ragcache.index.catalog import catalog
     from ragcache.pipeline import RAGPipeline
 
-    settings = run_settings(args)
+    settings = settings or run_settings(args)
     catalog(settings).manifest(args.index)  # exists, readable, same embedding model
     return RAGPipeline.open(settings, index=args.index)
 

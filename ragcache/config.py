@@ -466,8 +466,13 @@ class ServeSettings(_Section):
     max_in_flight: int = Field(64, ge=1, description="requests answered at once; more get HTTP 429")
     index: str = Field("default", description="index served when a request's model names no index")
     keys_file: str = Field(
-        "", description="TOML file of scoped keys (sha256 of each key -> tenant and the indexes it may read); "
-        "empty = none (api_key alone)")
+        "", description="TOML file of scoped keys (sha256 of each key -> tenant and the indexes it may read), read "
+        "again on every request; empty = none (api_key alone). A file without keys refuses every scoped key; a "
+        "deleted one refuses every key (HTTP 503) until it is back")
+    keys_invalid: Literal["refuse", "keep"] = Field(
+        "refuse", description="when keys_file turns invalid while serving (not TOML, a wrong entry): refuse every "
+        "key, api_key too, with HTTP 503 naming the file until it is fixed; or keep the keys read before (a key "
+        "removed in the same write stays valid). /health and /metrics show the file's state either way")
     blend_fallback: Literal["refuse", "full", "prefix"] = Field(
         "refuse", description="when reuse/blend is unavailable at start (no adapter, failed self-check) and "
         "engine.mode needs it: refuse to start, or serve in full or prefix mode")

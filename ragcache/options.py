@@ -7,7 +7,9 @@ history), :class:`SamplingOptions`, :class:`SelectionSpec`, the ranges they shar
 :data:`~ragcache.config.Granule`, defined once in :mod:`ragcache.config`) and
 :class:`QueryOptionsError`.
 
-A request's options are validated once, where the request enters:
+A request's options are validated once, where the request enters (and held once against the
+settings it will run under, :func:`check_request`, where its default mode is known: the
+pipeline's ``prepare``, the server, the CLI; no option is dropped without a word):
 
 - the SDK: ``RAGPipeline.query(question, top_k=3, ...)`` builds them with :meth:`QueryOptions.parse`
   (or takes a ``QueryOptions`` its caller built, which pydantic validated then);
@@ -33,22 +35,38 @@ pydantic only: every layer may use it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Mapping
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, Strict,
+                      ValidationError, ValidationInfo, field_validator, model_validator)
 
-from ragcache.config import BudgetMode, Granule, MassLeft, MaxTokens, Mode, Ratio, SelectionName, TopK, range_text
+from ragcache import strategies
+from ragcache.config import (BLENDING_MODES, BudgetMode, Granule, MassLeft, MaxTokens, Mode, Ratio, SelectionName, TopK,
+                             range_text)
 from ragcache.conversation import Turn
+
+if TYPE_CHECKING:
+    from ragcache.config import BlendSettings
 
 #: the seeds vLLM accepts: a signed 64-bit integer (its own OpenAI server checks the same range;
 #: a larger one fails inside the engine, after the request was registered)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
-Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX, description="a signed 64-bit integer")]
-MinTokens = Annotated[int, Field(ge=0)]
+#: a request's numbers are strict (pydantic's Strict): a JSON number, an int where a float is taken, never a
+#: boolean (``true`` is not 1) nor a string (``"0.1"``); the settings' own types (environment variables are
+#: strings) stay lax, the CLI converts its flags before they get here
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), Strict()]
+TopP = Annotated[float, Field(gt=0.0, le=1.0), Strict()]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX, description="a signed 64-bit integer"), Strict()]
+MinTokens = Annotated[int, Field(ge=0), Strict()]
+#: the settings' ranges, strict as a request's numbers are
+RequestTopK = Annotated[TopK, Strict()]
+RequestRatio = Annotated[Ratio, Strict()]
+RequestMassLeft = Annotated[MassLeft, Strict()]
+RequestMaxTokens = Annotated[MaxTokens, Strict()]
+RequestGranule = Annotated[Granule, Strict()]
+#: ``n``: the choices of one request, 1 (OpenAI's field; one choice is all ragcache answers)
+Choices = Annotated[int, Field(ge=1, le=1, description="only one choice per request"), Strict()]
 #: at most this many stop strings per request (OpenAI's limit)
 MAX_STOP = 4
 
@@ -111,7 +129,7 @@ class SelectionSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     strategy: SelectionName
-    granule: Granule | None = None
+    granule: RequestGranule | None = None
 
     @classmethod
     def parse(cls, spec: "str | SelectionSpec") -> "SelectionSpec":
@@ -157,18 +175,28 @@ def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
         raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
 
 
+def blend_only_rule(mode: str, source: str = "") -> str:
+    """Why a blend-only option is refused on a request of ``mode`` (one not in
+    :data:`~ragcache.config.BLENDING_MODES`), ``source`` saying where the mode came from when the
+    request named none ("" = the request's own ``mode``), with the fix."""
+    where = f" ({source})" if source else ""
+    fix = "drop it" if "blend_fallback" in source else "drop it, or ask in blend mode"
+    return f"applies in {' or '.join(BLENDING_MODES)} mode only, and the request's mode is {mode!r}{where}: {fix}"
+
+
 def check_blend_only(value: Any, info: ValidationInfo) -> Any:
-    """Refuse a blend-only option on a request whose mode is set to another mode, where it would be
-    ignored without a word (the validator of :data:`BLEND_ONLY`; the request's ``mode``, declared
-    before these fields, is in ``info.data``).
+    """Refuse a blend-only option on a request whose mode is set to one that never blends, where it
+    would be ignored without a word (the validator of :data:`BLEND_ONLY`; the request's ``mode``,
+    declared before these fields, is in ``info.data``). A request without a mode is checked against
+    its server's default by :func:`check_request`.
 
     Raises:
-        ValueError: the option is set and the request's mode is full, prefix or reuse.
+        ValueError: the option is set and the request's mode is full, prefix or reuse (not one of
+            :data:`~ragcache.config.BLENDING_MODES`).
     """
     mode = info.data.get("mode")
-    if value is not None and mode is not None and mode != "blend":
-        raise ValueError(f"applies in blend mode only, and the request's mode is {mode!r}: drop it, or ask in blend "
-                         f"mode")
+    if value is not None and mode is not None and mode not in BLENDING_MODES:
+        raise ValueError(blend_only_rule(mode))
     return value
 
 
@@ -176,8 +204,27 @@ def check_blend_only(value: Any, info: ValidationInfo) -> Any:
 BLEND_ONLY = AfterValidator(check_blend_only)
 
 
+def _question_readers() -> str:
+    """The strategies whose scores may read the question's attention, for messages: ``question or hybrid``."""
+    readers = [n for n in strategies.names() if strategies.get(n).may_read_question]
+    return " or ".join(readers)
+
+
+def adaptive_rule(option: str, selection: str, source: str = "the request's", note: str = "",
+                  fix: str = "") -> str:
+    """Why ``option`` (``budget`` adaptive, or ``mass_left``) is refused with ``selection``, whose
+    scores do not read the question's attention that the adaptive budget follows; ``source`` says
+    whose selection it is, ``note`` why it does not read it (a setting), ``fix`` the other way out
+    (default: a selection that reads the question)."""
+    what = ("the adaptive budget follows the question's attention" if option == "budget" else
+            "sets the adaptive budget's threshold on the question's attention")
+    return (f"{what}, and {source} selection {selection!r}{note} does not read it: drop {option}, or "
+            f"{fix or 'select by ' + _question_readers()}")
+
+
 class QueryOptionsError(ValueError):
-    """A request option out of its range: one line naming the option (as the caller called it),
+    """A request option out of its range or of another type, contradicting another option, or one
+    the settings it runs under would ignore: one line naming the option (as the caller called it),
     the value and the rule.
 
     Attributes:
@@ -220,27 +267,63 @@ class RequestOptions(BaseModel):
             ``recompute_ratio = "auto"``); setting it asks for the adaptive budget (unless ``budget``
             says otherwise).
 
-    The options marked :data:`BLEND_ONLY` (recompute_ratio, selection, budget, mass_left) are
-    refused on a request whose ``mode`` is another.
+    No option is dropped without a word; these are refused, each naming the fields:
+
+    - the options marked :data:`BLEND_ONLY` (recompute_ratio, selection, budget, mass_left) with a
+      ``mode`` that never blends (full, prefix, reuse; blend and auto take them), and, for a
+      request without a mode, with a server default that never blends (:func:`check_request`);
+    - ``mass_left`` with ``budget = "fixed"`` (the threshold of a budget not used);
+    - ``budget = "adaptive"`` or ``mass_left`` with a selection whose scores never read the
+      question's attention, which the adaptive budget follows (``deviation``), and, checked against
+      the settings by :func:`check_request`, with the settings' selection or a hybrid whose
+      ``blend.question_weight`` is 0.
+
+    A setting's default gives way instead: a request's own selection that does not read the
+    question runs with the ratio's (fixed) budget whatever ``blend.budget`` says, and a request's
+    ``mass_left`` asks for the adaptive budget whatever ``blend.budget`` says.
+
+    Numbers are strict: a boolean or a string is refused where a number is taken.
 
     Raises (on construction):
-        pydantic.ValidationError: a value out of range, or a blend-only option with another mode.
+        pydantic.ValidationError: a value out of range or of another type, or one of the
+            contradictions above.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Mode | None = Field(None, description="full, prefix, reuse or blend (default engine.mode)")
-    top_k: TopK | None = Field(None, description="chunks retrieved (default retrieval.top_k)")
-    recompute_ratio: Annotated[Ratio | None, BLEND_ONLY] = Field(
+    top_k: RequestTopK | None = Field(None, description="chunks retrieved (default retrieval.top_k)")
+    recompute_ratio: Annotated[RequestRatio | None, BLEND_ONLY] = Field(
         None, description="share of context tokens recomputed in blend mode (default blend.recompute_ratio)")
     selection: Annotated[_Selection | None, BLEND_ONLY] = Field(
         None, description="blend's token selection, e.g. question or question/16 (default blend.selection)")
     budget: Annotated[BudgetMode | None, BLEND_ONLY] = Field(
         None, description="blend's recompute budget: adaptive (from the question's attention) or fixed (the ratio) "
         "(default blend.budget)")
-    mass_left: Annotated[MassLeft | None, BLEND_ONLY] = Field(
+    mass_left: Annotated[RequestMassLeft | None, BLEND_ONLY] = Field(
         None, description="adaptive budget: share of the question's attention that may stay on reused KV, in (0, 1) "
         "(default blend.mass_left)")
+
+    @field_validator("budget")
+    @classmethod
+    def _check_budget(cls, v: str | None, info: ValidationInfo) -> str | None:
+        sel = info.data.get("selection")
+        if v == "adaptive" and sel is not None and not strategies.get(sel.strategy).may_read_question:
+            raise ValueError(adaptive_rule("budget", sel.strategy))
+        return v
+
+    @field_validator("mass_left")
+    @classmethod
+    def _check_mass_left(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is None:
+            return v
+        if info.data.get("budget") == "fixed":
+            raise ValueError("sets the adaptive budget's threshold, and the request's budget is 'fixed' (the ratio "
+                             "alone): drop mass_left, or ask for budget adaptive")
+        sel = info.data.get("selection")
+        if sel is not None and not strategies.get(sel.strategy).may_read_question:
+            raise ValueError(adaptive_rule("mass_left", sel.strategy))
+        return v
 
     def given(self) -> dict[str, Any]:
         """The :class:`RequestOptions` fields set (not None) as JSON data, a selection in its string
@@ -263,7 +346,7 @@ class QueryOptions(RequestOptions):
             (use :meth:`parse` for one-line errors).
     """
 
-    max_tokens: MaxTokens | None = Field(None, description="tokens to decode (default engine.max_tokens)")
+    max_tokens: RequestMaxTokens | None = Field(None, description="tokens to decode (default engine.max_tokens)")
     sampling: SamplingOptions = GREEDY
     history: tuple[Turn, ...] = ()
 
@@ -320,7 +403,10 @@ def options_error(exc: ValidationError, names: Mapping[str, str]) -> QueryOption
         rule = range_text(RANGES[path])
     if rule is None:
         rule = str(err.get("msg", "is invalid")).removeprefix("Value error, ")
-    shown = "" if isinstance(value, (dict, list, tuple, BaseModel)) or value is None else f" {value}"
+    if isinstance(value, (dict, list, tuple, BaseModel)) or value is None:
+        shown = ""
+    else:  # a value of the wrong type as written: '0.1' is a string, True a boolean
+        shown = f" {value!r}" if err.get("type", "").endswith("_type") else f" {value}"
     same = path in SETTING_OF and rule.startswith("must")
     setting = f" (the range of the setting {SETTING_OF[path]})" if same else ""
     return QueryOptionsError(f"{name}{shown}: {rule}{setting}", field=path, name=name, value=value)
@@ -335,6 +421,66 @@ RANGES = {"top_k": TopK, "max_tokens": MaxTokens, "recompute_ratio": Ratio, "mas
 
 #: the options of a request that sets nothing: the settings decide everything
 DEFAULTS = QueryOptions()
+
+#: where a request's mode comes from when it names none (words for :func:`check_request`'s ``mode_from``)
+MODE_FROM_SETTING = "no mode given: the setting engine.mode"
+
+
+def check_request(options: RequestOptions, blend: "BlendSettings", *, default_mode: str,
+                  mode_from: str = MODE_FROM_SETTING, names: Mapping[str, str] | None = None,
+                  given: Mapping[str, Any] | None = None) -> None:
+    """Refuse what a request asks that the settings it will run under would drop without a word;
+    called where the default mode is known, before any work (the pipeline's :meth:`prepare
+    <ragcache.pipeline.RAGPipeline.prepare>`, the server, the CLI). What the request contradicts
+    by itself was refused when it was built (:class:`RequestOptions`).
+
+    Args:
+        options: the request's options, as validated.
+        blend: the ``[blend]`` settings in force (``blend.selection``, ``blend.question_weight``).
+        default_mode: the mode a request without one gets (``engine.mode``, or a server's fallback).
+        mode_from: where ``default_mode`` comes from, in words for the message
+            (:data:`MODE_FROM_SETTING`, or ``serve.blend_fallback``'s).
+        names: what the caller calls each option in messages (``{"mass_left": "--mass-left"}``).
+        given: options set, with the value given, that ``options`` does not carry (the CLI's
+            ``--recompute-ratio auto``, a setting for the run).
+
+    Raises:
+        QueryOptionsError: a blend-only option when the request's mode (its own, else
+            ``default_mode``) is not one of :data:`~ragcache.config.BLENDING_MODES`; ``budget =
+            "adaptive"`` or ``mass_left`` when the selection in force (the request's, else
+            ``blend.selection``) does not read the question's attention with these settings.
+    """
+    names, given = names or {}, given or {}
+    set_ = [f for f in RequestOptions.model_fields if getattr(options, f) is not None or f in given]
+
+    def error(field: str, rule: str) -> QueryOptionsError:
+        name, value = names.get(field, field), given.get(field, getattr(options, field))
+        shown = "" if value is None else f" {value}"
+        return QueryOptionsError(f"{name}{shown}: {rule}", field=field, name=name, value=value)
+
+    mode = options.mode or default_mode
+    if mode not in BLENDING_MODES:
+        for field in set_:
+            if _is_blend_only(field):
+                raise error(field, blend_only_rule(mode, "" if options.mode else mode_from))
+        return
+    asks = "mass_left" if options.mass_left is not None else "budget" if options.budget == "adaptive" else None
+    if asks is None or options.budget == "fixed":
+        return
+    strategy = options.selection.strategy if options.selection is not None else blend.selection
+    record = strategies.get(strategy)
+    if record.needs_question(blend):
+        return
+    if options.selection is None:
+        raise error(asks, adaptive_rule(asks, strategy, "the", " (no selection given: the setting blend.selection)"))
+    knobs = ", ".join(f"blend.{k} = {getattr(blend, k)!r}" for k in record.settings)
+    raise error(asks, adaptive_rule(asks, strategy, "the request's", f" with {knobs}" if knobs else "",
+                                    f"change {knobs}" if knobs else ""))
+
+
+def _is_blend_only(field: str) -> bool:
+    """Whether the :class:`RequestOptions` field ``field`` is marked :data:`BLEND_ONLY`."""
+    return any(m is BLEND_ONLY for m in RequestOptions.model_fields[field].metadata)
 
 
 def options_from(options: QueryOptions | None, fields: Mapping[str, Any]) -> QueryOptions:

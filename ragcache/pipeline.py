@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Litera
 from ragcache.config import BLENDING_MODES, Settings
 from ragcache.conversation import Turn, check_question, retrieval_query
 from ragcache.engine.messages import RequestMetrics, StoreStats
-from ragcache.options import DEFAULTS, QueryOptions, options_from
+from ragcache.options import DEFAULTS, QueryOptions, check_request, options_from
 
 if TYPE_CHECKING:
     from ragcache.engine import AsyncBlendEngine, BlendEngine, Generation
@@ -247,15 +247,20 @@ class RAGPipeline:
         Retrieval uses :func:`ragcache.conversation.retrieval_query` (the previous user message is
         added to a short or referring follow-up). When question, chunks and history exceed
         ``engine.max_model_len``, the oldest turns are dropped until the prompt fits. The question is
-        checked here, once (:func:`~ragcache.conversation.check_question`).
+        checked here, once (:func:`~ragcache.conversation.check_question`), and so are the options
+        against the settings, before retrieval (:func:`~ragcache.options.check_request`: a
+        blend-only option when the request's mode, or ``engine.mode`` for a request without one,
+        never blends; the adaptive budget with a selection that does not read the question).
 
         Raises:
-            EmptyQuestionError: empty question. PromptTooLongError: the question over the chunks alone
-            does not fit. EmptyIndexError / IndexNotFoundError: nothing ingested.
+            QueryOptionsError: an option these settings would ignore. EmptyQuestionError: empty
+            question. PromptTooLongError: the question over the chunks alone does not fit.
+            EmptyIndexError / IndexNotFoundError: nothing ingested.
         """
         from ragcache.prompt import PromptTooLongError
 
         t0 = time.perf_counter()
+        check_request(options, self.settings.blend, default_mode=self.settings.engine.mode)
         question = check_question(question)
         turns = list(options.history)
         with self._lock:
@@ -423,7 +428,8 @@ class RAGPipeline:
                 greedy) and ``history`` (earlier turns, oldest first; see :meth:`prepare`).
 
         Raises:
-            QueryOptionsError: an option out of range (a ValueError naming it). EmptyQuestionError:
+            QueryOptionsError: an option out of range, of another type, contradicting another, or
+            one these settings would ignore (see :meth:`prepare`; a ValueError naming it). EmptyQuestionError:
             empty question. PromptTooLongError: the prompt does not fit ``engine.max_model_len``.
             EmptyIndexError / IndexNotFoundError: nothing ingested. TypeError: the engine is an
             AsyncBlendEngine (use :meth:`aquery`), or both ``options`` and keyword fields.

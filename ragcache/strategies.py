@@ -79,6 +79,12 @@ class Strategy:
         the question's attention."""
         return self.question(knobs) if callable(self.question) else bool(self.question)
 
+    @property
+    def may_read_question(self) -> bool:
+        """Whether some knobs make its scores read the question's attention (False: no settings do,
+        so a request asking for what only the question gives, the adaptive budget, contradicts it)."""
+        return callable(self.question) or bool(self.question)
+
     def needs_deviation(self, knobs: Any) -> bool:
         """Whether a blend with ``knobs`` scores by the KV deviation at the check layer."""
         return self.deviation(knobs) if callable(self.deviation) else bool(self.deviation)

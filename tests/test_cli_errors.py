@@ -51,9 +51,29 @@ CASES = [
      "argument --recompute-ratio: 'most': expected a number in [0, 1] or 'auto'"),
     ("unknown --mode", ["ask", "q?", "--mode", "fast"], {}, "argument --mode: invalid choice: 'fast'"),
     ("--recompute-ratio with --mode full", ["ask", "q?", "--mode", "full", "--recompute-ratio", "0.3"], {},
-     "--recompute-ratio 0.3: applies in blend mode only, and the request's mode is 'full'"),
+     "--recompute-ratio 0.3: applies in blend or auto mode only, and the request's mode is 'full'"),
     ("--mass-left with --mode reuse", ["chat", "--mode", "reuse", "--mass-left", "0.1"], {},
-     "--mass-left 0.1: applies in blend mode only, and the request's mode is 'reuse'"),
+     "--mass-left 0.1: applies in blend or auto mode only, and the request's mode is 'reuse'"),
+    ("--recompute-ratio auto with --mode prefix", ["ask", "q?", "--mode", "prefix", "--recompute-ratio", "auto"], {},
+     "--recompute-ratio auto: applies in blend or auto mode only, and the request's mode is 'prefix'"),
+    ("--recompute-ratio under engine.mode full", ["ask", "q?", "--recompute-ratio", "0.3"],
+     {"RAGCACHE_ENGINE__MODE": "full"}, "--recompute-ratio 0.3: applies in blend or auto mode only, and the "
+     "request's mode is 'full' (no mode given: the setting engine.mode): drop it, or ask in blend mode"),
+    ("--selection under engine.mode reuse in chat", ["chat", "--selection", "question"],
+     {"RAGCACHE_ENGINE__MODE": "reuse"}, "--selection question: applies in blend or auto mode only, and the "
+     "request's mode is 'reuse' (no mode given: the setting engine.mode)"),
+    ("--budget fixed with --mass-left", ["ask", "q?", "--budget", "fixed", "--mass-left", "0.01"], {},
+     "--mass-left 0.01: sets the adaptive budget's threshold, and the request's budget is 'fixed'"),
+    ("--selection deviation with --mass-left", ["ask", "q?", "--selection", "deviation", "--mass-left", "0.01"], {},
+     "--mass-left 0.01: sets the adaptive budget's threshold on the question's attention, and the request's "
+     "selection 'deviation' does not read it"),
+    ("--selection deviation with --budget adaptive", ["chat", "--selection", "deviation", "--budget", "adaptive"], {},
+     "--budget adaptive: the adaptive budget follows the question's attention, and the request's selection "
+     "'deviation' does not read it"),
+    ("--mass-left under blend.selection deviation", ["ask", "q?", "--mass-left", "0.01"],
+     {"RAGCACHE_BLEND__SELECTION": "deviation"}, "--mass-left 0.01: sets the adaptive budget's threshold on the "
+     "question's attention, and the selection 'deviation' (no selection given: the setting blend.selection)"),
+    ("--mass-left not a number", ["ask", "q?", "--mass-left", "some"], {}, "argument --mass-left: invalid float value"),
     ("unknown --budget", ["ask", "q?", "--budget", "some"], {}, "argument --budget: invalid choice: 'some'"),
     ("unknown --selection", ["ask", "q?", "--selection", "attention"], {},
      "--selection strategy attention: Input should be 'deviation', 'question' or 'hybrid'"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -14,7 +15,7 @@ from ragcache.config import MaxTokens, Ratio, Settings, TopK, range_text
 from ragcache.conversation import Question, Turn, check_question
 from ragcache.engine.messages import TRANSFER_KEY, BlendParams, RequestMetrics, StoreStats
 from ragcache.options import (
-    DEFAULTS, QueryOptions, QueryOptionsError, SamplingOptions, SelectionSpec, options_from,
+    DEFAULTS, QueryOptions, QueryOptionsError, SamplingOptions, SelectionSpec, check_request, options_from,
 )
 from ragcache.prompt import AssembledPrompt, Segment
 from ragcache.server.client import answer_from
@@ -47,14 +48,15 @@ def test_options_share_the_settings_ranges_and_name_the_option_and_the_rule():
 
 
 def test_blend_only_options_are_refused_with_another_mode_not_ignored():
-    with pytest.raises(QueryOptionsError, match=r"^--recompute-ratio 0.3: applies in blend mode only, and the "
-                       r"request's mode is 'full': drop it, or ask in blend mode$") as e:
+    with pytest.raises(QueryOptionsError, match=r"^--recompute-ratio 0.3: applies in blend or auto mode only, and "
+                       r"the request's mode is 'full': drop it, or ask in blend mode$") as e:
         QueryOptions.parse({"mode": "full", "recompute_ratio": 0.3}, {"recompute_ratio": "--recompute-ratio"})
     assert e.value.field == "recompute_ratio"
-    with pytest.raises(QueryOptionsError, match="selection question/16: applies in blend mode only.*'reuse'"):
+    with pytest.raises(QueryOptionsError, match="selection question/16: applies in blend or auto mode only.*'reuse'"):
         QueryOptions.parse({"mode": "reuse", "selection": "question/16"})
-    # blend, or no mode (the settings' engine.mode decides later), takes them
+    # blend and auto (routed to blend or full prefill), or no mode (the default decides: check_request), take them
     assert QueryOptions.parse({"mode": "blend", "recompute_ratio": 0.3}).recompute_ratio == 0.3
+    assert QueryOptions.parse({"mode": "auto", "mass_left": 0.1, "budget": "adaptive"}).mass_left == 0.1
     assert QueryOptions.parse({"recompute_ratio": 0.3, "selection": "deviation"}).selection.strategy == "deviation"
     assert QueryOptions.parse({"mode": "full"}).recompute_ratio is None
     # the same rule at the HTTP edge, naming the field of the body
@@ -62,7 +64,144 @@ def test_blend_only_options_are_refused_with_another_mode_not_ignored():
         ChatCompletionRequest.model_validate({"model": "docs", "messages": USER,
                                               "ragcache": {"mode": "prefix", "recompute_ratio": 0.2}})
     err = http.value.errors()[0]
-    assert err["loc"] == ("ragcache", "recompute_ratio") and "blend mode only" in err["msg"]
+    assert err["loc"] == ("ragcache", "recompute_ratio") and "blend or auto mode only" in err["msg"]
+
+
+#: the option combinations that contradict each other in one request: (options, the field refused, words)
+CONTRADICTIONS = [
+    ({"budget": "fixed", "mass_left": 0.01}, "mass_left", "the request's budget is 'fixed'"),
+    ({"selection": "deviation", "mass_left": 0.01}, "mass_left", "the request's selection 'deviation' does not read"),
+    ({"selection": "deviation", "budget": "adaptive"}, "budget", "the request's selection 'deviation' does not read"),
+]
+
+
+@pytest.mark.parametrize("fields, field, words", CONTRADICTIONS)
+def test_contradictory_options_are_one_named_error_in_the_sdk_and_over_http(tmp_path, fields, field, words):
+    from ragcache.pipeline import RAGPipeline
+    from ragcache.server.schemas import validation_error
+
+    with pytest.raises(QueryOptionsError, match=re.escape(words)) as e:
+        QueryOptions.parse(fields)
+    assert e.value.field == field and str(e.value).startswith(f"{field} ") and "\n" not in str(e.value)
+    with pytest.raises(ValidationError):
+        QueryOptions(**fields)  # built directly, too
+    rag = RAGPipeline(Settings.load(ingest={"index_dir": str(tmp_path)}), "docs", engine=None)
+    with pytest.raises(QueryOptionsError, match=re.escape(words)):
+        rag.query("What is kelmet?", **fields)  # refused before anything is looked up
+    with pytest.raises(ValidationError) as http:
+        ChatCompletionRequest.model_validate({"model": "docs", "messages": USER, "ragcache": fields})
+    err = validation_error(http.value)
+    assert err.status == 400 and err.param == f"ragcache.{field}" and words in err.message
+    other = next(f for f in fields if f != field)
+    assert other in err.message  # both fields named
+
+
+def test_a_default_that_does_not_apply_gives_way_and_the_engine_is_told_what_runs(tmp_path):
+    """Only what the request itself sets can contradict: a setting's default that does not apply to
+    the request's own choice is not applied (and the connector's parameters say so), while a
+    request's option that the settings would drop is refused, naming the setting."""
+    settings = Settings.load(ingest={"index_dir": str(tmp_path)})
+    assert settings.blend.budget == "adaptive" and settings.blend.selection == "question"
+
+    def params(blend, **fields):
+        options = QueryOptions.parse({"mode": "blend", **fields})
+        check_request(options, blend, default_mode="blend")
+        return BlendParams.from_options(blend, options, mode="blend", ctx_len=30, lead_in_len=10,
+                                        segments=())
+
+    assert params(settings.blend, selection="deviation").budget == "fixed"  # blend.budget's adaptive gives way
+    assert params(settings.blend).budget == "adaptive"
+    fixed = settings.blend.model_copy(update={"budget": "fixed"})
+    assert params(fixed, mass_left=0.02).budget == "adaptive"  # a request's mass_left asks for the adaptive budget
+    assert params(fixed, selection="deviation", budget="fixed").budget == "fixed"
+    # the settings' selection does not read the question: the request's adaptive budget would be dropped
+    deviation = settings.blend.model_copy(update={"selection": "deviation"})
+    assert params(deviation).budget == "fixed"  # the setting's adaptive budget gives way to its own selection
+    for fields, field in (({"mass_left": 0.02}, "mass_left"), ({"budget": "adaptive"}, "budget")):
+        with pytest.raises(QueryOptionsError, match=r"no selection given: the setting blend\.selection\) does not "
+                           r"read it: drop .*, or select by question or hybrid") as e:
+            params(deviation, **fields)
+        assert e.value.field == field
+    assert params(deviation, selection="question", mass_left=0.02).budget == "adaptive"
+    # a hybrid reads the question only with blend.question_weight > 0
+    no_question = settings.blend.model_copy(update={"question_weight": 0.0})
+    with pytest.raises(QueryOptionsError, match=r"selection 'hybrid' with blend\.question_weight = 0\.0 does not "
+                       r"read it: drop budget, or change blend\.question_weight"):
+        params(no_question, selection="hybrid", budget="adaptive")
+    assert params(settings.blend, selection="hybrid", budget="adaptive").budget == "adaptive"
+
+
+def test_blend_only_options_follow_the_mode_the_request_gets_whoever_set_it(tmp_path):
+    """The request's own mode, else the default (``engine.mode``, or a server's fallback): the same
+    error when it never blends, naming where the mode came from; blend and auto take them."""
+    from ragcache.pipeline import RAGPipeline
+
+    blend = Settings.load().blend
+    ratio = QueryOptions.parse({"recompute_ratio": 0.3})
+    with pytest.raises(QueryOptionsError, match=r"^--recompute-ratio 0\.3: applies in blend or auto mode only, and "
+                       r"the request's mode is 'full' \(no mode given: the setting engine\.mode\): drop it, or ask "
+                       r"in blend mode$") as e:
+        check_request(ratio, blend, default_mode="full", names={"recompute_ratio": "--recompute-ratio"})
+    assert e.value.field == "recompute_ratio"
+    with pytest.raises(QueryOptionsError, match=r"'prefix' \(no mode given: serve\.blend_fallback = 'prefix'.*: "
+                       r"drop it$"):
+        check_request(QueryOptions.parse({"budget": "fixed"}), blend, default_mode="prefix",
+                      mode_from="no mode given: serve.blend_fallback = 'prefix'")
+    for mode in ("blend", "auto"):
+        check_request(ratio, blend, default_mode=mode)  # taken
+    check_request(QueryOptions.parse({"mode": "blend", "recompute_ratio": 0.3}), blend, default_mode="full")
+    check_request(QueryOptions.parse({"mode": "full", "top_k": 2}), blend, default_mode="blend")
+    with pytest.raises(QueryOptionsError, match=r"--recompute-ratio auto: .*the request's mode is 'reuse': drop it"):
+        check_request(QueryOptions.parse({"mode": "reuse"}), blend, default_mode="blend",
+                      names={"recompute_ratio": "--recompute-ratio"}, given={"recompute_ratio": "auto"})
+    # the SDK: refused before retrieval (no index exists here, which would be the next error)
+    full = Settings.load(ingest={"index_dir": str(tmp_path)}, engine={"mode": "full"})
+    rag = RAGPipeline(full, "docs", engine=None)
+    with pytest.raises(QueryOptionsError, match=r"selection question: applies .*\(no mode given: the setting "
+                       r"engine\.mode\)"):
+        rag.query("What is kelmet?", selection="question")
+    with pytest.raises(QueryOptionsError, match="engine.mode"):
+        rag.prepare("What is kelmet?", QueryOptions(mass_left=0.1))
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"ragcache": {"recompute_ratio": True}}, "ragcache.recompute_ratio"),
+    ({"ragcache": {"recompute_ratio": "0.1"}}, "ragcache.recompute_ratio"),
+    ({"ragcache": {"mass_left": "0.1"}}, "ragcache.mass_left"),
+    ({"ragcache": {"top_k": True}}, "ragcache.top_k"),
+    ({"ragcache": {"top_k": "3"}}, "ragcache.top_k"),
+    ({"ragcache": {"top_k": 3.0}}, "ragcache.top_k"),
+    ({"ragcache": {"selection": {"strategy": "question", "granule": "16"}}}, "ragcache.selection.granule"),
+    ({"max_tokens": "3"}, "max_tokens"),
+    ({"max_completion_tokens": True}, "max_completion_tokens"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"top_p": True}, "top_p"),
+    ({"seed": "7"}, "seed"),
+    ({"n": True}, "n"),
+    ({"min_tokens": False}, "min_tokens"),
+])
+def test_numbers_are_strict_over_http(fields, param):
+    from ragcache.server.schemas import validation_error
+
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "docs", "messages": USER, **fields})
+    err = validation_error(e.value)
+    assert err.status == 400 and err.param == param and "Input should be a valid" in err.message, err.message
+
+
+def test_numbers_are_strict_in_the_sdk_and_an_integer_is_a_number():
+    for fields, name in (({"recompute_ratio": True}, "recompute_ratio True"), ({"recompute_ratio": "0.1"},
+                         "recompute_ratio '0.1'"), ({"top_k": True}, "top_k True"), ({"top_k": "3"}, "top_k '3'"),
+                         ({"max_tokens": "9"}, "max_tokens '9'"), ({"mass_left": False}, "mass_left False"),
+                         ({"sampling": {"temperature": "1"}}, "sampling.temperature '1'"),
+                         ({"sampling": {"seed": True}}, "sampling.seed True")):
+        with pytest.raises(QueryOptionsError, match=f"^{re.escape(name)}: Input should be a valid"):
+            QueryOptions.parse(fields)
+    o = QueryOptions.parse({"recompute_ratio": 1, "mass_left": 0.5, "sampling": {"temperature": 1}})
+    assert o.recompute_ratio == 1.0 and isinstance(o.recompute_ratio, float)
+    body = ChatCompletionRequest.model_validate({"model": "docs", "messages": USER, "temperature": 1,
+                                                 "ragcache": {"recompute_ratio": 0}})
+    assert body.temperature == 1.0 and body.options.recompute_ratio == 0.0
 
 
 def test_each_option_is_declared_once_and_the_http_object_the_client_body_and_the_cli_flags_follow():

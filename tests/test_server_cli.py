@@ -202,6 +202,17 @@ def test_serve_refuses_to_start_in_blend_when_blend_is_unavailable_with_one_name
     a = run_cli(root, cli_env(settings), "ask", "What is the capital of Zorbia?", "--index", "gem")
     assert a.returncode == 2 and "Traceback" not in a.stderr, a.stderr[-3000:]
     assert a.stderr.strip().splitlines()[-1].startswith("ragcache: error: reuse/blend and KV precompute are disabled")
+    # options the run would drop: one line and exit 2 from the real command, before the engine starts
+    for argv, env, words in (
+            (["--budget", "fixed", "--mass-left", "0.01"], {}, "--mass-left 0.01: sets the adaptive budget's threshold"),
+            (["--selection", "deviation", "--budget", "adaptive"], {}, "--budget adaptive: the adaptive budget"),
+            (["--recompute-ratio", "0.2"], {"RAGCACHE_ENGINE__MODE": "full"},
+             "--recompute-ratio 0.2: applies in blend or auto mode only, and the request's mode is 'full' (no mode "
+             "given: the setting engine.mode)")):
+        a = run_cli(root, cli_env(settings, **env), "ask", "What is kelmet?", "--index", "gem", *argv, timeout_s=120)
+        errors = [line for line in a.stderr.splitlines() if line.startswith("ragcache: error:")]
+        assert a.returncode == 2 and len(errors) == 1 and "Traceback" not in a.stderr, a.stderr[-3000:]
+        assert errors[0].startswith(f"ragcache: error: {words}"), errors
 
 
 def test_fallback_mode_is_served_and_named_and_kill_9_leaves_no_engine_process_behind(gemma):
@@ -222,6 +233,13 @@ def test_fallback_mode_is_served_and_named_and_kill_9_leaves_no_engine_process_b
             c.chat.completions.create(model="gem", messages=user("What is kelmet?"), max_tokens=4,
                                       extra_body={"ragcache": {"mode": "blend"}})
         assert e.value.body["param"] == "ragcache.mode" and e.value.body["code"] == "mode_unavailable"
+        # a blend-only option without a mode: the fallback's full mode never blends, so it is named, not dropped
+        with pytest.raises(openai.BadRequestError, match=r"ragcache\.recompute_ratio 0\.3: applies in blend or auto "
+                           r"mode only, and the request's mode is 'full' \(no mode given: serve\.blend_fallback = "
+                           r"'full', as blend mode \(engine\.mode\) is unavailable on this server\): drop it$") as e:
+            c.chat.completions.create(model="gem", messages=user("What is kelmet?"), max_tokens=4,
+                                      extra_body={"ragcache": {"recompute_ratio": 0.3}})
+        assert e.value.body["param"] == "ragcache.recompute_ratio" and e.value.body["code"] == "option_not_applicable"
 
         engine = descendants(server.proc.pid)
         assert any("EngineCore" in title(p) for p in engine), [title(p) for p in engine]
@@ -474,6 +492,73 @@ def test_a_keys_file_replaced_with_the_same_mtime_takes_on_the_next_request(smol
     finally:
         replace(original)
     assert models("acme-key-1") == ["acme"]
+
+
+def test_a_keys_file_emptied_deleted_or_broken_refuses_the_removed_key_on_the_next_request(smol):
+    """Revocation fails closed, within one request, and /health and /metrics say so: emptied -> 401
+    for every scoped key (the shared key still works); deleted -> 503 naming the file for every key;
+    a key removed and the TOML broken in the same write -> 503 (serve.keys_invalid = "refuse")."""
+    keys = smol.log.parent / "keys.toml"
+    original = keys.read_text()
+
+    def status(key: str) -> int:
+        return httpx.get(f"{smol.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+    def keys_health() -> dict:
+        return httpx.get(f"{smol.url}/health", timeout=30).json()["keys_file"]
+
+    before = keys_health()
+    assert before == {"state": "ok", "since": before["since"]} and before["since"] <= time.time()
+    try:
+        keys.write_text("")
+        assert status("acme-key-1") == 401 and status("ops-key-9") == 401 and status("shared-key") == 200
+        assert keys_health()["state"] == "empty"
+        metrics = scrape(smol, "shared-key")
+        assert metrics[("ragcache_keys_file_state", (("state", "empty"),))] == 1
+        assert metrics[("ragcache_keys_file_state", (("state", "ok"),))] == 0
+        assert metrics[("ragcache_keys_file_state_since_seconds", ())] == keys_health()["since"]
+
+        keys.unlink()
+        r = httpx.get(f"{smol.url}/v1/models", headers={"Authorization": "Bearer acme-key-1"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "keys_unavailable"
+        assert f"serve.keys_file {str(keys)!r} does not exist" in r.json()["error"]["message"]
+        assert status("shared-key") == 503 and keys_health()["state"] == "missing"
+
+        keys.write_text(original)
+        assert status("acme-key-1") == 200 and keys_health()["state"] == "ok"
+        broken = original.replace('tenant = "acme"', 'tenant = "acme\n', 1)  # acme removed, the TOML broken
+        keys.write_text(broken)
+        r = httpx.get(f"{smol.url}/v1/models", headers={"Authorization": "Bearer acme-key-1"}, timeout=30)
+        assert r.status_code == 503 and "is not valid TOML" in r.json()["error"]["message"]
+        assert str(keys) in r.json()["error"]["message"] and status("ops-key-9") == 503
+        invalid = keys_health()
+        assert invalid["state"] == "invalid" and invalid["since"] >= before["since"]
+    finally:
+        keys.write_text(original)
+    assert status("acme-key-1") == 200 and keys_health()["state"] == "ok"
+
+
+def test_options_the_server_would_drop_are_400s_naming_them_and_numbers_are_strict(smol):
+    """Over the real server: contradictory options, a blend-only option with a mode that never
+    blends, and a boolean or a string where a number goes, each a 400 naming the field."""
+    c = client(smol, "shared-key")
+    cases = [({"budget": "fixed", "mass_left": 0.01}, "ragcache.mass_left", "budget is 'fixed'"),
+             ({"selection": "deviation", "mass_left": 0.01}, "ragcache.mass_left", "selection 'deviation' does not"),
+             ({"selection": "deviation", "budget": "adaptive"}, "ragcache.budget", "selection 'deviation' does not"),
+             ({"mode": "full", "recompute_ratio": 0.2}, "ragcache.recompute_ratio", "the request's mode is 'full'"),
+             ({"recompute_ratio": True}, "ragcache.recompute_ratio", "valid number (got True)"),
+             ({"recompute_ratio": "0.1"}, "ragcache.recompute_ratio", "valid number (got '0.1')"),
+             ({"top_k": True}, "ragcache.top_k", "valid integer (got True)"),
+             ({"top_k": "3"}, "ragcache.top_k", "valid integer (got '3')")]
+    for options, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="acme", messages=user("What is kelmet?"), max_tokens=2,
+                                      extra_body={"ragcache": options})
+        assert e.value.body["param"] == param and words in e.value.body["message"], (options, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="acme", messages=user("What is kelmet?"), max_tokens="3")
+    assert e.value.body["param"] == "max_tokens"
+    assert httpx.get(f"{smol.url}/health").json()["engine_unfinished_requests"] == 0  # nothing reached vLLM
 
 
 def test_a_scoped_key_gets_one_answer_for_every_name_that_is_no_served_index(smol, docs, tmp_path):

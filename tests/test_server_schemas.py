@@ -190,9 +190,9 @@ def test_a_keys_file_is_checked_at_start_with_the_entry_and_field_named(tmp_path
                                            ingest={"index_dir": str(tmp_path / "idx")}))
 
     cases = [
-        (None, "cannot be read"),
+        (None, "does not exist"),
         ("[[key]\n", "is not valid TOML"),
-        ("", "holds no [[key]] table"),
+        ('key = "k1"\n', "key must be [[key]] tables"),
         (f'[[key]]\ntenant = "a"\nsha256 = "k1"\nindexes = ["docs"]\n', "key[0].sha256: expected the key's sha256"),
         (f'[[key]]\ntenant = "a b"\nsha256 = "{digest}"\nindexes = ["docs"]\n', "key[0].tenant 'a b'"),
         (f'[[key]]\ntenant = "a"\nsha256 = "{digest}"\n', "grants nothing"),
@@ -210,6 +210,90 @@ def test_a_keys_file_is_checked_at_start_with_the_entry_and_field_named(tmp_path
     assert ring.authenticate("k1").may_read("docs", "") and not ring.authenticate("k1").may_read("other", "")
     assert ring.authenticate("nope") is None and ring.authenticate(None) is None
     assert KeyRing().authenticate(None).every_index  # no keys at all: loopback serving for everyone
+    check("# every key revoked\n")  # an empty file starts: no keys, every scoped key refused
+    empty = KeyRing.from_settings(Settings.load(serve={"keys_file": str(tmp_path / "keys.toml")}).serve)
+    assert empty.required and empty.authenticate("k1") is None and empty.authenticate(None) is None
+
+
+def _keys_file(*keys: str) -> str:
+    from ragcache.server.keys import key_digest
+
+    return "".join(f'[[key]]\ntenant = "t{i}"\nsha256 = "{key_digest(k)}"\nindexes = ["docs"]\n\n'
+                   for i, k in enumerate(keys))
+
+
+def test_a_keys_file_emptied_deleted_or_broken_refuses_the_removed_key_on_the_next_read(tmp_path):
+    """Revocation fails closed: empty = no keys (None: 401), deleted or invalid = every key refused
+    (KeysUnavailableError: 503 naming the file), the state and since when kept for /health and
+    /metrics; ``keys_invalid = "keep"`` keeps the keys read before an invalid file."""
+    from ragcache.server.keys import KeySource, KeysUnavailableError
+
+    path = tmp_path / "keys.toml"
+    path.write_text(_keys_file("k1", "k2"))
+    serve = Settings.load(serve={"api_key": "shared", "keys_file": str(path)}).serve
+    source = KeySource(serve)
+    assert source.keyring().authenticate("k1").tenant == "t0" and source.status.state == "ok"
+    assert source.status.keys == 2
+    ok_since = source.status.since
+
+    path.write_text("")  # emptied: every scoped key refused, the shared key still works
+    ring = source.keyring()
+    assert ring.authenticate("k1") is None and ring.authenticate(None) is None
+    assert ring.authenticate("shared").every_index
+    assert source.status.state == "empty" and source.status.since >= ok_since and source.status.keys == 0
+
+    path.write_text(_keys_file("k2"))
+    assert source.keyring().authenticate("k2") is not None and source.status.state == "ok"
+    path.unlink()  # deleted: nothing can be checked, every key refused
+    for _ in range(2):
+        with pytest.raises(KeysUnavailableError, match=re.escape(f"serve.keys_file {str(path)!r} does not exist")):
+            source.keyring()
+    assert source.status.state == "missing"
+    since = source.status.since
+    path.write_text("[[key]\n")  # invalid (and the removed key's entry gone with it)
+    with pytest.raises(KeysUnavailableError, match=r"is not valid TOML .*every key is refused until the file is "
+                       r"fixed \(serve.keys_invalid = \"keep\""):
+        source.keyring()
+    assert source.status.state == "invalid" and source.status.since >= since
+    assert "not valid TOML" in source.status.problem
+    invalid_since = source.status.since
+    path.write_text("[[key]\nbroken")  # still invalid: since stays
+    with pytest.raises(KeysUnavailableError):
+        source.keyring()
+    assert source.status.since == invalid_since
+
+    # keep: the keys read before stay valid through an invalid file, the state still says invalid
+    path.write_text(_keys_file("k1", "k2"))
+    keep = KeySource(Settings.load(serve={"keys_file": str(path), "keys_invalid": "keep"}).serve)
+    path.write_text(_keys_file("k1") + "[[key]\n")  # k2 removed and the file broken in one write
+    assert keep.keyring().authenticate("k2") is not None and keep.status.state == "invalid"
+    assert keep.status.keys == 2
+    path.unlink()  # keep does not keep a deleted file's keys
+    with pytest.raises(KeysUnavailableError, match="does not exist"):
+        keep.keyring()
+    # without a keys file there is no state to show
+    assert KeySource(Settings.load(serve={"api_key": "shared"}).serve).status is None
+
+
+def test_the_keys_file_state_is_a_gauge_with_its_since():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ragcache.server.keys import KeysFileStatus
+
+    def samples(m: ServerMetrics) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples}
+
+    m = ServerMetrics()
+    assert not any(n.startswith("ragcache_keys_file") for n, _ in samples(m))  # no keys file: no series
+    status = KeysFileStatus("invalid", 1767000000.5, "not TOML", 2)
+    m.watch_keys(lambda: status)
+    got = samples(m)
+    assert got[("ragcache_keys_file_state", (("state", "invalid"),))] == 1.0
+    assert got[("ragcache_keys_file_state", (("state", "ok"),))] == 0.0
+    assert {ls for n, ls in got if n == "ragcache_keys_file_state"} == {(("state", s),) for s in
+                                                                       ("ok", "empty", "missing", "invalid")}
+    assert got[("ragcache_keys_file_state_since_seconds", ())] == 1767000000.5
 
 
 def test_a_body_limit_below_what_the_context_may_take_is_warned_of_at_start(tmp_path, caplog):

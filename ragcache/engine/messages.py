@@ -107,7 +107,10 @@ class BlendParams:
             ``[blend]`` settings of the same names in force for this request (see
             :class:`ragcache.config.BlendSettings`); ``check_layer`` resolved for the selection;
             ``budget`` and ``mass_left`` as the request's options set them (a request's ``mass_left``
-            implies the adaptive budget unless it sets ``budget``). Required, here and in
+            implies the adaptive budget unless it sets ``budget``); ``budget`` is ``"fixed"`` for a
+            selection that does not read the question's attention (the adaptive budget's input),
+            whatever ``blend.budget`` says: the setting's default gives way (a request asking for
+            both was refused where it entered, :mod:`ragcache.options`). Required, here and in
             :meth:`from_dict`: their defaults are the settings', declared once in ragcache.config.
     """
 
@@ -146,12 +149,13 @@ class BlendParams:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
         sel = options.selection
         selection = Selection.from_settings(blend, sel.strategy if sel else None, sel.granule if sel else None)
+        budget = options.budget or ("adaptive" if options.mass_left is not None else blend.budget)
         return cls(
             mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments), question_end=question_end,
             selection=selection,
             recompute_ratio=blend.static_ratio if options.recompute_ratio is None else options.recompute_ratio,
             check_layer=blend.check_layer_for(selection.strategy),
-            budget=options.budget or ("adaptive" if options.mass_left is not None else blend.budget),
+            budget=budget if selection.needs_question else "fixed",
             mass_left=blend.mass_left if options.mass_left is None else options.mass_left,
             **blend.model_dump(include=_CARRIED),
         )

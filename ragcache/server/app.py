@@ -26,7 +26,10 @@ scoped key also for any name that is no index served here). How large a request 
 :mod:`ragcache.server.limits` (413 for a body over ``serve.max_body_bytes``, answered before it is
 parsed; 431 for a request line and headers over ``serve.max_header_bytes``). The mode a
 request gets when it names none is the server's (:func:`serving_mode`): ``engine.mode``, or
-``serve.blend_fallback`` when reuse/blend turned out unavailable at start.
+``serve.blend_fallback`` when reuse/blend turned out unavailable at start. A request's blend-only
+options (recompute_ratio, selection, budget, mass_left) are a 400 naming the option, the mode and
+where it came from when that mode never blends, the server's default mode included
+(:func:`ragcache.options.check_request`), before any work.
 """
 
 from __future__ import annotations
@@ -45,15 +48,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragcache.config import ConfigError, Settings
+from ragcache.config import Settings
 from ragcache.engine.messages import CONNECTOR_MODES
 from ragcache.engine.selfcheck import BlendUnavailableError
-from ragcache.server.keys import Access, KeyRing
+from ragcache.options import MODE_FROM_SETTING, QueryOptionsError, RequestOptions, check_request
+from ragcache.server.keys import Access, KeyRing, KeySource, KeysUnavailableError
 from ragcache.server.limits import BodyLimit
 from ragcache.server.metrics import ServerMetrics
 from ragcache.server.responses import (
     BlendAvailability,
     CacheReport,
+    KeysFileHealth,
     ChatCompletionChunk,
     ChatCompletionResponse,
     Delta,
@@ -83,6 +88,9 @@ T = TypeVar("T")
 
 #: pipelines kept (one per index version); older ones are dropped first
 MAX_PIPELINES = 16
+
+#: what a request's options are called in its error messages: the fields of its ``ragcache`` object
+OPTION_NAMES = {name: f"ragcache.{name}" for name in RequestOptions.model_fields}
 
 
 def serving_mode(settings: Settings, support: "BlendSupport | None") -> str:
@@ -124,43 +132,60 @@ class ServerState:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self._keys_stamp: tuple[Any, ...] | None = None
-        self._keys = self.keyring()  # a bad keys file fails here, at start
+        self.keys = KeySource(settings.serve)  # a missing or invalid keys file fails here, at start
         self.engine: "AsyncBlendEngine | None" = None
         self.mode = settings.engine.mode
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServerMetrics()
+        self.metrics.watch_keys(lambda: self.keys.status)
         self.in_flight = 0
         self._pipelines: dict[tuple[str, int], "RAGPipeline"] = {}
         self._noted: set[tuple[str, str]] = set()  # (index, ratio note) logged once
 
     def keyring(self) -> KeyRing:
-        """The keys accepted now: built from ``serve.api_key`` and ``serve.keys_file``, and built
-        again when either setting or the file's content changes (keys are added or revoked without
-        a restart, on the next request, whatever the file's mtime: the file is read on every call,
-        a few microseconds for a file of many keys; a file that turns invalid or unreadable keeps
-        the keys read before, with a warning).
+        """The keys accepted now (:class:`~ragcache.server.keys.KeySource`: ``serve.api_key`` and
+        ``serve.keys_file``, read again on every call: a key added or revoked counts from the next
+        request, whatever the file's mtime).
 
         Raises:
-            ConfigError: the keys file is invalid when first read.
+            APIError: 503 naming the keys file while it is missing, or invalid with
+                ``serve.keys_invalid = "refuse"`` (every key is refused).
         """
-        s = self.settings.serve
-        content = None
-        if s.keys_file:
-            try:
-                content = Path(s.keys_file).expanduser().read_bytes()
-            except OSError:
-                pass  # reported by KeyRing.from_settings below, once per change
-        stamp = (s.api_key, s.keys_file, content)
-        if stamp != self._keys_stamp:
-            try:
-                self._keys = KeyRing.from_settings(s, content)
-            except ConfigError as exc:
-                if self._keys_stamp is None:
-                    raise
-                log.warning("serve.keys_file changed but cannot be used (%s); the keys read before still apply", exc)
-            self._keys_stamp = stamp
-        return self._keys
+        try:
+            return self.keys.keyring()
+        except KeysUnavailableError as exc:
+            raise APIError(503, str(exc), code="keys_unavailable") from None
+
+    def keys_health(self) -> KeysFileHealth | None:
+        """The keys file's state for /health, read now (None: no keys file)."""
+        try:
+            self.keys.keyring()
+        except KeysUnavailableError:
+            pass  # the state says it
+        status = self.keys.status
+        return None if status is None else KeysFileHealth(state=status.state, since=status.since)
+
+    @property
+    def mode_from(self) -> str:
+        """Where :attr:`mode` (the mode of a request that names none) comes from, in words for
+        error messages: the setting ``engine.mode``, or ``serve.blend_fallback``."""
+        if self.mode == self.settings.engine.mode:
+            return MODE_FROM_SETTING
+        return (f"no mode given: serve.blend_fallback = {self.mode!r}, as {self.settings.engine.mode} mode "
+                "(engine.mode) is unavailable on this server")
+
+    def check_options(self, opts: RequestOptions) -> None:
+        """Refuse options this server would ignore (:func:`ragcache.options.check_request` against
+        the server's default mode and ``[blend]`` settings).
+
+        Raises:
+            APIError: 400 naming the option (``param``), the mode and where that mode came from.
+        """
+        try:
+            check_request(opts, self.settings.blend, default_mode=self.mode, mode_from=self.mode_from,
+                          names=OPTION_NAMES)
+        except QueryOptionsError as exc:
+            raise APIError(400, str(exc), param=exc.name, code="option_not_applicable") from None
 
     def readable_indexes(self, access: Access) -> list[str]:
         """The indexes served here that ``access`` may read."""
@@ -490,7 +515,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
     @app.get("/health")
     async def health() -> Health:
         """Liveness and load: the engine, the mode requests get by default (and whether reuse/blend is
-        available), requests in flight, the default index."""
+        available), requests in flight, the default index, the keys file's state (read now)."""
         eng = state.engine
         support = eng.blend_support
         return Health(device=eng.device, startup_s=round(eng.startup_s, 2), mode=state.mode,
@@ -498,7 +523,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
                                               reason=None if support is None else support.reason),
                       dtype=eng.dtype.dtype, in_flight=state.in_flight,
                       engine_unfinished_requests=eng.num_unfinished_requests, default_index=settings.serve.index,
-                      model=settings.models.model)
+                      model=settings.models.model, keys_file=state.keys_health())
 
     @app.get("/v1/models")
     async def models(access: Access = Depends(authorized)) -> ModelList:
@@ -543,6 +568,7 @@ def create_app(settings: Settings, *, engine: "AsyncBlendEngine | None" = None, 
         index = state.resolve_index(body.model, opts.index, names)
         path = state.index_path(index)  # resolved once per request
         question, history = body.conversation()
+        state.check_options(opts)
         mode = opts.mode or state.mode
         options = body.query_options(history).model_copy(update={"mode": mode})  # the server's default mode
         if state.engine.blend_support is not None:

@@ -17,19 +17,32 @@ file adds keys scoped to indexes, one TOML table per key, the key itself stored 
 A scoped key reads only its indexes (HTTP 403 for the others, which /v1/models does not list);
 only a key that may read every index (the shared key, or ``indexes = ["*"]``) may read the
 server-wide /v1/cache and /metrics.
+
+A running server reads the file again on every request (:class:`KeySource`), so a key added or
+removed counts from the next request, and revocation fails closed. The file's state
+(:data:`KEYS_FILE_STATES`) is one of: ``ok``; ``empty`` (no ``[[key]]`` table: no scoped key, every
+one refused with 401, the shared key still works); ``missing`` (deleted: every key refused, the
+shared key too, with 503 naming the file, until it is back); ``invalid`` (not TOML, or an entry
+wrong: the same 503 by default; with ``serve.keys_invalid = "keep"`` the keys read before stay
+valid). At start a missing or invalid file stops the server instead; an empty one starts it with
+a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ragcache.config import NAMESPACE_PATTERN, ConfigError
+
+log = logging.getLogger(__name__)
 
 #: tenant of the shared key (``serve.api_key``) and of every caller of a server without keys
 DEFAULT_TENANT = "default"
@@ -113,17 +126,26 @@ def _entry(raw: Any, where: str) -> tuple[str, Access]:
     return digest.lower(), Access(tenant, indexes, lists["namespaces"])
 
 
+class KeysFileMissingError(ConfigError):
+    """The keys file does not exist (deleted, or never written)."""
+
+
 def read_keys_file(path: str | Path, content: bytes | None = None) -> dict[str, Access]:
-    """The scoped keys of a keys file: ``{sha256 hex: Access}`` (see the module docstring).
-    ``content``: the file's bytes, when already read.
+    """The scoped keys of a keys file: ``{sha256 hex: Access}`` (see the module docstring), ``{}``
+    for a file without a ``[[key]]`` table (an empty file: no keys). ``content``: the file's
+    bytes, when already read.
 
     Raises:
-        ConfigError: the file is missing or unreadable, is not TOML, or an entry is invalid (the
-            message names the file, the entry and the field); two entries share a sha256.
+        KeysFileMissingError: the file does not exist. ConfigError: it is unreadable, is not TOML,
+            or an entry is invalid (the message names the file, the entry and the field); two
+            entries share a sha256.
     """
     path = Path(path).expanduser()
     try:
         data = tomllib.loads((path.read_bytes() if content is None else content).decode("utf-8"))
+    except FileNotFoundError:
+        raise KeysFileMissingError(f"serve.keys_file {str(path)!r} does not exist; point serve.keys_file at an "
+                                   "existing TOML file, or set it to \"\"") from None
     except OSError as exc:
         raise ConfigError(f"serve.keys_file {str(path)!r} cannot be read ({exc.strerror or exc}); "
                           "point serve.keys_file at an existing TOML file, or set it to \"\"") from None
@@ -134,8 +156,8 @@ def read_keys_file(path: str | Path, content: bytes | None = None) -> dict[str, 
         raise ConfigError(f"serve.keys_file {str(path)!r}: unknown top-level entries {', '.join(sorted(unknown))}; "
                           "write one [[key]] table per key")
     entries = data.get("key", [])
-    if not isinstance(entries, list) or not entries:
-        raise ConfigError(f"serve.keys_file {str(path)!r} holds no [[key]] table; add one per key")
+    if not isinstance(entries, list):
+        raise ConfigError(f"serve.keys_file {str(path)!r}: key must be [[key]] tables, one per key")
     keys: dict[str, Access] = {}
     for i, raw in enumerate(entries):
         digest, access = _entry(raw, f"serve.keys_file {str(path)!r}: key[{i}]")
@@ -151,13 +173,15 @@ class KeyRing:
 
     Args:
         shared_key: ``serve.api_key`` (reads every index, tenant ``default``); "" = none.
-        scoped: ``{sha256 hex: Access}`` from a keys file.
+        scoped: ``{sha256 hex: Access}`` from a keys file; None = no keys file, ``{}`` = a keys
+            file without keys (every scoped key refused).
 
-    With neither, every caller is let in with :data:`EVERYTHING`.
+    With no shared key and no keys file, every caller is let in with :data:`EVERYTHING`.
     """
 
     def __init__(self, shared_key: str = "", scoped: dict[str, Access] | None = None):
         self._shared = shared_key
+        self._file = scoped is not None
         self._scoped = dict(scoped or {})
 
     @classmethod
@@ -172,8 +196,13 @@ class KeyRing:
 
     @property
     def required(self) -> bool:
-        """Whether callers must send a key."""
-        return bool(self._shared or self._scoped)
+        """Whether callers must send a key (a shared key, or a keys file, even one without keys)."""
+        return bool(self._shared or self._file)
+
+    @property
+    def size(self) -> int:
+        """How many scoped keys it holds."""
+        return len(self._scoped)
 
     @property
     def tenants(self) -> list[str]:
@@ -191,3 +220,103 @@ class KeyRing:
             return EVERYTHING
         # the digest of an unknown key reveals nothing about the stored ones: a dict lookup is fine
         return self._scoped.get(key_digest(token)) if self._scoped else None
+
+
+#: the states of a keys file, as /health and the ``ragcache_keys_file_state`` gauge name them
+KEYS_FILE_STATES = ("ok", "empty", "missing", "invalid")
+
+
+@dataclass(frozen=True)
+class KeysFileStatus:
+    """The state of ``serve.keys_file`` as last read.
+
+    Attributes:
+        state: one of :data:`KEYS_FILE_STATES`.
+        since: when the file entered that state, as seen by the server (unix time, seconds).
+        problem: what is wrong with a missing or invalid file ("" otherwise).
+        keys: scoped keys accepted now (those read before, for an invalid file kept).
+    """
+
+    state: str
+    since: float
+    problem: str = ""
+    keys: int = 0
+
+
+class KeysUnavailableError(Exception):
+    """No key can be checked: the keys file is missing, or invalid and ``serve.keys_invalid`` is
+    ``"refuse"``; the message names the file, what is wrong and the fix (the server answers 503)."""
+
+
+class KeySource:
+    """The keys a running server accepts, from the ``[serve]`` settings (``api_key``,
+    ``keys_file``, ``keys_invalid``), read again on every :meth:`keyring` call: a change of either
+    setting or of the file's content (whatever its mtime) counts from the next call. A file of
+    many keys reads in microseconds.
+
+    Args:
+        serve: the ``[serve]`` settings, read on every call (a change to them counts too).
+
+    Raises (on construction):
+        ConfigError: the keys file is missing or invalid at start (an empty one is accepted, with
+            a warning: every scoped key is refused).
+    """
+
+    def __init__(self, serve: Any):
+        self._serve = serve
+        self._stamp: tuple[Any, ...] | None = None
+        self._ring = KeyRing()
+        self._refusal: str | None = None
+        self.status: KeysFileStatus | None = None  # None: no keys file
+        self.keyring()
+
+    def keyring(self) -> KeyRing:
+        """The keys accepted now.
+
+        Raises:
+            KeysUnavailableError: the keys file is missing, or invalid with ``keys_invalid = "refuse"``.
+            ConfigError: the first read (at start) found it missing or invalid.
+        """
+        s = self._serve
+        content: bytes | str | None = None
+        if s.keys_file:
+            try:
+                content = Path(s.keys_file).expanduser().read_bytes()
+            except OSError as exc:  # reported by read_keys_file below, once per change
+                content = f"{type(exc).__name__}: {exc}"
+        stamp = (s.api_key, s.keys_file, s.keys_invalid, content)
+        if stamp != self._stamp:
+            self._update(s, content if isinstance(content, bytes) else None)
+            self._stamp = stamp
+        if self._refusal is not None:
+            raise KeysUnavailableError(self._refusal)
+        return self._ring
+
+    def _update(self, s: Any, content: bytes | None) -> None:
+        first = self._stamp is None
+        if not s.keys_file:
+            self._ring, self._refusal, self.status = KeyRing(s.api_key), None, None
+            return
+        try:
+            scoped = read_keys_file(s.keys_file, content)
+        except ConfigError as exc:
+            if first:
+                raise
+            missing = isinstance(exc, KeysFileMissingError)
+            self._set("missing" if missing else "invalid", str(exc), self._ring.size)
+            if not missing and s.keys_invalid == "keep":
+                self._refusal = None
+                log.warning("%s; the keys read before still apply (serve.keys_invalid = \"keep\")", exc)
+                return
+            fix = "back" if missing else "fixed (serve.keys_invalid = \"keep\" keeps the keys read before)"
+            self._refusal = f"{exc}; every key is refused until the file is {fix}"
+            log.error("%s", self._refusal)
+            return
+        self._ring, self._refusal = KeyRing(s.api_key, scoped), None
+        self._set("ok" if scoped else "empty", "", len(scoped))
+        if not scoped:
+            log.warning("serve.keys_file %r holds no [[key]] table: every scoped key is refused", s.keys_file)
+
+    def _set(self, state: str, problem: str, keys: int) -> None:
+        since = self.status.since if self.status is not None and self.status.state == state else time.time()
+        self.status = KeysFileStatus(state, since, problem, keys)

@@ -35,18 +35,21 @@ Now:
                                                       checksum mismatch, non-finite scales or K/V) and deleted
   ragcache_foreign_entries_total{tier}               entries each tier found of another model, layout, stored
                                                       form or format (left in place, not served)
+  ragcache_keys_file_state{state}                    1 for the state serve.keys_file is in (ok, empty, missing,
+                                                      invalid), 0 for the others; no series without a keys file
+  ragcache_keys_file_state_since_seconds             when it entered that state (unix time)
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragcache.engine.messages import StoreStats
 from ragcache.pipeline import Answer
-from ragcache.server.keys import DEFAULT_TENANT
+from ragcache.server.keys import DEFAULT_TENANT, KEYS_FILE_STATES, KeysFileStatus
 from ragcache.server.responses import cached_tokens
 
 #: seconds; TTFT spans ~0.05 s (blend, short prompt) to ~60 s (full prefill of 6k tokens on 2 CPU cores)
@@ -80,6 +83,27 @@ class _StoreCollector:
             corrupt.add_metric([tier], float(s.corrupt))
             foreign.add_metric([tier], float(s.foreign))
         yield from (size, evicted, corrupt, foreign)
+
+
+class _KeysCollector:
+    """``ragcache_keys_file_state`` and ``ragcache_keys_file_state_since_seconds`` from the keys
+    file's status at the scrape (no series without a keys file)."""
+
+    def __init__(self) -> None:
+        self.status: Callable[[], KeysFileStatus | None] = lambda: None
+
+    def collect(self) -> Iterable[Any]:
+        status = self.status()
+        if status is None:
+            return
+        state = GaugeMetricFamily("ragcache_keys_file_state", "1 for the state serve.keys_file is in (ok, empty: "
+                                  "every scoped key refused, missing or invalid: every key refused unless "
+                                  "serve.keys_invalid = keep), 0 for the others", labels=["state"])
+        for name in KEYS_FILE_STATES:
+            state.add_metric([name], 1.0 if name == status.state else 0.0)
+        yield state
+        yield GaugeMetricFamily("ragcache_keys_file_state_since_seconds", "When serve.keys_file entered its state "
+                                "(unix time)", value=status.since)
 
 
 class ServerMetrics:
@@ -125,8 +149,14 @@ class ServerMetrics:
                                        "or running); 0 when idle, or a request leaked", registry=r)
         self.store = _StoreCollector()
         r.register(self.store)
+        self.keys = _KeysCollector()
+        r.register(self.keys)
         self.tiers: list[str] = []
         self.set_tiers(tiers)
+
+    def watch_keys(self, status: Callable[[], KeysFileStatus | None]) -> None:
+        """Report the keys file's state from ``status`` (called at every scrape)."""
+        self.keys.status = status
 
     def set_tiers(self, tiers: Sequence[str]) -> None:
         """The store's tiers, top-down; their lookup and hit series start at 0."""

@@ -227,10 +227,20 @@ class BlendAvailability(BaseModel):
     reason: str | None
 
 
+class KeysFileHealth(BaseModel):
+    """The state of ``serve.keys_file`` (:class:`~ragcache.server.keys.KeysFileStatus`): ``ok``,
+    ``empty`` (every scoped key refused), ``missing`` or ``invalid`` (every key refused with 503,
+    unless ``serve.keys_invalid = "keep"`` keeps the keys read before an invalid file), since when
+    (unix seconds). /health is open to everyone: it says nothing about the keys themselves."""
+
+    state: Literal["ok", "empty", "missing", "invalid"]
+    since: float
+
+
 class Health(BaseModel):
     """GET /health: the engine (device, seconds it took to start, dtype), the mode requests get by
     default and whether reuse/blend is available, requests in flight here and unfinished in vLLM,
-    the default index and the model."""
+    the default index, the model and the keys file's state (null without one)."""
 
     status: Literal["ok"] = "ok"
     device: str
@@ -242,6 +252,7 @@ class Health(BaseModel):
     engine_unfinished_requests: int
     default_index: str
     model: str
+    keys_file: KeysFileHealth | None = None
 
 
 class CacheReport(BaseModel):

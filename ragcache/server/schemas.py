@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ragcache.config import MaxTokens
 from ragcache.conversation import Question, Turn, split_messages
 from ragcache.options import (
-    MinTokens, QueryOptions, RequestOptions, SamplingOptions, Seed, Temperature, TopP, check_min_tokens, check_stop,
+    Choices, MinTokens, QueryOptions, RequestMaxTokens, RequestOptions, SamplingOptions, Seed, Temperature, TopP,
+    check_min_tokens, check_stop,
 )
 from ragcache.server.responses import ErrorInfo, ErrorResponse
 
@@ -190,7 +190,8 @@ class ChatCompletionRequest(BaseModel):
     ``min_tokens``, and ``ragcache``; other OpenAI fields are accepted and ignored.
 
     ``temperature`` defaults to 0 (greedy), unlike OpenAI's 1: answers are reproducible and the
-    modes comparable token for token.
+    modes comparable token for token. Numbers are strict: a boolean
+    or a string where a number is taken is a 400 (``"top_k": true`` is not 1, ``"0.1"`` not 0.1).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -200,11 +201,11 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
+    max_tokens: RequestMaxTokens | None = None
+    max_completion_tokens: RequestMaxTokens | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
-    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    n: Choices = 1
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     stream_options: StreamOptions | None = None
