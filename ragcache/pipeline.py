@@ -317,9 +317,7 @@ class RAGPipeline:
         for ``selection``, None: ``blend.selection``) and the engine's resolved ``engine.dtype``."""
         values = self.engine.settings.blend.calibrated_settings(selection or self.settings.blend.selection)
         values["engine.dtype"] = str(self.engine.dtype.dtype)
-        router = getattr(self.engine, "router", None)
-        if router is not None:
-            values["host"] = router.host
+        values["host"] = self.engine.router.host
         return values
 
     def index_quality(self) -> "IndexQuality":

@@ -43,7 +43,7 @@ def test_bench_help_shows_list_defaults_as_typed_and_no_empty_defaults(capsys):
     assert "(default: 0,0.05,0.1,0.15,0.3,1)" in text and "[0.0" not in text
     assert "(default: None)" not in text and ".png" in text
     args = parser.parse_args(["bench", "ttft"])
-    assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend", "plain"]
+    assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend", "auto", "plain"]
     assert args.selections is None  # blend.selection
     args = parser.parse_args(["bench", "ttft", "--selections", "question/1, question/16,deviation"])
     assert args.selections == ["question/1", "question/16", "deviation"]

@@ -187,7 +187,15 @@ class EngineBase:
     worker: WorkerReady | None = None
     startup_s: float = 0.0
     blend_support: BlendSupport | None = None
-    router: Router | None = None
+    _router: Router | None = None
+
+    @property
+    def router(self) -> Router:
+        """The router of ``engine.mode = "auto"`` (:class:`~ragcache.engine.route.Router`), made at
+        first use once the device is known: its cost model is this host's."""
+        if self._router is None:
+            self._router = Router(self.settings.route, host_class(self.device, self.dtype.cpu_flags))
+        return self._router
 
     def _configure(self, settings: Settings, llm: LLMInfo | None, *, in_process: bool) -> None:
         """Settings, model and dtype; the environment vLLM reads at creation (and the quiet default for
@@ -246,7 +254,6 @@ class EngineBase:
         warn when the blend will run its torch path on an accelerator (:func:`accelerator_blend_warning`)."""
         self.worker = WorkerReady.from_dict(reply)
         self.device = self.worker.device
-        self.router = Router(self.settings.route, host_class(self.device, self.dtype.cpu_flags))
         warning = accelerator_blend_warning(self.device, self.worker.attention)
         if warning:
             log.warning("%s", warning)
@@ -361,7 +368,7 @@ class EngineBase:
 
     def _observe(self, req: PreparedRequest, metrics: RequestMetrics) -> None:
         """Feed a finished request to the router's cost model (after start-up)."""
-        if self.router is not None and self._measuring:
+        if self._measuring:
             self.router.observe(metrics, [s.key for s in req.prompt.segments[1:]])
 
     #: whether finished requests feed the cost model (off during start-up's one-off costs)
