@@ -174,3 +174,14 @@ def test_classes_and_the_quality_table_round_trip_through_a_calibration_record()
     from dataclasses import asdict
     again = Calibration.from_dict(asdict(cal)).quality_table
     assert again == table and again.cell("long", "long").passes and again.cell("mid", "long") is None
+
+
+def test_blends_of_one_length_scale_the_prior_instead_of_splitting_costs_they_cannot_tell_apart():
+    full = [(n, n, _full_ttft(n)) for n in (256, 1024, 2048, 4096)]
+    prior = CostModel.fit(full, [])
+    inp = _blend_inputs(2000, 0.3)
+    measured = [(inp, 2 * prior.blend(inp) + 0.05, 0.05)] * 3  # every blend took twice the prior's price
+    model = CostModel.fit(full, measured, min_blend_samples=3)
+    assert model.b == pytest.approx(tuple(2 * c for c in prior.b))
+    long = _blend_inputs(6000, 0.15)
+    assert model.blend(long) == pytest.approx(2 * prior.blend(long))  # extrapolated with the prior's shape

@@ -22,7 +22,9 @@ The cost model (x = tokens / 1000; every coefficient >= 0, fitted by non-negativ
   dense prefill); ``load`` is seconds per token of the tiers expected to serve the chunks.
 
 Until :attr:`RouteSettings.min_blend_samples <ragcache.config.RouteSettings>` blends were measured,
-``b0``, ``b1`` and ``g`` are conservative priors (blend looks slower than it usually is); until full
+``b0``, ``b1`` and ``g`` are conservative priors (blend looks slower than it usually is); while the
+blends measured have contexts within a factor of two of each other, the prior's shape is scaled to
+their times (one length cannot tell fixed from per-token costs); until full
 prefills of three lengths reaching 2,048 tokens were measured, full prefill's attention term is tied
 to its linear term. Imports no vLLM and no torch.
 """
@@ -184,17 +186,21 @@ class CostModel:
             f0, f1, f2 = w0, w1, w1 * PRIOR_ATTENTION_SHARE
         model = cls(f=(float(f0), float(f1), float(f2)), full_samples=len(full))
         model.load_s.update(loads or {})
+        prior = (PRIOR_B0_S, PRIOR_B1_SHARE * (model.full(1000, 1000) - model.f[0]), PRIOR_G)
+        model.b = prior  # per context token, a share of what a 1k-token prefill costs per token here
         if len(blend) >= min_blend_samples:
-            rows, ys = [], []
-            for inp, ttft, load in blend:
-                rows.append([1.0, inp.ctx_tokens / 1000,
-                             model.compute(inp.recompute_tokens + inp.tail_tokens, inp.prompt_tokens)])
-                ys.append(max(0.0, ttft - load))
-            b0, b1, g = nnls(np.array(rows), np.array(ys))
-            model.b = (float(b0), float(b1), float(g))
+            rows = np.array([[1.0, inp.ctx_tokens / 1000,
+                              model.compute(inp.recompute_tokens + inp.tail_tokens, inp.prompt_tokens)]
+                             for inp, _, _ in blend])
+            ys = np.array([max(0.0, ttft - load) for _, ttft, load in blend])
+            ctx = rows[:, 1]
+            if ctx.max() >= 2 * ctx.min():  # lengths far enough apart to tell fixed, per-token and compute costs
+                b0, b1, g = nnls(rows, ys)
+                model.b = (float(b0), float(b1), float(g))
+            else:  # one length: the prior's shape, scaled to what the blends took
+                scale = float(np.median(ys / np.maximum(rows @ np.array(prior), 1e-9)))
+                model.b = tuple(scale * c for c in prior)
             model.blend_samples = len(blend)
-        else:  # per context token, a share of what a 1k-token prefill costs per token here
-            model.b = (PRIOR_B0_S, PRIOR_B1_SHARE * (model.full(1000, 1000) - model.f[0]), PRIOR_G)
         return model
 
     def describe(self) -> str:
