@@ -131,14 +131,16 @@ def test_predicted_budget_follows_the_ratio_or_recent_adaptive_blends():
     assert router.recompute_tokens(6000, 6030, adaptive=True, **args) == 900  # upper bound: max(ratio's, 768)
     assert router.recompute_tokens(1300, 1330, adaptive=True, **args) == 650  # 0.5 x 1300
     for budget in (300, 400, 500):  # three adaptive blends of the short class measured
-        router.observe(_metrics(prompt_tokens=1330, ctx_tokens=1300, recompute_budget=budget))
+        router.observe(_metrics(prompt_tokens=1330, ctx_tokens=1300, recompute_budget=budget,
+                                budget_reason="adaptive: ..."))
+    router.observe(_metrics(prompt_tokens=1330, ctx_tokens=1300, recompute_budget=1300))  # a fixed budget: not counted
     assert router.recompute_tokens(1300, 1330, adaptive=True, **args) == 400
 
 
 def _metrics(**fields):
     base = dict(mode="blend", ttft_s=0.5, load_s=0.01, load_error="", prompt_tokens=6030, ctx_tokens=6000,
                 num_cached_tokens=6000, recompute_budget=900, recomputed_tokens=900, missing_computed_tokens=0,
-                chunk_tiers=["cpu"] * 10)
+                chunk_tiers=["cpu"] * 10, budget_reason="ratio 0.15")
     base.update(fields)
     return SimpleNamespace(**base)
 

@@ -35,6 +35,7 @@ import logging
 import math
 import statistics
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: the tier assumed for a chunk the router has not seen served yet
 UNSEEN_TIER = "disk"
+#: chunks whose serving tier the router remembers (the least recently served are forgotten)
+TIERS_REMEMBERED = 65536
 #: prior seconds per 1,000 context tokens loaded from each tier (replaced by measured medians)
 LOAD_PRIOR_S = {"device": 0.0, "cpu": 0.004, "disk": 0.02, "remote": 0.05, "computed": 0.0}
 #: prior blend costs: fixed seconds, per-context-token share of full prefill's linear cost, and the
@@ -288,7 +291,7 @@ class Router:
             for key, tier in zip(segment_keys, metrics.chunk_tiers):
                 self._tier_of[key] = "cpu" if tier == "computed" else tier  # a computed chunk is stored now
                 self._tier_of.move_to_end(key)
-            while len(self._tier_of) > 65536:
+            while len(self._tier_of) > TIERS_REMEMBERED:
                 self._tier_of.popitem(last=False)
             if metrics.missing_computed_tokens:
                 return
@@ -301,7 +304,8 @@ class Router:
                               tail_tokens=metrics.prompt_tokens - metrics.ctx_tokens, chunks=len(metrics.chunk_tiers),
                               passage_tokens=0.0, recompute_tokens=budget)
             self._blend.append((inp, metrics.ttft_s, metrics.load_s))
-            self._shares.append((prompt_class(metrics.prompt_tokens), budget / metrics.ctx_tokens))
+            if metrics.budget_reason.startswith("adaptive"):
+                self._shares.append((prompt_class(metrics.prompt_tokens), budget / metrics.ctx_tokens))
             self._model = None
 
     # ---- the inputs --------------------------------------------------------------------------
@@ -342,8 +346,6 @@ class Router:
             quality: the index's table, or None (uncalibrated; ``stale``: why a recorded one is not
                 used, said in the reason).
         """
-        import time
-
         t0 = time.perf_counter()
         route = self._decide(inp, quality, stale)
         route = Route(route.mode, route.rule, route.reason, route.full_s, route.blend_s, time.perf_counter() - t0)
