@@ -296,6 +296,57 @@ def test_impact_is_attention_times_the_reused_value_error_at_the_candidates_only
         Selection("question", candidates=2.0, refine_layer=0)
 
 
+def best_runs(priority, chunk_starts, granule, limit, group=None, cap=None, taken=None) -> list[int]:
+    """The shared run-taking routine over plain lists, the chosen token indices ascending."""
+    from ragcache.blend.select import _best_runs
+
+    p = torch.tensor(priority, dtype=torch.float32)
+    n = p.shape[0]
+    group = torch.zeros(n, dtype=torch.long) if group is None else torch.tensor(group)
+    taken = None if taken is None else torch.tensor(taken)
+    picked = _best_runs(p, torch.arange(n), group, torch.tensor(chunk_starts), granule,
+                        torch.tensor(limit, dtype=torch.float32), cap=cap, taken=taken)
+    return picked.nonzero().squeeze(1).tolist()
+
+
+def test_runs_end_at_chunk_and_context_edges_and_ties_go_to_the_earlier_run_and_the_later_token():
+    # chunks 0-6 and 7-9, granule 3: runs 0-2, 3-5, 6 (cut by the chunk's end) and 7-9 (the context's end)
+    priority = [1, 1, 1, 1, 1, 1, 9, 5, 5, 5]
+    assert best_runs(priority, [0, 7], 3, [1]) == [6]
+    assert best_runs(priority, [0, 7], 3, [4]) == [6, 7, 8, 9]
+    # a budget of 5 is no multiple of 3: runs 0-2 and 3-5 tie, the earlier is taken and trimmed to its
+    # best tokens, which tie too: the later ones stay
+    assert best_runs(priority, [0, 7], 3, [5]) == [2, 6, 7, 8, 9]
+    assert best_runs(priority, [0, 7], 3, [10]) == list(range(10))
+
+
+def test_a_run_scores_the_mean_of_its_open_tokens_and_closed_tokens_are_never_taken():
+    inf = float("inf")
+    priority = [-inf, 4, -inf, 1, 1, -1]  # closed, open, closed | open, open, exact
+    assert best_runs(priority, [0], 3, [1]) == [1]
+    assert best_runs(priority, [0], 3, [2]) == [1, 4]  # the second run trimmed: the exact token goes first
+    assert best_runs(priority, [0], 3, [4]) == [1, 3, 4, 5]
+
+
+def test_a_chunk_at_its_cap_gives_way_and_its_skipped_runs_fill_what_is_left_best_first():
+    # chunks 0-3 and 4-7, runs of 2: 0-1 (9), 2-3 (8), 6-7 (2), 4-5 (1)
+    priority = [9, 9, 8, 8, 1, 1, 2, 2]
+    assert best_runs(priority, [0, 4], 2, [4]) == [0, 1, 2, 3]  # without a cap
+    assert best_runs(priority, [0, 4], 2, [4], cap=2) == [0, 1, 6, 7]
+    assert best_runs(priority, [0, 4], 2, [5], cap=2) == [0, 1, 3, 6, 7]  # every chunk at its cap: 2-3 fills
+    # a token chosen already counts against its chunk's cap
+    taken = [False] * 8
+    taken[4] = True
+    priority[4] = -float("inf")
+    assert best_runs(priority, [0, 4], 2, [4], cap=1, taken=taken) == [0, 1, 2, 3]
+
+
+def test_each_group_spends_its_own_limit():
+    priority = [1, 2, 3, 4, 4, 3, 2, 1]
+    assert best_runs(priority, [0, 4], 2, [1, 3], group=[0, 0, 0, 0, 1, 1, 1, 1]) == [3, 4, 5, 6]
+    assert best_runs(priority, [0, 4], 2, [0, 0], group=[0, 0, 0, 0, 1, 1, 1, 1]) == []
+
+
 # ---- the adaptive recompute budget ------------------------------------------------------------
 
 

@@ -63,3 +63,15 @@ def test_hit_rate_log_writes_lines_until_stopped_and_survives_a_failing_line(cap
     assert len(calls) == stopped_at >= 3
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert lines[:2] == ["kv hit rates: cpu call 2", "kv hit rates: cpu call 3"]
+
+
+def test_the_drivers_tier_stats_has_a_field_for_every_key_of_a_stats_row():
+    """``TierStats`` (engine/messages.py, torch-free) repeats ``TierCounters``' names because importing
+    ragcache.kvstore pulls torch; this keeps the two from drifting (``TierStats.from_dict`` drops
+    unknown keys silently)."""
+    from dataclasses import fields
+
+    from ragcache.engine.messages import TierStats
+
+    row = stats_row(TierCounters(), 0, TierUsage(0, 0), None, True, configured_capacity_bytes=None, free_bytes=None)
+    assert set(row) == {f.name for f in fields(TierStats)}

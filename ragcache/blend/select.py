@@ -609,9 +609,16 @@ def select_grouped(
 
 
 def _best_runs(priority: torch.Tensor, tokens: torch.Tensor, group: torch.Tensor, chunk_starts: torch.Tensor,
-               granule: int, limit: torch.Tensor) -> torch.Tensor:
+               granule: int, limit: torch.Tensor, cap: int | None = None,
+               taken: torch.Tensor | None = None) -> torch.Tensor:
     """``[S]`` bool: per group, ``limit[g]`` open tokens chosen run by run, best run first (the module
     docstring), with a constant number of operators whatever the number of groups, chunks and runs.
+
+    A run scores the mean priority of its open tokens; runs are taken whole, best first (ties: the
+    earlier run), while the tokens taken before leave room; the last run taken is trimmed to its best
+    open tokens (ties: the later token kept). With ``cap``, a chunk's runs are taken only while its
+    chosen tokens (``taken`` plus its runs taken before) are below ``cap``; the runs so skipped are
+    taken after every other run, best first, when the budget is still not spent.
 
     Args:
         priority: ``[S]`` float32; ``-inf`` marks tokens that may not be chosen, exact tokens are
@@ -621,6 +628,9 @@ def _best_runs(priority: torch.Tensor, tokens: torch.Tensor, group: torch.Tensor
         chunk_starts: ``[C]`` int64 ascending, from 0: the first token of every chunk of every group.
         granule: run length (1: every token is its own run).
         limit: ``[G]`` float32, tokens to choose per group, at most its open tokens.
+        cap: at most this many chosen tokens per chunk before the skipped runs fill the rest, or None.
+        taken: ``[S]`` bool, tokens chosen already (they count against ``cap``; they should be closed
+            in ``priority``), or None.
     """
     num_tokens, device = priority.shape[0], priority.device
     chunk = torch.searchsorted(chunk_starts, tokens, right=True) - 1  # [S]
@@ -635,8 +645,20 @@ def _best_runs(priority: torch.Tensor, tokens: torch.Tensor, group: torch.Tensor
     total = torch.zeros(num_runs, device=device).index_add_(0, run_of, priority.masked_fill(~open_, 0.0))
     run_score = (total / count.clamp(min=1)).masked_fill(count == 0, float("-inf"))  # [R] mean of open tokens
     run_group = group[bounds[:-1]]
-    # runs by group, best first within a group; take a run while the tokens before it leave room
-    order = torch.argsort(run_score, descending=True, stable=True)
+    order = torch.argsort(run_score, descending=True, stable=True)  # best first
+    if cap is not None:  # a chunk's runs past its cap go after every other run, best first
+        run_chunk = chunk[bounds[:-1]]
+        used = torch.zeros(chunk_starts.shape[0], device=device)
+        if taken is not None:
+            used.index_add_(0, chunk, taken.float())
+        by_chunk = order[torch.argsort(run_chunk[order], stable=True)]  # by chunk, best first within it
+        in_chunk, run_count = run_chunk[by_chunk], count[by_chunk]
+        per_chunk = torch.zeros(chunk_starts.shape[0], device=device).index_add_(0, run_chunk, count)
+        before = run_count.cumsum(0) - run_count - (per_chunk.cumsum(0) - per_chunk)[in_chunk]
+        skipped = torch.zeros(num_runs, dtype=torch.bool, device=device).index_put_(
+            (by_chunk,), used[in_chunk] + before >= cap)
+        order = order[torch.argsort(skipped[order], stable=True)]
+    # runs by group, in the order above within a group; take a run while the tokens before it leave room
     order = order[torch.argsort(run_group[order], stable=True)]
     ordered_group, ordered_count = run_group[order], count[order]
     per_group = torch.zeros(limit.shape[0], device=device).index_add_(0, run_group, count)
@@ -645,14 +667,14 @@ def _best_runs(priority: torch.Tensor, tokens: torch.Tensor, group: torch.Tensor
     take = (before < room) & (ordered_count > 0)
     # only the last run a group takes can overshoot: drop its worst open tokens
     over = (before + ordered_count - room).clamp(min=0) * take
-    taken = torch.zeros(num_runs, dtype=torch.bool, device=device).index_put_((order,), take)
+    taken_runs = torch.zeros(num_runs, dtype=torch.bool, device=device).index_put_((order,), take)
     drop = torch.zeros(num_runs, device=device).index_put_((order,), over)
     by_run = torch.argsort(priority, stable=True)
     by_run = by_run[torch.argsort(run_of[by_run], stable=True)]  # by run, ascending priority (closed first)
     closed = (bounds[1:] - bounds[:-1]) - count  # [R]
     rank = torch.empty(num_tokens, dtype=torch.float32, device=device)
     rank[by_run] = (tokens - bounds[run_of[by_run]]).float()
-    return taken[run_of] & open_ & (rank - closed[run_of] >= drop[run_of])
+    return taken_runs[run_of] & open_ & (rank - closed[run_of] >= drop[run_of])
 
 
 def _select_structured(budget: int, selection: Selection, deviation: torch.Tensor | None,
@@ -687,83 +709,13 @@ def _select_structured(budget: int, selection: Selection, deviation: torch.Tenso
         priority[heads] = float("-inf")
     if budget <= 0:
         return chosen.nonzero().squeeze(1)
-    if selection.max_chunk_share >= 1.0:
-        tokens = torch.arange(num_tokens, device=device)
-        chunk_starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
-        chosen |= _best_runs(priority, tokens, one, chunk_starts, selection.granule,
-                             torch.tensor([float(budget)], device=device))
-        return chosen.nonzero().squeeze(1)
-    cap = max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))
-    picked = _take_runs(priority, budget, selection.granule, segment_starts, cap, chosen & ~forced)
-    chosen[picked] = True
+    cap = None if selection.max_chunk_share >= 1.0 else \
+        max(1, math.floor(selection.max_chunk_share * (budget + int((chosen & ~forced).sum()))))
+    tokens = torch.arange(num_tokens, device=device)
+    chunk_starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
+    chosen |= _best_runs(priority, tokens, one, chunk_starts, selection.granule,
+                         torch.tensor([float(budget)], device=device), cap=cap, taken=chosen & ~forced)
     return chosen.nonzero().squeeze(1)
-
-
-def _take_runs(priority: torch.Tensor, budget: int, granule: int, segment_starts: Sequence[int],
-               cap: int, taken: torch.Tensor) -> torch.Tensor:
-    """``budget`` token indices chosen run by run, best run first, at most ``cap`` per chunk (see the
-    module docstring; :func:`_best_runs` is the same without a cap).
-
-    Args:
-        priority: ``[N]`` float32; ``-inf`` marks tokens that may not be chosen (forced or already
-            chosen), exact tokens are ``-1`` (below every other score, which is >= 0).
-        budget: tokens to choose, at most the number of open tokens.
-        granule: run length (1: every token is its own run).
-        segment_starts: first index of every chunk, ascending, from 0.
-        cap: at most this many chosen tokens per chunk (counting ``taken``); when every chunk is at
-            its cap the rest is filled from the skipped runs, best first.
-        taken: ``[N]`` bool, tokens chosen already (they count against the cap).
-
-    Returns:
-        ``[budget]`` int64 indices (unordered).
-    """
-    num_tokens = priority.shape[0]
-    device = priority.device
-    chunk = _chunk_ids(num_tokens, segment_starts, device)  # [N]
-    starts = torch.tensor(sorted(segment_starts), dtype=torch.long, device=device)
-    offset = torch.arange(num_tokens, device=device) - starts[chunk]
-    run_key = chunk * (num_tokens + 1) + offset // granule  # ascending along the context
-    new_run = torch.ones(num_tokens, dtype=torch.bool, device=device)
-    new_run[1:] = run_key[1:] != run_key[:-1]
-    run_of = torch.cumsum(new_run.long(), 0) - 1  # [N] run index of each token
-    bounds = torch.cat([new_run.nonzero().squeeze(1), torch.tensor([num_tokens], device=device)])  # [R + 1]
-    num_runs = bounds.shape[0] - 1
-    open_ = priority > float("-inf")
-    count = torch.zeros(num_runs, device=device).index_add_(0, run_of[open_], torch.ones(int(open_.sum()),
-                                                                                       device=device))
-    total = torch.zeros(num_runs, device=device).index_add_(0, run_of[open_], priority[open_])
-    run_score = (total / count.clamp(min=1)).masked_fill(count == 0, float("-inf"))  # [R] mean of open tokens
-    order = torch.argsort(run_score, descending=True, stable=True).tolist()
-    bounds_l, count_l, chunk_of_run = bounds.tolist(), count.long().tolist(), chunk[bounds[:-1]].tolist()
-    used = torch.bincount(chunk[taken], minlength=int(chunk.max()) + 1).tolist()
-    runs: list[int] = []
-    skipped: list[int] = []
-    left = budget
-    for r in order:
-        if left <= 0 or count_l[r] == 0:
-            break
-        c = chunk_of_run[r]
-        if used[c] >= cap:
-            skipped.append(r)
-            continue
-        runs.append(r)
-        left -= count_l[r]
-        used[c] += count_l[r]
-    for r in skipped:  # every chunk at its cap: fill from the skipped runs, best first
-        if left <= 0:
-            break
-        runs.append(r)
-        left -= count_l[r]
-    chosen_runs = torch.zeros(num_runs, dtype=torch.bool, device=device)
-    chosen_runs[torch.tensor(runs, dtype=torch.long, device=device)] = True
-    picked = chosen_runs[run_of] & open_  # [N]
-    if left < 0:  # the last run overshot: drop its worst tokens
-        last = runs[-1]
-        lo, hi = bounds_l[last], bounds_l[last + 1]
-        inside = torch.arange(lo, hi, device=device)[open_[lo:hi]]
-        worst = inside[torch.argsort(priority[inside], stable=True)[:-left]]
-        picked[worst] = False
-    return picked.nonzero().squeeze(1)
 
 
 def select_hkvd(

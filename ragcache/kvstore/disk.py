@@ -28,7 +28,7 @@ from urllib.parse import quote, unquote
 
 from ragcache.kvstore.entry import KVMeta, StoredKV
 from ragcache.kvstore.format import FileEntryReader, byte_view, encode_header
-from ragcache.kvstore.tier import EntryStat, TierUsage, get_then_delete
+from ragcache.kvstore.tier import EntryStat, TierDefaults, get_then_delete
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def write_atomically(final: Path, parts: Iterable[bytes | memoryview]) -> None:
         raise
 
 
-class DiskTier:
+class DiskTier(TierDefaults):
     """Entries as ``<quoted key>.safetensors`` files in ``root``.
 
     Args:
@@ -210,9 +210,6 @@ class DiskTier:
                 except FileNotFoundError:
                     pass
 
-    def usage(self) -> TierUsage:
-        return TierUsage.of(self.scan())
-
     def free_bytes(self) -> int | None:
         """Bytes the folder's filesystem has free for an unprivileged writer (``statvfs``
         ``f_bavail * f_frsize``); None when it cannot be asked."""
@@ -234,6 +231,3 @@ class DiskTier:
             os.utime(self.path(key))
         except OSError:
             pass
-
-    def close(self) -> None:
-        pass

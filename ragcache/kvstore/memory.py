@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from ragcache.kvstore.entry import KVMeta, StoredKV
-from ragcache.kvstore.tier import EntryStat, TierUsage
+from ragcache.kvstore.tier import EntryStat, TierDefaults
 
 
 class MemoryReader:
@@ -48,7 +48,7 @@ class MemoryReader:
         self._kv = None  # type: ignore[assignment]
 
 
-class MemoryTier:
+class MemoryTier(TierDefaults):
     """Entries as tensors on ``device`` in a dict. Thread-safe.
 
     Args:
@@ -123,16 +123,6 @@ class MemoryTier:
         with self._lock:
             for key in [k for k in self._items if k.startswith(prefix)]:
                 del self._items[key]
-
-    def usage(self) -> TierUsage:
-        return TierUsage.of(self.scan())
-
-    def free_bytes(self) -> None:
-        """None: a memory tier's room is its capacity setting."""
-        return None
-
-    def touch(self, key: str) -> None:
-        pass
 
     def close(self) -> None:
         self.clear()

@@ -43,7 +43,7 @@ from redis.retry import Retry
 
 from ragcache.kvstore.entry import KVMeta, StoredKV, TierError, TierUnavailableError
 from ragcache.kvstore.format import BytesEntryReader, encode, header_length, parse_header
-from ragcache.kvstore.tier import EntryStat, TierUsage, get_then_delete
+from ragcache.kvstore.tier import EntryStat, TierDefaults, get_then_delete
 
 T = TypeVar("T")
 DEFAULT_PREFIX = "ragcache:kv:"
@@ -55,7 +55,7 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-class RedisTier:
+class RedisTier(TierDefaults):
     """Entries as Redis strings.
 
     Args:
@@ -215,16 +215,6 @@ class RedisTier:
         for i in range(0, len(names), 500):
             batch = names[i:i + 500]
             self._call(lambda: self._r.unlink(*batch))
-
-    def usage(self) -> TierUsage:
-        return TierUsage.of(self.scan())
-
-    def free_bytes(self) -> None:
-        """None: Redis sizes itself (``maxmemory``, see the module docstring)."""
-        return None
-
-    def touch(self, key: str) -> None:
-        pass
 
     def close(self) -> None:
         try:

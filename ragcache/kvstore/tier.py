@@ -1,6 +1,6 @@
 """The Tier protocol: what every storage medium (device, cpu, disk, remote) offers the store.
 
-Owns: :class:`Tier`, :class:`TierUsage`, :class:`EntryStat`. A tier is a plain medium: it stores,
+Owns: :class:`Tier`, :class:`TierDefaults`, :class:`TierUsage`, :class:`EntryStat`. A tier is a plain medium: it stores,
 finds and deletes entries. It knows nothing about capacity, eviction order, promotion or hit rates;
 that policy lives in :class:`ragcache.kvstore.store.TieredStore`. Must not import vLLM.
 
@@ -139,6 +139,26 @@ class Tier(Protocol):
     def close(self) -> None:
         """Release connections/handles; the tier is not used afterwards."""
         ...
+
+
+class TierDefaults:
+    """The :class:`Tier` methods most media share, for a tier class to inherit and override where
+    its medium does more: ``usage`` sums :meth:`Tier.scan`, ``free_bytes`` cannot tell (None),
+    ``touch`` and ``close`` do nothing."""
+
+    def usage(self) -> TierUsage:
+        """Entries and bytes stored now, summed over ``self.scan()``."""
+        return TierUsage.of(self.scan())  # type: ignore[attr-defined]
+
+    def free_bytes(self) -> int | None:
+        """None: the medium's room is set elsewhere (a capacity setting, Redis' ``maxmemory``)."""
+        return None
+
+    def touch(self, key: str) -> None:
+        """Nothing: the medium keeps no access times."""
+
+    def close(self) -> None:
+        """Nothing: no connections or handles to release."""
 
 
 def get_then_delete(tier: Tier, key: str) -> StoredKV | None:
