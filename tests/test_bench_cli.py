@@ -90,7 +90,7 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
 
     res = json.loads(out.read_text())
     assert res["benchmark"] == "ttft" and res["n"] == 2 and res["machine"]["cpu_count"] >= 1
-    assert set(res["modes"]) == {"full", "plain", "prefix", "reuse", "blend"}
+    assert set(res["modes"]) == {"full", "plain", "prefix", "reuse", "blend", "auto"}
     assert [s["recompute_ratio"] for s in res["sweep"]] == [0.0, 0.15]
     for name, s in [*res["modes"].items(), *((s["variant"], s) for s in res["sweep"])]:
         assert SUMMARY_FIELDS <= set(s), SUMMARY_FIELDS - set(s)
@@ -102,11 +102,14 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
     f1 = {"blend_f1_vs_full"} if res["modes"]["full"]["f1_mean"] else set()
     assert set(res["targets"]) == {"blend_ttft_speedup", "blend_ttft_speedup_vs_best", "blend_gold_nll_vs_full",
                                    "blend_agree_em", "blend_agree_rouge_l", "blend_loops", "full_vs_plain",
-                                   "blend_aten_ops"} | f1
+                                   "blend_aten_ops", "auto_vs_full_median", "auto_vs_full_p90",
+                                   "auto_blended_gold_nll", "auto_route_cost"} | f1
+    assert res["routes"]["all"]["n"] == 2 and "long" not in res["routes"]  # 3 passages: short prompts only
     assert res["blend_ops"]["n"] == 2 and res["targets"]["blend_aten_ops"]["value"] == res["blend_ops"]["total_median"]
     assert "ratio_one_vs_plain" not in res["targets"]
     for ex in res["examples"]:
-        assert set(ex["results"]) == {"full", "plain", "prefix", "reuse", "blend@0", "blend@0.15"}
+        assert set(ex["results"]) == {"full", "plain", "prefix", "reuse", "blend@0", "blend@0.15", "auto"}
+        assert ex["results"]["auto"]["route"] in ("full", "blend")
         assert sorted(ex["order"]) == sorted(ex["results"])
         for rec in ex["results"].values():
             assert RECORD_FIELDS <= set(rec), RECORD_FIELDS - set(rec)

@@ -196,7 +196,9 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
 
     monkeypatch.setattr(engine, "generate", recording)
     # three one-line documents: blend cannot be much faster than full prefill, so no speed target here
-    result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=10.0, max_tokens=4, min_speedup=0.01)
+    # (the quality table's requests, measured after these, are left out: tests/test_pipeline_auto.py)
+    result = calibrate(rag, questions, ratios=(0.5, 1.0), max_kl=10.0, max_tokens=4, min_speedup=0.01,
+                       quality_top_ks=None)
     # per question an untimed one-token reuse reads the chunk KV first, then the ratios, rotated
     assert asked == [("reuse", 1), 0.5, 1.0, ("reuse", 1), 1.0, 0.5]
     monkeypatch.undo()
@@ -292,7 +294,7 @@ def test_calibrate_fits_the_adaptive_budget_threshold_that_auto_then_uses(engine
 
     monkeypatch.setattr(engine, "generate", recording)
     centred = calibrate(rag, questions[:1], ratios=(0.5, 0.3), masses=(0.3,), max_kl=10.0, max_nll_rel=10.0,
-                        max_tokens=4, min_speedup=0.01)
+                        max_tokens=4, min_speedup=0.01, quality_top_ks=None)
     monkeypatch.undo()
     assert [(s.ratio, s.mass_left) for s in centred.scores] == [(0.3, 0.3), (0.5, 0.3)]
     assert sorted(set(blends)) == [(0.3, 0.3, "adaptive"), (0.5, 0.3, "adaptive")]
