@@ -164,15 +164,26 @@ def run(args: argparse.Namespace) -> int:
         })
         r = rows[-1]
         print(f"- {question} ({r['top_k']} chunks, {r['prompt_tokens']} tokens)\n    route: {r['route_reason']}\n"
-              f"    {r['route']}: {_cut(r['answer'], 100)}\n    full:  {_cut(r['full_answer'], 100)}", flush=True)
+              f"    auto ({r['route']}): {_cut(r['answer'], 90)}\n    full prefill: {_cut(r['full_answer'], 90)}",
+              flush=True)
+        if top_k is not None and r["route"] != "blend" and r["route_rule"] != "unavailable":
+            # the long-context question answered by full prefill: what blend would have done, for comparison
+            blend = rag.query(question, mode="blend", top_k=top_k)
+            r.update(blend_ttft_s=blend.metrics.ttft_s, blend_answer=blend.text,
+                     blend_same_as_full=blend.text == full.text)
+            print(f"    blend (asked explicitly, for comparison): TTFT {blend.metrics.ttft_s:.3f} s against full "
+                  f"prefill's {full.metrics.ttft_s:.3f} s, answer {'equal to' if r['blend_same_as_full'] else 'unlike'} "
+                  f"full prefill's: {_cut(blend.text, 70)}", flush=True)
 
     header = f"{'question':<38} {'route':>5} {'TTFT':>8} {'TTFT full':>9} {'speedup':>7} {'prompt':>6} " \
              f"{'reused':>6} {'recomp':>6} {'=full':>5}  tier hits"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         hits = ",".join(f"{t}:{n}" for t, n in sorted(r["tier_hits"].items())) or "-"
+        # a full-prefill route against full prefill compares two equal computations: no speedup to show
+        up = f"{r['speedup']:>6.1f}x" if r["route"] == "blend" else f"{'-':>7}"
         print(f"{_cut(r['question'], 38):<38} {r['route']:>5} {r['ttft_s']:>7.3f}s {r['ttft_full_s']:>8.3f}s "
-              f"{r['speedup']:>6.1f}x {r['prompt_tokens']:>6} {r['reused_tokens']:>6} {r['recomputed_tokens']:>6} "
+              f"{up} {r['prompt_tokens']:>6} {r['reused_tokens']:>6} {r['recomputed_tokens']:>6} "
               f"{'yes' if r['same_as_full'] else 'no':>5}  {hits}")
     if rows:
         blended = [r for r in rows if r["route"] == "blend"]
@@ -181,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
         if blended:
             med = statistics.median(r["speedup"] for r in blended)
             source = RATIO_SOURCES.get(blended[0]["ratio_source"], blended[0]["ratio_source"])
+            cal = rag.calibration()
+            if blended[0]["ratio_source"] == "fallback" and cal is not None and cal.recommendation == "full":
+                source = "blend.fallback_ratio: the calibration above found no budget both as good and faster"
             say += (f"; the blended ones {med:.1f}x sooner than full prefill (median), at recompute ratio "
                     f"{blended[0]['recompute_ratio']:g} ({source}), {sum(r['same_as_full'] for r in blended)}/"
                     f"{len(blended)} answers equal to full prefill's")

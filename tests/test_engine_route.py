@@ -187,3 +187,17 @@ def test_blends_of_one_length_scale_the_prior_instead_of_splitting_costs_they_ca
     assert model.b == pytest.approx(tuple(2 * c for c in prior.b))
     long = _blend_inputs(6000, 0.15)
     assert model.blend(long) == pytest.approx(2 * prior.blend(long))  # extrapolated with the prior's shape
+
+
+def test_a_class_the_index_did_not_measure_takes_its_passages_verdict_at_the_nearest_prompt_length():
+    router = _router(min_speedup=0.01, min_passage_tokens=0)  # the prior alone would blend
+    failing = QualityTable([QualityCell("short", "long", 3, 2200, 450, 0.0, 0.55, 0.02, 0.1, None, 0.0, 0.0, False,
+                                        "answers agree with full prefill's at Rouge-L 0.55")])
+    route = router.decide(_blend_inputs(5600, passage=460), failing)
+    assert (route.mode, route.rule) == ("full", "quality")
+    assert "Rouge-L 0.55" in route.reason and "calibrated on short prompts with these passages" in route.reason
+    assert failing.nearest("long", "short") is None  # other passages: the prior decides
+    assert router.decide(_blend_inputs(5600, passage=130), failing).mode == "blend"
+    two = QualityTable([*failing.cells, QualityCell("mid", "long", 3, 3500, 450, 0.5, 0.9, 0.02, 0.1, None, 0.0, 0.0,
+                                                    True, "ok")])
+    assert two.nearest("long", "long").prompt_class == "mid"  # nearer than short

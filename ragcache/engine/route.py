@@ -7,8 +7,9 @@ requests), :class:`RouteInputs` (what is known of a request before it is schedul
 finished requests, :meth:`Router.observe`) and :class:`Route` (the decision and why, carried into
 ``RequestMetrics.route`` / ``route_reason`` / ``route_rule``). The quality side is the index's
 :class:`~ragcache.quality.table.QualityTable` (``ragcache calibrate``), looked up per prompt-length
-class and passage-length class; without one, the conservative prior
-:meth:`~ragcache.quality.table.QualityTable.prior` decides.
+class and passage-length class (a class it did not measure takes the verdict of its passage class at the
+nearest prompt length, :meth:`~ragcache.quality.table.QualityTable.nearest`); without either, the
+conservative prior :meth:`~ragcache.quality.table.QualityTable.prior` decides.
 
 The cost model (x = tokens / 1000; every coefficient >= 0, fitted by non-negative least squares):
 
@@ -359,11 +360,15 @@ class Router:
         if inp.chunks == 0 or inp.ctx_tokens <= 0:
             return Route("full", "no_context", f"full prefill: {size} with no retrieved chunks has nothing to reuse")
         pclass, qclass = prompt_class(inp.prompt_tokens), passage_class(inp.passage_tokens)
-        cell = quality.cell(pclass, qclass) if quality is not None else None
+        cell = quality.nearest(pclass, qclass) if quality is not None else None
         passes, why = (cell.passes, cell.why) if cell is not None else QualityTable.prior(
             inp.passage_tokens, self.settings.min_passage_tokens)
-        source = "calibrated" if cell is not None else ("prior, " + stale if stale else "prior: index not calibrated "
-                                                        "for this class")
+        if cell is None:
+            source = "prior, " + stale if stale else "prior: index not calibrated for these passages"
+        elif cell.prompt_class == pclass:
+            source = "calibrated"
+        else:  # the index measured these passages in prompts of another length
+            source = f"calibrated on {cell.prompt_class} prompts with these passages"
         model = self.model
         full_s = blend_s = None
         if model is not None:

@@ -84,6 +84,18 @@ class QualityTable:
         """The cell of this prompt-length and passage-length class, or None (not measured)."""
         return next((c for c in self.cells if c.prompt_class == prompt and c.passage_class == passage), None)
 
+    def nearest(self, prompt: str, passage: str) -> QualityCell | None:
+        """The cell of this class, else the measured cell of the same passage-length class nearest in
+        prompt length (the index's own evidence about its passages), else None."""
+        exact = self.cell(prompt, passage)
+        if exact is not None:
+            return exact
+        same = [c for c in self.cells if c.passage_class == passage]
+        if not same:
+            return None
+        order = _CLASSES.index(prompt)
+        return min(same, key=lambda c: (abs(_CLASSES.index(c.prompt_class) - order), -_CLASSES.index(c.prompt_class)))
+
     @staticmethod
     def prior(passage_tokens: float, min_passage_tokens: int) -> tuple[bool, str]:
         """The rule for a class no calibration measured: blend only over passages of at least
