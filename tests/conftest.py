@@ -56,7 +56,10 @@ def engine_settings(tmp_path_factory):
     checked by tests/test_blend_*.py and, through the engine, by tests/test_engine_bf16.py. The
     prompts here are short (~100-300 tokens), so ``blend.min_recompute_tokens`` is 0: with the
     default floor a blend of them would recompute every token and test nothing of the blend;
-    the floor itself is tested in tests/test_engine_blend.py.
+    the floor itself is tested in tests/test_engine_blend.py. ``engine.mode = "blend"``: a request
+    that names no mode blends, as these tests of blend's answers expect (``auto``, the product's
+    default, would send these ~40-token passages to full prefill); tests/test_pipeline_auto.py asks
+    for ``auto`` per request.
     """
     from ragcache.config import Settings
 
@@ -66,7 +69,7 @@ def engine_settings(tmp_path_factory):
         blend={"attention": "kernel", "min_recompute_tokens": 0},
         # multi-process mode here (vLLM's default); the CLI tests run the in-process default
         engine={"max_model_len": 8192, "kv_cache_memory_bytes": 1 << 30, "max_tokens": 24, "in_process": False,
-                "dtype": "float32"},
+                "dtype": "float32", "mode": "blend"},
     )
 
 
