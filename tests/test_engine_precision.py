@@ -76,6 +76,7 @@ def test_kv_of_another_precision_is_recomputed_and_the_self_check_never_reads_th
         (docs / name).write_text(text)
     kv = tmp_path / "kv"
     (tmp_path / "settings.toml").write_text(f"""[engine]
+mode = "blend"  # the ask below checks which KV a blend is served
 max_model_len = 4096
 kv_cache_memory_bytes = {1 << 30}
 max_tokens = 12

@@ -192,14 +192,15 @@ def test_serve_refuses_to_start_in_blend_when_blend_is_unavailable_with_one_name
 
     root, settings = gemma
     port = free_port()
-    r = run_cli(root, cli_env(settings), "serve", "--port", str(port))
+    blend = cli_env(settings, RAGCACHE_ENGINE__MODE="blend")  # auto (the default) would route to full prefill
+    r = run_cli(root, blend, "serve", "--port", str(port))
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("ragcache: error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "will not start in blend mode" in errors[0] and "GemmaForCausalLM" in errors[0]
     assert "serve.blend_fallback" in errors[0]
     # `ask` in blend mode on the same model: the same kind of one line, exit 2
-    a = run_cli(root, cli_env(settings), "ask", "What is the capital of Zorbia?", "--index", "gem")
+    a = run_cli(root, blend, "ask", "What is the capital of Zorbia?", "--index", "gem")
     assert a.returncode == 2 and "Traceback" not in a.stderr, a.stderr[-3000:]
     assert a.stderr.strip().splitlines()[-1].startswith("ragcache: error: reuse/blend and KV precompute are disabled")
     # options the run would drop: one line and exit 2 from the real command, before the engine starts
@@ -219,7 +220,7 @@ def test_fallback_mode_is_served_and_named_and_kill_9_leaves_no_engine_process_b
     from ragcache_testing.services import free_port
 
     root, settings = gemma
-    env = cli_env(settings, RAGCACHE_SERVE__BLEND_FALLBACK="full")
+    env = cli_env(settings, RAGCACHE_SERVE__BLEND_FALLBACK="full", RAGCACHE_ENGINE__MODE="blend")
     port = free_port()
     server = Server(root, env, port)
     try:
@@ -273,8 +274,9 @@ def smol(tmp_path_factory, docs):
     from ragcache_testing.services import free_port
 
     root = tmp_path_factory.mktemp("smol")
+    # blend by default: these tests check blended answers (auto would send the ~40-token passages to full prefill)
     settings = write_settings(root, "smollm2-135m-instruct", "acme", "float32", max_model_len=4096,
-                              kv_cache_memory_bytes=1 << 30, max_tokens=12)
+                              kv_cache_memory_bytes=1 << 30, max_tokens=12, mode="blend")
     ingest(settings, "acme", docs, namespace="acme")
     ingest(settings, "beta", docs)
     keys = root / "keys.toml"
