@@ -31,7 +31,7 @@ from ragcache.engine.messages import (
     CONNECTOR_MODES, TRANSFER_KEY, BlendParams, PrecomputeItem, PrecomputeReport, RequestMetrics, SegmentRef,
     WorkerReady,
 )
-from ragcache.engine.selfcheck import BlendSupport
+from ragcache.engine.selfcheck import BlendSupport, BlendUnavailableError, ContextBeyondWindowError
 from ragcache.models import LLMInfo, resolve_llm
 from ragcache.options import QueryOptions
 from ragcache.prompt import AssembledPrompt, PromptBuilder
@@ -302,7 +302,7 @@ class EngineBase:
 
         asked = options.mode or self.settings.engine.mode
         params = None
-        if asked in ("blend", "auto") or asked in CONNECTOR_MODES:
+        if asked in (*CONNECTOR_MODES, "auto"):
             params = BlendParams.from_options(
                 self.settings.blend, options, mode="reuse" if asked == "reuse" else "blend", ctx_len=prompt.ctx_len,
                 lead_in_len=prompt.lead_in_len,
@@ -350,7 +350,7 @@ class EngineBase:
         if self.blend_support is not None:
             try:
                 self.blend_support.require("blend", prompt.ctx_len)
-            except Exception as exc:  # BlendUnavailableError, ContextBeyondWindowError
+            except (BlendUnavailableError, ContextBeyondWindowError) as exc:
                 return Route("full", "unavailable", f"full prefill: blend is unavailable ({exc})")
         chunks = prompt.segments[1:]
         lengths = [s.length for s in chunks]
