@@ -77,6 +77,9 @@ def ui_env(tmp_path_factory, engine_settings, engine):
         "RAGCACHE_ENGINE__KV_CACHE_MEMORY_BYTES": str(engine_settings.engine.kv_cache_memory_bytes),
         "RAGCACHE_ENGINE__MAX_TOKENS": str(engine_settings.engine.max_tokens),
         "RAGCACHE_BLEND__MIN_RECOMPUTE_TOKENS": str(engine_settings.blend.min_recompute_tokens),
+        # blend by default: these tests check the blend's metrics (auto would answer the ~40-token passages by
+        # full prefill); the mode list offers auto first-hand
+        "RAGCACHE_ENGINE__MODE": "blend",
     }
     mp = pytest.MonkeyPatch()
     for key, value in env.items():
@@ -113,7 +116,7 @@ def test_chat_streams_an_answer_and_shows_its_metrics_and_sources(ui_env):
     at = new_app().run()
     assert not at.exception
     assert at.selectbox(key="index").value == INDEX
-    assert at.selectbox(key="mode").value == "blend"
+    assert at.selectbox(key="mode").value == "blend" and "auto" in at.selectbox(key="mode").options
 
     at.chat_input[0].set_value(QUESTION).run()
     assert not at.exception
