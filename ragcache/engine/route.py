@@ -32,6 +32,7 @@ to its linear term. Imports no vLLM and no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -349,7 +350,7 @@ class Router:
         """
         t0 = time.perf_counter()
         route = self._decide(inp, quality, stale)
-        route = Route(route.mode, route.rule, route.reason, route.full_s, route.blend_s, time.perf_counter() - t0)
+        route = dataclasses.replace(route, decide_s=time.perf_counter() - t0)
         with self._lock:
             key = (route.mode, route.rule)
             self.decisions[key] = self.decisions.get(key, 0) + 1
