@@ -182,3 +182,28 @@ def test_a_pass_dispatches_as_many_operators_whatever_its_chunks_runs_and_reques
                            contexts) for n in (1, 2, 4)}
     assert counts[4] - counts[2] <= 2 * 2
     assert counts[4] <= 1.3 * counts[1]
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_the_attention_pairs_are_the_selective_queries_causal_keys(ops, contexts, size):
+    """``attention_pairs`` counts, over the selective layers' attention calls, each recomputed query with
+    the keys at or before it in its own context (not the pass's other requests' rows, not the keys after
+    it): recounted here from the calls the attention actually received."""
+    reqs = [replace(r, check_layer=1) for r in requests_for(contexts, Selection("deviation", granule=4), size)]
+    positions = torch.cat([r.positions for r in reqs])
+    starts = torch.tensor([0, *torch.tensor([r.num_tokens for r in reqs]).cumsum(0).tolist()])
+    reference = torch_attention(positions, ops.scaling, starts.tolist())
+    calls = []
+
+    def attention(layer, q, index, k, v):
+        calls.append(index.clone())
+        return reference(layer, q, index, k, v)
+
+    results = blend_batch(ops, reqs, streamed(contexts[:size]), on_layer=LayerCollector(ops.num_layers),
+                          attention=attention, prefetch=False)
+    selective = [i for i in calls if i.numel() < int(starts[-1])]  # the check layer's call is every row
+    assert len(selective) >= ops.num_layers - 2  # the check layer's selected rows, then every later layer but the last
+    local = [i - starts[torch.searchsorted(starts[1:], i, right=True)] for i in selective]
+    expected = sum(int((j + 1).sum()) for j in local)
+    assert all(r.attention_pairs == expected for r in results)
+    assert 0 < expected < len(selective) * sum(n * (n + 1) // 2 for n in (r.num_tokens for r in reqs))

@@ -119,6 +119,11 @@ def _stage_table(st: Mapping[str, Any]) -> Table:
         rows.append(line(f"compute floor vs plain ({where})", st["floor_s"],
                          None, None))
         rows.append(line("worker / floor", st["worker_vs_floor"], None, None))
+    if st.get("attention_ns_per_pair") is not None:
+        rows.append(line("selective attention ns per query-key pair", st["attention_ns_per_pair"],
+                         st.get("attention_ns_per_pair_ratio_one"), None))
+    if st.get("attention_per_pair_vs_ratio_one") is not None:
+        rows.append(line("attention per pair / ratio 1's", st["attention_per_pair_vs_ratio_one"], None, None))
     if one:
         return (f"worker seconds by stage, medians ({st['variant']} vs ratio 1 vs reuse)",
                 ["stage", st["variant"], "ratio 1", "reuse"], rows)

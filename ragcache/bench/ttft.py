@@ -299,6 +299,8 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
     own = mean(x.get("answer_nll") for x in rs)
     own_full = mean(x.get("answer_nll") for x in fulls)
     stages = sorted({k for x in rs for k in (x.get("stages") or {})})
+    per_pair = [1e9 * x["stages"]["selective_attention_s"] / x["attention_pairs"] for x in rs
+                if x.get("attention_pairs") and "selective_attention_s" in (x.get("stages") or {})]
     return {
         "variant": v.name, "mode": v.mode, "recompute_ratio": v.ratio, "selection": v.selection, "budget": v.budget,
         "n": len(rs),
@@ -309,6 +311,7 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
         "load_s_median": rounded(median([x["load_s"] for x in rs])),
         "worker_s_median": rounded(median([x["worker_s"] for x in rs])),
         "stages_median_s": {k: rounded(median([(x.get("stages") or {}).get(k, 0.0) for x in rs])) for k in stages},
+        "attention_ns_per_pair_median": rounded(median(per_pair)) if per_pair else None,
         "kl_mean": rounded(mean(x["kl_from_full"] for x in rs), 5),
         "kl_median": rounded(median([x["kl_from_full"] for x in rs]), 5),
         "gold_nll_mean": rounded(nll),
@@ -349,7 +352,9 @@ def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_name: str | Non
             "ttft_s_ratio_one": one["ttft_median_s"] if one else None,
             "ttft_s_plain": plain["ttft_median_s"] if plain else None,
             "stages_s": blend["stages_median_s"], "stages_s_ratio_one": one["stages_median_s"] if one else {},
-            "stages_s_reuse": summaries["reuse"]["stages_median_s"]}
+            "stages_s_reuse": summaries["reuse"]["stages_median_s"],
+            "attention_ns_per_pair": blend.get("attention_ns_per_pair_median"),
+            "attention_ns_per_pair_ratio_one": one.get("attention_ns_per_pair_median") if one else None}
 
 
 def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
@@ -365,7 +370,9 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
     recomputed share, the rest for none) and
     t(reuse) reuse's median worker seconds (moving and writing the reused KV). Adds ``floor_s``,
     ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own ratio-1 path over
-    plain's); each None when its inputs were not run.
+    plain's) and ``attention_per_pair_vs_ratio_one`` (the selective attention's median seconds per
+    query-key pair over the ratio-1 path's, whose attention is a full prefill's: 1.0 means the
+    recomputed queries cost what a prefill's do per pair); each None when its inputs were not run.
     """
     if not stages:
         return stages
@@ -379,7 +386,10 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
     return {**stages, "check_layer": check_layer, "num_layers": num_layers, "depth_layers": depth,
             "floor_s": rounded(floor),
             "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None,
-            "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None}
+            "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None,
+            "attention_per_pair_vs_ratio_one": rounded(stages["attention_ns_per_pair"]
+                                                       / stages["attention_ns_per_pair_ratio_one"], 3)
+            if (stages.get("attention_ns_per_pair") and stages.get("attention_ns_per_pair_ratio_one")) else None}
 
 
 def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any] | None = None,

@@ -96,6 +96,11 @@ class BlendResult:
             On an accelerator the stage times include only the launch unless kernels finish within
             the stage. In a batched pass every request reports the pass's times (what it waited).
         batch: how many blends ran in the same pass (1 alone).
+        attention_pairs: the query-key pairs the selective attention computed, summed over its
+            layers: each recomputed query with the keys at or before it in its own context (the
+            causal work; ``selective_attention_s`` over it is the attention's cost per pair, to set
+            against a full prefill's). In a batched pass, the pass's pairs (as its times). 0 for
+            ``reuse_kv``.
     """
 
     selected: torch.LongTensor
@@ -108,6 +113,7 @@ class BlendResult:
     recomputed_layers: int = 0
     budget: Budget | None = None
     batch: int = 1
+    attention_pairs: int = 0
 
 
 def _check_positions(token_ids: torch.Tensor, positions: torch.Tensor) -> int:
@@ -594,6 +600,34 @@ def _selective_layers(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan]
     return recomputed
 
 
+class _PairCount:
+    """An :data:`Attention` that also counts the causal query-key pairs of the calls made while
+    ``stage`` is open in ``clock``: per query, the keys at or before it in its own request's rows.
+
+    Counted on the device and read once (:meth:`total`); the count of an ``index`` is kept while the
+    same tensor comes back (the selective layers pass one per selection).
+    """
+
+    def __init__(self, attend: Attention, batch: "_Batch", clock: StageClock, stage: str) -> None:
+        self._attend, self._batch, self._clock, self._stage = attend, batch, clock, stage
+        self._index: torch.Tensor | None = None
+        self._pairs: torch.Tensor | None = None  # of self._index, int64 scalar
+        self._sum: torch.Tensor | None = None
+
+    def __call__(self, layer: int, q: torch.Tensor, index: torch.LongTensor, k: torch.Tensor | None,
+                 v: torch.Tensor | None) -> torch.Tensor:
+        if self._clock.current == self._stage:
+            if self._index is not index:
+                local = index if self._batch.size == 1 else index - self._batch.starts_t[self._batch.request_of(index)]
+                self._index, self._pairs = index, (local + 1).sum()
+            self._sum = self._pairs if self._sum is None else self._sum + self._pairs
+        return self._attend(layer, q, index, k, v)
+
+    def total(self) -> int:
+        """The pairs counted so far."""
+        return 0 if self._sum is None else int(self._sum)
+
+
 def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLayer | CachedKV, *, on_layer: OnLayer,
                 attention: Attention | None = None, write_rows: WriteRows | None = None,
                 prefetch: bool = True) -> list[BlendResult]:
@@ -634,7 +668,8 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
     with torch.inference_mode():
         batch = _Batch(ops, requests, plan.probe)
         with open_reused(ops, load, plan.load_order(writes), batch.positions, prefetch, clock) as kv:
-            attend = Timed(attention or _reference_attention(ops, batch), clock,
+            pairs = _PairCount(attention or _reference_attention(ops, batch), batch, clock, "selective_layers_s")
+            attend = Timed(pairs, clock,
                            {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
             question = _QuestionProbe(ops, batch, first.selection.question_heads) if plan.probe else None
             probe_emit = emit if writes else None
@@ -667,9 +702,11 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
                                                set(plan.probe_layers) if writes else set(), clock)
             synchronize(ops.device)
         elapsed, write_s = time.perf_counter() - start, emit.seconds + rows.seconds
+    attention_pairs = pairs.total()
     return [BlendResult(selected=part, num_recomputed=int(part.numel()), num_tokens=p.num_tokens, load_s=kv.wait_s,
                         compute_s=elapsed - kv.wait_s - write_s, on_layer_s=write_s, stages=dict(clock.seconds),
-                        recomputed_layers=p.depth_end if part.numel() > 0 else 0, budget=b, batch=batch.size)
+                        recomputed_layers=p.depth_end if part.numel() > 0 else 0, budget=b, batch=batch.size,
+                        attention_pairs=attention_pairs)
             for part, p, b in zip(batch.split(recomputed), plans, budgets)]
 
 

@@ -40,6 +40,11 @@ class StageClock:
         self.add(self._open, time.perf_counter() - self._t0)
         self._open = None
 
+    @property
+    def current(self) -> str | None:
+        """The stage open now (``with clock(name)``), or None."""
+        return self._open
+
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 

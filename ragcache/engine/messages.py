@@ -461,6 +461,9 @@ class ContextStats:
         recompute_budget: blend: the context tokens the budget chose for recompute (besides tokens
             with no cached KV), 0 otherwise. budget_reason: blend: what set that budget, one line
             (the adaptive budget: the question's attention left on reused KV; or the ratio).
+        attention_pairs: blend: the query-key pairs its selective attention computed, summed over
+            layers (each recomputed query with the keys at or before it; ``stages
+            ["selective_attention_s"]`` over it is the attention's seconds per pair); 0 otherwise.
     """
 
     ctx_tokens: int = 0
@@ -479,6 +482,7 @@ class ContextStats:
     load_error: str = ""
     recompute_budget: int = 0
     budget_reason: str = ""
+    attention_pairs: int = 0
 
     @property
     def partial_depth(self) -> str:

@@ -499,7 +499,7 @@ class _Opened:
             load_s=self.open_s + stage_s + result.load_s, compute_s=self.missing_s + result.compute_s,
             write_s=result.on_layer_s, worker_s=worker_s, stages=stages,
             recomputed_layers=result.recomputed_layers, model_layers=num_layers,
-            recompute_budget=result.budget.tokens if result.budget is not None else 0,
+            attention_pairs=result.attention_pairs, recompute_budget=result.budget.tokens if result.budget is not None else 0,
             budget_reason=result.budget.reason if result.budget is not None else "",
         )
 
