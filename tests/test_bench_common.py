@@ -61,6 +61,32 @@ def test_the_compute_floor_counts_the_tokens_the_blend_recomputed_not_the_nomina
     assert shallow["depth_layers"] == 27 and got["depth_layers"] == 30
 
 
+def test_the_selective_attention_is_judged_per_query_key_pair_against_the_ratio_one_path():
+    from ragcache.bench.report import tables
+    from ragcache.bench.ttft import stage_table, summarize_variant, with_floor
+
+    def record(attention_s, pairs):
+        return {"ttft_s": 1.0, "load_s": 0.0, "worker_s": 1.0, "stages": {"selective_attention_s": attention_s},
+                "attention_pairs": pairs, "speedup": 1.0, "speedup_vs_best": 1.0, "kl_from_full": 0.0,
+                "gold_nll": None, "answer_nll": None, "f1": 0.0, "rouge_l": 0.0, "em": 0.0, "agree_em": 1.0,
+                "agree_rouge_l": 1.0, "agree_tokens": 1.0, "agree_prefix": 1.0, "recomputed_tokens": 1,
+                "ctx_tokens": 10, "prompt_tokens": 12}
+
+    variants = {v.name: v for v in make_variants(["full", "reuse", "blend"], [0.15, 1.0], 0.15, ["question"], "question")}
+    # example 1: 0.3 s over 2e8 pairs (1.5 ns) at 0.15, 2.0 s over 1e9 (2 ns) at ratio 1; example 2 likewise x2
+    per_example = {"blend@0.15": [(0.3, 2e8), (0.6, 4e8)], "blend@1": [(2.0, 1e9), (4.0, 2e9)]}
+    records = [{"results": {name: record(*per_example.get(name, [(0.0, 0), (0.0, 0)])[i]) for name in variants}}
+               for i in range(2)]
+    summaries = {name: summarize_variant(v, records) for name, v in variants.items()}
+    assert summaries["blend@0.15"]["attention_ns_per_pair_median"] == pytest.approx(1.5)
+    assert summaries["full"]["attention_ns_per_pair_median"] is None  # no selective attention, no figure
+    st = with_floor(stage_table(summaries, "blend@0.15"), check_layer=0, num_layers=30)
+    assert st["attention_per_pair_vs_ratio_one"] == pytest.approx(0.75)
+    assert st["attention_pairs_vs_ratio_one"] == pytest.approx(0.2)
+    rows = tables({"benchmark": "ttft", "n": 2, "passages": 3, "modes": summaries, "sweep": [], "stages": st})[-1][2]
+    assert ["attention per pair / ratio 1's", 0.75, None, None] in rows
+
+
 def test_the_main_blend_is_the_settings_selection_else_the_first_at_the_default_ratio():
     from ragcache.bench.common import main_blend
 

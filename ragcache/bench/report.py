@@ -122,6 +122,8 @@ def _stage_table(st: Mapping[str, Any]) -> Table:
     if st.get("attention_ns_per_pair") is not None:
         rows.append(line("selective attention ns per query-key pair", st["attention_ns_per_pair"],
                          st.get("attention_ns_per_pair_ratio_one"), None))
+    if st.get("attention_pairs_vs_ratio_one") is not None:
+        rows.append(line("selective attention pairs / ratio 1's", st["attention_pairs_vs_ratio_one"], None, None))
     if st.get("attention_per_pair_vs_ratio_one") is not None:
         rows.append(line("attention per pair / ratio 1's", st["attention_per_pair_vs_ratio_one"], None, None))
     if one:

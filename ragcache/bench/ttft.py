@@ -312,6 +312,7 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
         "worker_s_median": rounded(median([x["worker_s"] for x in rs])),
         "stages_median_s": {k: rounded(median([(x.get("stages") or {}).get(k, 0.0) for x in rs])) for k in stages},
         "attention_ns_per_pair_median": rounded(median(per_pair)) if per_pair else None,
+        "attention_pairs_median": median([x["attention_pairs"] for x in rs]) if per_pair else None,
         "kl_mean": rounded(mean(x["kl_from_full"] for x in rs), 5),
         "kl_median": rounded(median([x["kl_from_full"] for x in rs]), 5),
         "gold_nll_mean": rounded(nll),
@@ -354,7 +355,9 @@ def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_name: str | Non
             "stages_s": blend["stages_median_s"], "stages_s_ratio_one": one["stages_median_s"] if one else {},
             "stages_s_reuse": summaries["reuse"]["stages_median_s"],
             "attention_ns_per_pair": blend.get("attention_ns_per_pair_median"),
-            "attention_ns_per_pair_ratio_one": one.get("attention_ns_per_pair_median") if one else None}
+            "attention_ns_per_pair_ratio_one": one.get("attention_ns_per_pair_median") if one else None,
+            "attention_pairs": blend.get("attention_pairs_median"),
+            "attention_pairs_ratio_one": one.get("attention_pairs_median") if one else None}
 
 
 def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
@@ -372,7 +375,9 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
     ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own ratio-1 path over
     plain's) and ``attention_per_pair_vs_ratio_one`` (the selective attention's median seconds per
     query-key pair over the ratio-1 path's, whose attention is a full prefill's: 1.0 means the
-    recomputed queries cost what a prefill's do per pair); each None when its inputs were not run.
+    recomputed queries cost what a prefill's do per pair) and ``attention_pairs_vs_ratio_one`` (its
+    query-key pairs over the ratio-1 path's: above the recomputed share where the selection favours
+    late tokens, which see more keys); each None when its inputs were not run.
     """
     if not stages:
         return stages
@@ -389,7 +394,9 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
             "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None,
             "attention_per_pair_vs_ratio_one": rounded(stages["attention_ns_per_pair"]
                                                        / stages["attention_ns_per_pair_ratio_one"], 3)
-            if (stages.get("attention_ns_per_pair") and stages.get("attention_ns_per_pair_ratio_one")) else None}
+            if (stages.get("attention_ns_per_pair") and stages.get("attention_ns_per_pair_ratio_one")) else None,
+            "attention_pairs_vs_ratio_one": rounded(stages["attention_pairs"] / stages["attention_pairs_ratio_one"], 3)
+            if (stages.get("attention_pairs") and stages.get("attention_pairs_ratio_one")) else None}
 
 
 def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any] | None = None,
