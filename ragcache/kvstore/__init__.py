@@ -34,15 +34,8 @@ if TYPE_CHECKING:
     from ragcache.kvstore.cpu import CpuTier
     from ragcache.kvstore.device import DeviceTier
     from ragcache.kvstore.disk import DiskTier
-    from ragcache.kvstore.entry import (
-        CorruptEntryError,
-        ForeignEntryError,
-        KVEntry,
-        KVMeta,
-        KVSpec,
-        TierError,
-        TierUnavailableError,
-    )
+    from ragcache.kvstore.entry import (CorruptEntryError, ForeignEntryError, KVEntry, KVMeta, KVSpec, TierError,
+                                        TierUnavailableError)
     from ragcache.kvstore.handle import KVHandle
     from ragcache.kvstore.remote import RedisTier
     from ragcache.kvstore.store import GB, TieredStore
