@@ -295,6 +295,21 @@ class RAGPipeline:
                             ratio_note=self.ratio_note(ratio_source, m.recompute_ratio) if blend else "")
         return Answer(r.question, gen.text.strip(), sources, metrics, gen.finish_reason, r.prompt)
 
+    def _streamed(self, r: Retrieval, item: "str | Generation", ratio_source: str) -> str | Answer:
+        """One item of an engine's stream as the pipeline yields it: a text piece unchanged, the
+        final :class:`~ragcache.engine.base.Generation` as the :class:`Answer` (:meth:`_answer`)."""
+        return item if isinstance(item, str) else self._answer(r, item, ratio_source)
+
+    def _engine_call(self, r: Retrieval, method: Literal["generate", "stream"]) -> tuple[Callable[[], Any], str]:
+        """The engine call that answers ``r``, not made yet, and where the blend's ratio came from
+        (:meth:`_for_engine`). Calling it calls the engine's ``method`` with ``r``'s prompt, the
+        options as the engine gets them and the index's quality (:meth:`index_quality`, read now):
+        on a BlendEngine it blocks (``generate``) or returns a sync iterator (``stream``), on an
+        AsyncBlendEngine it returns a coroutine or an async iterator, for the caller to drive."""
+        engine_opts, source = self._for_engine(r.options)
+        quality = self.index_quality()
+        return lambda: getattr(self.engine, method)(r.prompt, engine_opts, quality=quality), source
+
     # ---- recompute ratio ---------------------------------------------------------------------
 
     def calibration(self) -> "Calibration | None":
@@ -433,11 +448,10 @@ class RAGPipeline:
             AsyncBlendEngine (use :meth:`aquery`), or both ``options`` and keyword fields.
         """
         self._require_sync("query")
-        opts = options_from(options, fields)
         with self._lock:
-            r = self.prepare(question, opts)
-            engine_opts, source = self._for_engine(opts)
-            gen = self.engine.generate(r.prompt, engine_opts, quality=self.index_quality())
+            r = self.prepare(question, options_from(options, fields))
+            call, source = self._engine_call(r, "generate")
+            gen = call()
         return self._answer(r, gen, source)
 
     def stream(self, question: str, options: QueryOptions | None = None,
@@ -445,12 +459,11 @@ class RAGPipeline:
         """Yield the answer's text pieces as they are decoded, then the :class:`Answer` (arguments as
         :meth:`query`)."""
         self._require_sync("stream")
-        opts = options_from(options, fields)
         with self._lock:
-            r = self.prepare(question, opts)
-            engine_opts, source = self._for_engine(opts)
-            for item in self.engine.stream(r.prompt, engine_opts, quality=self.index_quality()):
-                yield item if isinstance(item, str) else self._answer(r, item, source)
+            r = self.prepare(question, options_from(options, fields))
+            call, source = self._engine_call(r, "stream")
+            for item in call():
+                yield self._streamed(r, item, source)
 
     # ---- async -----------------------------------------------------------------------------
 
@@ -463,12 +476,8 @@ class RAGPipeline:
 
     async def aanswer(self, r: Retrieval) -> Answer:
         """Answer a prepared :class:`Retrieval` (from :meth:`aprepare`) with the options it was prepared with."""
-        engine_opts, source = self._for_engine(r.options)
-        quality = self.index_quality()
-        if self.is_async:
-            gen = await self.engine.generate(r.prompt, engine_opts, quality=quality)
-        else:
-            gen = await asyncio.to_thread(lambda: self.engine.generate(r.prompt, engine_opts, quality=quality))
+        call, source = self._engine_call(r, "generate")
+        gen = await (call() if self.is_async else asyncio.to_thread(call))
         return self._answer(r, gen, source)
 
     async def astream(self, question: str, options: QueryOptions | None = None,
@@ -483,15 +492,11 @@ class RAGPipeline:
         """Stream the answer to a prepared :class:`Retrieval` (from :meth:`aprepare`, with its
         options): text pieces, then the :class:`Answer`. A consumer that stops early aborts the vLLM
         request (on a BlendEngine, after the next decoded piece)."""
-        engine_opts, source = self._for_engine(r.options)
-        quality = self.index_quality()
-        if self.is_async:
-            items = self.engine.stream(r.prompt, engine_opts, quality=quality)
-        else:
-            items = _iterate_in_thread(lambda: self.engine.stream(r.prompt, engine_opts, quality=quality))
+        call, source = self._engine_call(r, "stream")
+        items = call() if self.is_async else _iterate_in_thread(call)
         async with aclosing(items):
             async for item in items:
-                yield item if isinstance(item, str) else self._answer(r, item, source)
+                yield self._streamed(r, item, source)
 
     # ---- cache -----------------------------------------------------------------------------
 

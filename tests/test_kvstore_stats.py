@@ -66,9 +66,9 @@ def test_hit_rate_log_writes_lines_until_stopped_and_survives_a_failing_line(cap
 
 
 def test_the_drivers_tier_stats_has_a_field_for_every_key_of_a_stats_row():
-    """``TierStats`` (engine/messages.py, torch-free) repeats ``TierCounters``' names because importing
-    ragcache.kvstore pulls torch; this keeps the two from drifting (``TierStats.from_dict`` drops
-    unknown keys silently)."""
+    """``TierStats`` (engine/messages.py, torch-free) takes its counter fields from ``TierCounters``
+    and declares the row's other keys itself; this keeps those from drifting from ``stats_row``
+    (``TierStats.from_dict`` drops unknown keys silently)."""
     from dataclasses import fields
 
     from ragcache.engine.messages import TierStats

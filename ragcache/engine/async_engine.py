@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from ragcache.chunks import Chunk
 from ragcache.config import Settings
-from ragcache.engine.base import EngineBase, Generation, PreparedRequest, StreamState
+from ragcache.engine.base import MEASURE_OPTIONS, EngineBase, Generation, PreparedRequest
 from ragcache.engine.messages import OpsProbe, PrecomputeReport, Rpc, StoreStats
 from ragcache.engine.selfcheck import arun_self_check
 from ragcache.models import LLMInfo
@@ -80,12 +80,11 @@ class AsyncBlendEngine(EngineBase):
         """
         engine = cls(settings, llm)
         try:
-            engine._worker_ready((await engine.llm.collective_rpc(Rpc.INIT, args=engine._init_args()))[0])
+            engine._worker_ready(await engine._rpc(Rpc.INIT, *engine._init_args()))
             engine.blend_support = await arun_self_check(engine)
             if engine.blend_support.check is None:
                 await engine._warm_up()
-            probes = engine._start_up_measurements()
-            engine._measured([await engine.generate(p, QueryOptions(mode="full", max_tokens=1)) for p in probes])
+            engine._measured([await engine.generate(p, MEASURE_OPTIONS) for p in engine._start_up_measurements()])
         except BaseException:
             engine.close()
             raise
@@ -109,15 +108,16 @@ class AsyncBlendEngine(EngineBase):
         Raises:
             BlendUnavailableError: this model has no working DecoderOps adapter (see ``blend_support``).
         """
-        head_ids, head, batches = self._precompute_plan(chunks, namespace, batch_size)
-        report = PrecomputeReport()
-        with self._precompute_bar(len(chunks), show_progress) as bar:
-            await self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [head.to_list()]))
-            for batch in batches:
-                reply = (await self.llm.collective_rpc(Rpc.PRECOMPUTE,
-                                                       args=(head_ids, [i.to_list() for i in batch])))[0]
-                self._precompute_batch_done(report, reply, len(batch), bar)
-        return report
+        run = self._precompute_run(chunks, namespace, batch_size, show_progress)
+        with run:
+            await self._rpc(Rpc.PRECOMPUTE, *run.head_args)
+            for args, n in run.batches:
+                run.done(await self._rpc(Rpc.PRECOMPUTE, *args), n)
+        return run.report
+
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        """The worker's reply to ``method`` (an :class:`~ragcache.engine.messages.Rpc` name) called with ``args``."""
+        return (await self.llm.collective_rpc(method, args=args))[0]
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -184,8 +184,8 @@ class AsyncBlendEngine(EngineBase):
         A consumer that stops early (``aclose()``, or its task is cancelled) aborts the request in
         vLLM, which frees its KV slots.
         """
-        req = self._request(prompt, options, delta=True, quality=quality)
-        state = StreamState(req)
+        state = self._stream_state(prompt, options, quality)
+        req = state.req
         outputs = self.llm.generate(req.inputs, req.sampling, req.rid)
         try:
             async for out in outputs:
@@ -197,14 +197,12 @@ class AsyncBlendEngine(EngineBase):
             raise
         finally:
             await outputs.aclose()  # no-op when finished; aborts the vLLM request otherwise
-        gen = state.generation()
-        self._observe(req, gen.metrics)
-        yield gen
+        yield self._stream_done(state)
 
     async def ops_probe(self, token_ids: Sequence[int]) -> OpsProbe:
         """The worker's report on the model's DecoderOps adapter, exercised on ``token_ids`` (the
         self-check's first step)."""
-        return OpsProbe.from_dict((await self.llm.collective_rpc(Rpc.OPS_PROBE, args=(list(token_ids),)))[0])
+        return OpsProbe.from_dict(await self._rpc(Rpc.OPS_PROBE, list(token_ids)))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -215,29 +213,25 @@ class AsyncBlendEngine(EngineBase):
 
     async def store_stats(self) -> StoreStats:
         """Per-tier stats of the worker's KV store (:class:`~ragcache.engine.messages.StoreStats`)."""
-        return StoreStats.from_dict((await self.llm.collective_rpc(Rpc.STORE_STATS))[0])
+        return StoreStats.from_dict(await self._rpc(Rpc.STORE_STATS))
 
     async def stored_tiers(self, chunks: Sequence[Chunk], namespace: str = "") -> list[str | None]:
         """For each chunk, the highest tier holding its KV (in index namespace ``namespace``), or None."""
-        keys = [self.prompts.key(c, namespace) for c in chunks]
-        return (await self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,)))[0]
+        return await self._rpc(Rpc.STORE_CONTAINS, self._chunk_keys(chunks, namespace))
 
     async def stored_where(self, chunks: Sequence[Chunk], namespace: str = "") -> list[list[str]]:
         """For each chunk, every tier holding its KV now (in index namespace ``namespace``), top-down."""
-        return await self.store_holders([self.prompts.key(c, namespace) for c in chunks])
+        return await self.store_holders(self._chunk_keys(chunks, namespace))
 
     async def store_holders(self, keys: Sequence[str]) -> list[list[str]]:
         """For each KV store key, every tier holding it now, top-down ([] for none)."""
-        return (await self.llm.collective_rpc(Rpc.STORE_HOLDERS, args=(list(keys),)))[0]
+        return await self._rpc(Rpc.STORE_HOLDERS, list(keys))
 
     async def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
         """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
         with ``head`` the prompt head's entry in that namespace too; returns how many entries were
         removed."""
-        keys = [self.prompts.key(c, namespace) for c in chunks]
-        if head:
-            keys.append(self.prompts.head_segment(namespace).key)
-        return (await self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,)))[0]
+        return await self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head))
 
     async def reset_prefix_cache(self) -> None:
         """Drop vLLM's own prefix cache (for fair side-by-side measurements)."""
@@ -246,7 +240,7 @@ class AsyncBlendEngine(EngineBase):
     async def flush(self) -> None:
         """Write the store's lookup counts to its counter file now (``close`` does it too)."""
         if not self._closed:
-            await self.llm.collective_rpc(Rpc.STORE_FLUSH)
+            await self._rpc(Rpc.STORE_FLUSH)
 
     def close(self) -> None:
         """Shut the engine core and its worker down; the engine is unusable afterwards. Idempotent.

@@ -1,15 +1,17 @@
 """What the sync and the async engine share: vLLM engine arguments, request building, results.
 
 Owns: :class:`Generation` (one answer: text, token ids, metrics), :class:`PreparedRequest`,
-:class:`StreamState` (a streamed request's pieces turned into a Generation) and :class:`EngineBase`,
+:class:`StreamState` (a streamed request's pieces turned into a Generation), :class:`PrecomputeRun`
+(one KV precompute's worker calls, progress and report) and :class:`EngineBase`,
 the part of
 :class:`~ragcache.engine.engine.BlendEngine` (over ``vllm.LLM``) and
 :class:`~ragcache.engine.async_engine.AsyncBlendEngine` (over ``vllm.v1.engine.async_llm.AsyncLLM``)
 that does not depend on how vLLM is driven: one set of engine arguments (the same connector and
 worker extension), one way a prompt and its :class:`~ragcache.options.QueryOptions` become a vLLM
 request in each mode, one way vLLM's output becomes a :class:`Generation` (or a scoring result, or a
-precompute report). The two engines differ only in how they call vLLM (blocking or awaited), so
-their methods have the same names, arguments and results. vLLM is imported inside the methods
+precompute report, or the keys a store call names). The two engines differ only in
+how they call vLLM and the worker (blocking, under a lock, or awaited: their ``_rpc``), so their
+methods have the same names, arguments and results. vLLM is imported inside the methods
 only, so importing this module costs nothing.
 """
 
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
     from ragcache.chunks import Chunk
 
 log = logging.getLogger(__name__)
+
+#: the start-up measurements' requests (:meth:`EngineBase._start_up_measurements`): full prefill, one token
+MEASURE_OPTIONS = QueryOptions(mode="full", max_tokens=1)
 
 
 def accelerator_blend_warning(device: str, attention: str) -> str | None:
@@ -283,6 +288,18 @@ class EngineBase:
         mode = "blend" if self.blend_support is None or self.blend_support.available else "full"
         return QueryOptions(mode=mode, max_tokens=1)
 
+    def _stream_state(self, prompt: AssembledPrompt, options: QueryOptions,
+                      quality: IndexQuality | None) -> StreamState:
+        """A streamed request of ``prompt`` (DELTA outputs; see :meth:`_request`) and the state its
+        pieces are collected in (its clock starts now)."""
+        return StreamState(self._request(prompt, options, delta=True, quality=quality))
+
+    def _stream_done(self, state: StreamState) -> Generation:
+        """The finished stream's :class:`Generation`, fed to the router's cost model (:meth:`_observe`)."""
+        gen = state.generation()
+        self._observe(state.req, gen.metrics)
+        return gen
+
     def _request(self, prompt: AssembledPrompt, options: QueryOptions, *, logprobs: int | None = None,
                  delta: bool = False, question_end: int = 0, quality: IndexQuality | None = None) -> PreparedRequest:
         """The vLLM request of ``prompt`` answered as ``options`` say (mode default ``engine.mode``,
@@ -456,11 +473,11 @@ class EngineBase:
 
     # ---- KV precompute (precompute on both engines) ----------------------------------------
 
-    def _precompute_plan(self, chunks: Sequence["Chunk"], namespace: str,
-                         batch_size: int) -> tuple[list[int], PrecomputeItem, list[list[PrecomputeItem]]]:
-        """The head's ids, the head's own item and the chunks' items in batches of ``batch_size``:
-        every unit keyed in index namespace ``namespace`` and placed where the placement rule puts it
-        (:func:`ragcache.prompt.lead_in_for`).
+    def _precompute_run(self, chunks: Sequence["Chunk"], namespace: str, batch_size: int,
+                        show_progress: bool) -> PrecomputeRun:
+        """The KV precompute of the head and of ``chunks`` (see :class:`PrecomputeRun`): every unit
+        keyed in index namespace ``namespace`` and placed where the placement rule puts it
+        (:func:`ragcache.prompt.lead_in_for`), the chunks sent ``batch_size`` at a time.
 
         Raises:
             BlendUnavailableError: this model has no working DecoderOps adapter.
@@ -473,18 +490,55 @@ class EngineBase:
         for c in chunks:
             seg = self.prompts.canonical_segment(c, namespace)
             items.append(PrecomputeItem(seg.key, seg.start, tuple(self.prompts.unit_ids(c))))
-        batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
-        return head_ids, PrecomputeItem(head.key, head.start, tuple(head_ids)), batches
+        return PrecomputeRun(head_ids, PrecomputeItem(head.key, head.start, tuple(head_ids)), items, batch_size,
+                             show_progress)
 
-    @staticmethod
-    def _precompute_bar(total: int, show: bool) -> Any:
-        """The KV precompute progress display (chunks; a bar on a terminal, a line every few seconds
-        in a log; see :func:`ragcache.util.progress.progress`)."""
-        return progress(total=total, unit="chunk", desc="KV precompute", disable=not show)
+    # ---- the KV store (its RPCs on both engines) -------------------------------------------
 
-    @staticmethod
-    def _precompute_batch_done(report: PrecomputeReport, reply: Any, n: int, bar: Any) -> None:
-        report.add(PrecomputeReport.from_dict(reply))
-        bar.update(n)
-        if report.tokens:  # nothing computed yet (every chunk was stored): no rate to show
-            bar.set_postfix_str(f"{report.tokens_per_s:,.0f} tok/s", refresh=False)
+    def _chunk_keys(self, chunks: Sequence["Chunk"], namespace: str, *, head: bool = False) -> list[str]:
+        """The KV store keys of ``chunks`` in index namespace ``namespace``, and with ``head`` the
+        prompt head's key in that namespace last."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
+        if head:
+            keys.append(self.prompts.head_segment(namespace).key)
+        return keys
+
+
+class PrecomputeRun:
+    """One KV precompute: the worker RPCs' arguments (``Rpc.PRECOMPUTE``: the head's own call, then
+    one per batch of chunks), the progress display and the report the batches' replies add up to.
+    Both engines make the same calls (blocking or awaited) inside ``with run:`` (which shows and
+    closes the progress display).
+
+    Attributes:
+        head_args: the arguments of the head's call (its reply is not counted).
+        batches: ``(arguments, number of chunks)`` of each batch's call, in order.
+        report: what the batches computed so far (:class:`~ragcache.engine.messages.PrecomputeReport`;
+            the head is not counted).
+    """
+
+    def __init__(self, head_ids: list[int], head: PrecomputeItem, items: Sequence[PrecomputeItem],
+                 batch_size: int, show_progress: bool):
+        self.head_args = (head_ids, [head.to_list()])
+        self.batches = [((head_ids, [i.to_list() for i in items[j:j + batch_size]]), len(items[j:j + batch_size]))
+                        for j in range(0, len(items), batch_size)]
+        self.report = PrecomputeReport()
+        self._total, self._show = len(items), show_progress
+        self._bar: Any = None
+
+    def __enter__(self) -> "PrecomputeRun":
+        """Show the progress display (chunks; a bar on a terminal, a line every few seconds in a log;
+        :func:`ragcache.util.progress.progress`)."""
+        self._bar = progress(total=self._total, unit="chunk", desc="KV precompute", disable=not self._show)
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._bar.__exit__(*exc)
+
+    def done(self, reply: Any, n: int) -> None:
+        """Take one batch's reply (``PrecomputeReport.to_dict()``) for its ``n`` chunks."""
+        self.report.add(PrecomputeReport.from_dict(reply))
+        self._bar.update(n)
+        if self.report.tokens:  # nothing computed yet (every chunk was stored): no rate to show
+            self._bar.set_postfix_str(f"{self.report.tokens_per_s:,.0f} tok/s", refresh=False)

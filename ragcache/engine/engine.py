@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 
 from ragcache.chunks import Chunk
 from ragcache.config import Settings
-from ragcache.engine.base import EngineBase, Generation, StreamState
+from ragcache.engine.base import MEASURE_OPTIONS, EngineBase, Generation
 from ragcache.engine.messages import OpsProbe, PrecomputeReport, Rpc, StoreStats
 from ragcache.engine.selfcheck import run_self_check
 from ragcache.models import LLMInfo
@@ -102,13 +102,12 @@ class BlendEngine(EngineBase):
         t0 = time.perf_counter()
         _claim_in_process_slot(self, settings)
         self.llm = LLM(**self._engine_kwargs())
-        self._worker_ready(self.llm.collective_rpc(Rpc.INIT, args=self._init_args())[0])
+        self._worker_ready(self._rpc(Rpc.INIT, *self._init_args()))
         self._set_tokenizer(self.llm.get_tokenizer())
         self.blend_support = run_self_check(self)  # its two requests warm vLLM and the layer-wise forward up
         if self.blend_support.check is None:
             self._warm_up()
-        self._measured([self.generate(p, QueryOptions(mode="full", max_tokens=1))
-                        for p in self._start_up_measurements()])
+        self._measured([self.generate(p, MEASURE_OPTIONS) for p in self._start_up_measurements()])
         self.startup_s = time.perf_counter() - t0
         log.info("%s", self.ready_line())
 
@@ -132,14 +131,18 @@ class BlendEngine(EngineBase):
         Raises:
             BlendUnavailableError: this model has no working DecoderOps adapter (see ``blend_support``).
         """
-        head_ids, head, batches = self._precompute_plan(chunks, namespace, batch_size)
-        report = PrecomputeReport()
-        with self._lock, self._precompute_bar(len(chunks), show_progress) as bar:
-            self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [head.to_list()]))
-            for batch in batches:
-                reply = self.llm.collective_rpc(Rpc.PRECOMPUTE, args=(head_ids, [i.to_list() for i in batch]))[0]
-                self._precompute_batch_done(report, reply, len(batch), bar)
-        return report
+        run = self._precompute_run(chunks, namespace, batch_size, show_progress)
+        with self._lock, run:
+            self._rpc(Rpc.PRECOMPUTE, *run.head_args)
+            for args, n in run.batches:
+                run.done(self._rpc(Rpc.PRECOMPUTE, *args), n)
+        return run.report
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """The worker's reply to ``method`` (an :class:`~ragcache.engine.messages.Rpc` name) called
+        with ``args``, under the engine's lock."""
+        with self._lock:
+            return self.llm.collective_rpc(method, args=args)[0]
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -189,11 +192,11 @@ class BlendEngine(EngineBase):
         each = [options] * len(prompts) if isinstance(options, QueryOptions) else list(options)
         one_token = [o.model_copy(update={"max_tokens": 1}) for o in each]
         with self._lock:
-            self.llm.collective_rpc(Rpc.OP_COUNTS, args=(len(prompts),))
+            self._rpc(Rpc.OP_COUNTS, len(prompts))
             try:
                 self.generate_many(prompts, one_token)
             finally:
-                counts = self.llm.collective_rpc(Rpc.OP_COUNTS, args=(0,))[0]
+                counts = self._rpc(Rpc.OP_COUNTS, 0)
         return counts
 
     def continuation_logprobs(self, prompt: AssembledPrompt, continuation: Sequence[int],
@@ -220,9 +223,9 @@ class BlendEngine(EngineBase):
 
         A reader that stops early aborts the request in vLLM (its KV slots are freed).
         """
-        req = self._request(prompt, options, delta=True, quality=quality)
+        state = self._stream_state(prompt, options, quality)
+        req = state.req
         engine = self.llm.llm_engine
-        state = StreamState(req)
         with self._lock:
             req_id = engine.add_request(req.rid, req.inputs, req.sampling)  # internal id = rid + random suffix
             finished = False
@@ -238,15 +241,12 @@ class BlendEngine(EngineBase):
             finally:
                 if not finished:  # the reader stopped early: free the request's slots in vLLM
                     engine.abort_request([req_id], internal=True)
-        gen = state.generation()
-        self._observe(req, gen.metrics)
-        yield gen
+        yield self._stream_done(state)
 
     def ops_probe(self, token_ids: Sequence[int]) -> OpsProbe:
         """The worker's report on the model's DecoderOps adapter, exercised on ``token_ids``
         (:meth:`WorkerRuntime.probe <ragcache.engine.worker.WorkerRuntime.probe>`; the self-check's first step)."""
-        with self._lock:
-            return OpsProbe.from_dict(self.llm.collective_rpc(Rpc.OPS_PROBE, args=(list(token_ids),))[0])
+        return OpsProbe.from_dict(self._rpc(Rpc.OPS_PROBE, list(token_ids)))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -257,38 +257,29 @@ class BlendEngine(EngineBase):
 
     def store_stats(self) -> StoreStats:
         """Per-tier stats of the worker's KV store (:class:`~ragcache.engine.messages.StoreStats`)."""
-        with self._lock:
-            return StoreStats.from_dict(self.llm.collective_rpc(Rpc.STORE_STATS)[0])
+        return StoreStats.from_dict(self._rpc(Rpc.STORE_STATS))
 
     def stored_tiers(self, chunks: Sequence[Chunk], namespace: str = "") -> list[str | None]:
         """For each chunk, the highest tier holding its KV (in index namespace ``namespace``), or None."""
-        keys = [self.prompts.key(c, namespace) for c in chunks]
-        with self._lock:
-            return self.llm.collective_rpc(Rpc.STORE_CONTAINS, args=(keys,))[0]
+        return self._rpc(Rpc.STORE_CONTAINS, self._chunk_keys(chunks, namespace))
 
     def stored_where(self, chunks: Sequence[Chunk], namespace: str = "") -> list[list[str]]:
         """For each chunk, every tier holding its KV now (in index namespace ``namespace``), top-down."""
-        return self.store_holders([self.prompts.key(c, namespace) for c in chunks])
+        return self.store_holders(self._chunk_keys(chunks, namespace))
 
     def store_holders(self, keys: Sequence[str]) -> list[list[str]]:
         """For each KV store key, every tier holding it now, top-down ([] for none)."""
-        with self._lock:
-            return self.llm.collective_rpc(Rpc.STORE_HOLDERS, args=(list(keys),))[0]
+        return self._rpc(Rpc.STORE_HOLDERS, list(keys))
 
     def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
         """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
         with ``head`` the prompt head's entry in that namespace too; returns how many entries were
         removed."""
-        keys = [self.prompts.key(c, namespace) for c in chunks]
-        if head:
-            keys.append(self.prompts.head_segment(namespace).key)
-        with self._lock:
-            return self.llm.collective_rpc(Rpc.STORE_DELETE, args=(keys,))[0]
+        return self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head))
 
     def flush(self) -> None:
         """Write the store's lookup counts to its counter file now (``close`` does it too)."""
-        with self._lock:
-            self.llm.collective_rpc(Rpc.STORE_FLUSH)
+        self._rpc(Rpc.STORE_FLUSH)
 
     def close(self) -> None:
         """Shut the engine core (and its worker processes) down; the engine is unusable afterwards.

@@ -20,9 +20,9 @@ Flow of one reuse/blend request (its options validated once upstream, :mod:`ragc
     scheduler connector.request_finished  --ContextStats.to_dict()-->  RequestOutput.kv_transfer_params
     driver  --RequestMetrics.from_output(...)-->  Generation.metrics / Answer.metrics
 
-Imports only ragcache.config, ragcache.options, ragcache.quality and ragcache.strategies (no vLLM,
-no torch), so the pipeline, the server, the UI and the tests can use these types without starting
-an engine.
+Imports only ragcache.config, ragcache.options, ragcache.quality, ragcache.strategies and
+ragcache.kvstore.stats (no vLLM, no torch), so the pipeline, the server, the UI and the tests can use
+these types without starting an engine.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 from ragcache.config import BlendSettings
+from ragcache.kvstore.stats import TierCounters
 from ragcache.options import QueryOptions
 from ragcache.quality.measures import repetition_loop
 from ragcache.strategies import Selection
@@ -332,10 +333,28 @@ class PrecomputeReport:
         return cls(**d)
 
 
+def _fields_of(counters: type) -> Any:
+    """Class decorator, applied under ``@dataclass``: the fields of dataclass ``counters`` (their
+    names, types and defaults) become the class's first fields, before its own."""
+
+    def add(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        cls.__annotations__ = {**{f.name: f.type for f in fields(counters)}, **own}
+        for f in fields(counters):
+            setattr(cls, f.name, f.default)
+        return cls
+
+    return add
+
+
 @dataclass(frozen=True)
+@_fields_of(TierCounters)
 class TierStats:
     """One tier's row of the KV store's stats (``TieredStore.stats()``, see :mod:`ragcache.kvstore.stats`).
 
+    Its first fields are :class:`~ragcache.kvstore.stats.TierCounters`' (``hits``, ``unavailable``,
+    ``corrupt``, ``foreign``, ``read_errors``, ``bytes_read``, ``bytes_written``, ``evictions``,
+    ``write_errors``, ``not_stored``; ints, 0 by default), declared there once, then the row's own.
     Lookup counters are this process's since the store was created: ``lookups`` is the store's chunk
     lookups (the prompt head's are not counted), ``hits + misses == lookups`` and ``hit_rate`` =
     hits / lookups, so the tiers' rates add up to the overall hit rate. ``entries`` and
@@ -344,19 +363,9 @@ class TierStats:
     space (None where unknown). Bytes are bytes.
     """
 
-    hits: int = 0
-    misses: int = 0
     lookups: int = 0
+    misses: int = 0
     hit_rate: float = 0.0
-    unavailable: int = 0
-    corrupt: int = 0
-    foreign: int = 0
-    read_errors: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    evictions: int = 0
-    write_errors: int = 0
-    not_stored: int = 0
     entries: int = 0
     occupancy_bytes: int = 0
     capacity_bytes: int | None = None

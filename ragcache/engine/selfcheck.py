@@ -246,6 +246,10 @@ class EngineCall:
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
+    def on(self, engine: Any) -> Any:
+        """Make the call of ``engine``: its result (a coroutine on the async engine, for the caller to await)."""
+        return getattr(engine, self.method)(*self.args, **self.kwargs)
+
 
 #: the self-check's two requests: one token, its whole first-token distribution
 CHECK_FULL = QueryOptions(mode="full", max_tokens=1)
@@ -344,6 +348,31 @@ def self_check_steps(engine: CheckedEngine) -> Generator[EngineCall, Any, BlendS
     return plan.report(support)
 
 
+class _CheckRun:
+    """:func:`self_check_steps` of one engine as an iterator of its :class:`EngineCall`, for the two
+    drivers: each call's result is set as ``reply`` (or its exception as ``error``) before the next
+    call is asked for; ``verdict`` holds the check's :class:`BlendSupport` once the iteration ends.
+    An exception the steps do not handle propagates out of the iteration."""
+
+    def __init__(self, engine: CheckedEngine):
+        self._steps = self_check_steps(engine)
+        self.reply: Any = None
+        self.error: Exception | None = None
+        self.verdict: BlendSupport | None = None
+
+    def __iter__(self) -> "_CheckRun":
+        return self
+
+    def __next__(self) -> EngineCall:
+        reply, error = self.reply, self.error
+        self.reply, self.error = None, None
+        try:
+            return self._steps.send(reply) if error is None else self._steps.throw(error)
+        except StopIteration as done:
+            self.verdict = done.value
+            raise StopIteration from None
+
+
 def run_self_check(engine: CheckedEngine) -> BlendSupport:
     """Decide whether a :class:`~ragcache.engine.engine.BlendEngine` may serve reuse/blend
     (:func:`self_check_steps`, its calls made in turn).
@@ -358,34 +387,22 @@ def run_self_check(engine: CheckedEngine) -> BlendSupport:
     Raises:
         whatever the adapter probe or the full request raised (the engine cannot run at all).
     """
-    steps = self_check_steps(engine)
-    reply: Any = None
-    error: Exception | None = None
-    while True:
+    run = _CheckRun(engine)
+    for call in run:
         try:
-            call = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return done.value
-        reply, error = None, None
-        try:
-            reply = getattr(engine, call.method)(*call.args, **call.kwargs)
+            run.reply = call.on(engine)
         except Exception as exc:
-            error = exc
+            run.error = exc
+    return run.verdict
 
 
 async def arun_self_check(engine: CheckedEngine) -> BlendSupport:
     """:func:`run_self_check` for :class:`~ragcache.engine.async_engine.AsyncBlendEngine`: the same
     steps, each call awaited."""
-    steps = self_check_steps(engine)
-    reply: Any = None
-    error: Exception | None = None
-    while True:
+    run = _CheckRun(engine)
+    for call in run:
         try:
-            call = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return done.value
-        reply, error = None, None
-        try:
-            reply = await getattr(engine, call.method)(*call.args, **call.kwargs)
+            run.reply = await call.on(engine)
         except Exception as exc:
-            error = exc
+            run.error = exc
+    return run.verdict

@@ -21,28 +21,55 @@ quantisation, ``store.kv_compression``), ``format`` (safetensors layout, checksu
 lookup is: counters, hit-rate line and log), ``ledger`` (lookup counts, summed across processes in a
 counter file), ``slot`` (one tier's index, counters, room and single-tier steps), ``verify``
 (checking the persistent tiers), ``handle`` (KVHandle), ``configure`` (tiers from settings),
-``store`` (TieredStore: placement, lookup, promotion, eviction, demotion).
+``store`` (TieredStore: placement, lookup, promotion, eviction, demotion). The names below are
+imported from their submodules at first use, so ``import ragcache.kvstore.stats`` costs no torch.
 """
 
-from ragcache.kvstore.cpu import CpuTier
-from ragcache.kvstore.device import DeviceTier
-from ragcache.kvstore.disk import DiskTier
-from ragcache.kvstore.entry import (
-    CorruptEntryError,
-    ForeignEntryError,
-    KVEntry,
-    KVMeta,
-    KVSpec,
-    TierError,
-    TierUnavailableError,
-)
-from ragcache.kvstore.remote import RedisTier
-from ragcache.kvstore.handle import KVHandle
-from ragcache.kvstore.store import GB, TieredStore
-from ragcache.kvstore.tier import Tier, TierUsage
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ragcache.kvstore.cpu import CpuTier
+    from ragcache.kvstore.device import DeviceTier
+    from ragcache.kvstore.disk import DiskTier
+    from ragcache.kvstore.entry import (CorruptEntryError, ForeignEntryError, KVEntry, KVMeta, KVSpec, TierError,
+                                        TierUnavailableError)
+    from ragcache.kvstore.handle import KVHandle
+    from ragcache.kvstore.remote import RedisTier
+    from ragcache.kvstore.store import GB, TieredStore
+    from ragcache.kvstore.tier import Tier, TierUsage
+
+#: each public name -> the submodule that defines it, imported at first use (PEP 562), so that
+#: importing one torch-free submodule (``ragcache.kvstore.stats``) does not import torch
+_EXPORTS = {
+    "CpuTier": "cpu", "DeviceTier": "device", "DiskTier": "disk", "RedisTier": "remote", "KVHandle": "handle",
+    "CorruptEntryError": "entry", "ForeignEntryError": "entry", "KVEntry": "entry", "KVMeta": "entry",
+    "KVSpec": "entry", "TierError": "entry", "TierUnavailableError": "entry",
+    "GB": "store", "TieredStore": "store", "Tier": "tier", "TierUsage": "tier",
+}
 
 __all__ = [
     "KVSpec", "KVEntry", "KVMeta", "TieredStore", "KVHandle", "CorruptEntryError", "ForeignEntryError",
     "TierError", "TierUnavailableError", "Tier", "TierUsage", "CpuTier", "DeviceTier", "DiskTier",
     "RedisTier", "GB",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name of the package, imported from its submodule on first use.
+
+    Raises:
+        AttributeError: ``name`` is not one of ``__all__``.
+    """
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

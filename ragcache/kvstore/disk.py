@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import quote, unquote
 
-from ragcache.kvstore.entry import KVMeta, StoredKV
+from ragcache.kvstore.entry import StoredKV
 from ragcache.kvstore.format import FileEntryReader, byte_view, encode_header
 from ragcache.kvstore.tier import EntryStat, TierDefaults, get_then_delete
 
@@ -106,10 +106,6 @@ class DiskTier(TierDefaults):
                 except OSError:
                     pass
 
-    def ping(self) -> bool:
-        """Always True: a local folder is reachable (failures show up as OSError on use)."""
-        return True
-
     def scan(self) -> list[EntryStat]:
         """Every entry file with its size and mtime, oldest first (the LRU order at start).
 
@@ -136,13 +132,6 @@ class DiskTier(TierDefaults):
     def contains(self, key: str) -> bool:
         return self.path(key).is_file()
 
-    def head(self, key: str) -> KVMeta | None:
-        reader = self.open(key)
-        if reader is None:
-            return None
-        reader.close()
-        return reader.meta
-
     def open(self, key: str) -> FileEntryReader | None:
         """Reader over the file (header validated); None when the file does not exist.
 
@@ -155,15 +144,6 @@ class DiskTier(TierDefaults):
             return FileEntryReader(self.path(key), key)
         except FileNotFoundError:
             return None
-
-    def get(self, key: str) -> StoredKV | None:
-        reader = self.open(key)
-        if reader is None:
-            return None
-        try:
-            return StoredKV(key, reader.meta, reader.read_all())
-        finally:
-            reader.close()
 
     def put(self, item: StoredKV) -> int:
         """Write ``item`` to a temporary file and rename it into place; return the file size.

@@ -75,10 +75,6 @@ class MemoryTier(TierDefaults):
                 self.pin_memory = False
         return kv
 
-    def ping(self) -> bool:
-        """Always True: memory is always there."""
-        return True
-
     def scan(self) -> list[EntryStat]:
         """Every entry with its tensor bytes, in insertion order (no access times kept here)."""
         with self._lock:

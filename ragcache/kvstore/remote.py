@@ -158,12 +158,6 @@ class RedisTier(TierDefaults):
             return None
         return BytesEntryReader(data, key)
 
-    def get(self, key: str) -> StoredKV | None:
-        reader = self.open(key)
-        if reader is None:
-            return None
-        return StoredKV(key, reader.meta, reader.read_all())
-
     def put(self, item: StoredKV) -> int:
         data = encode(item.key, item.meta, item.kv.detach().cpu().contiguous())
         self._call(lambda: self._r.set(self._k(item.key), data))

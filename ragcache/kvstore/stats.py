@@ -3,8 +3,9 @@ the hit-rate line and the thread that logs it periodically.
 
 Owns: :class:`TierCounters`, :class:`LookupCounters`, :func:`stats_row`, :func:`hit_rate_line`,
 :class:`HitRateLog`. Does no I/O on the tiers and takes no lock of the store's (the store holds its
-lock while it reads the counters). Imports only :mod:`ragcache.kvstore.tier`; must not import vLLM,
-the store, nor anything above kvstore.
+lock while it reads the counters). Imports nothing of ragcache at run time (:mod:`ragcache.kvstore.tier`
+for type hints only), and so no torch: the driver's :class:`~ragcache.engine.messages.TierStats` takes
+its counter fields from :class:`TierCounters`. Must not import vLLM, the store, nor anything above kvstore.
 
 One definition of a lookup, used by the store, the per-request ``tier_hits``, the UI, the CLI and
 the log line:
@@ -30,9 +31,10 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ragcache.kvstore.tier import TierUsage
+if TYPE_CHECKING:
+    from ragcache.kvstore.tier import TierUsage
 
 log = logging.getLogger("ragcache.kvstore")
 

@@ -143,8 +143,40 @@ class Tier(Protocol):
 
 class TierDefaults:
     """The :class:`Tier` methods most media share, for a tier class to inherit and override where
-    its medium does more: ``usage`` sums :meth:`Tier.scan`, ``free_bytes`` cannot tell (None),
-    ``touch`` and ``close`` do nothing."""
+    its medium does more: ``ping`` is always True (memory, a local folder), ``head`` and ``get`` read
+    the entry through the tier's own ``open``, ``usage`` sums :meth:`Tier.scan`, ``free_bytes`` cannot
+    tell (None), ``touch`` and ``close`` do nothing."""
+
+    def ping(self) -> bool:
+        """Always True: the medium is always there (failures show up as errors on use)."""
+        return True
+
+    def head(self, key: str) -> KVMeta | None:
+        """The entry's validated metadata, from ``self.open(key)`` (closed at once); None = absent.
+
+        Raises:
+            as ``self.open``.
+        """
+        reader = self.open(key)  # type: ignore[attr-defined]
+        if reader is None:
+            return None
+        reader.close()
+        return reader.meta
+
+    def get(self, key: str) -> StoredKV | None:
+        """The whole entry, read through ``self.open(key)`` (every layer's checksum verified, the
+        reader closed); None = absent.
+
+        Raises:
+            as ``self.open`` and the reader's ``read_all`` (CorruptEntryError on a checksum mismatch).
+        """
+        reader = self.open(key)  # type: ignore[attr-defined]
+        if reader is None:
+            return None
+        try:
+            return StoredKV(key, reader.meta, reader.read_all())
+        finally:
+            reader.close()
 
     def usage(self) -> TierUsage:
         """Entries and bytes stored now, summed over ``self.scan()``."""
