@@ -406,12 +406,8 @@ class RAGPipeline:
         if (options.mode or self.settings.engine.mode) not in BLENDING_MODES:
             return options, ""
         ratio, source = self.recompute_ratio(options.recompute_ratio)
-        if options.recompute_ratio is None:
-            options = options.with_ratio(ratio)
-        cal = self.calibration() if source == "calibration" else None
-        if cal is not None and cal.mass_left is not None and options.mass_left is None:
-            options = options.model_copy(update={"mass_left": cal.mass_left})  # the threshold fitted with the ratio
-        return options, source
+        cal = self.calibration() if source == "calibration" else None  # its threshold was fitted with the ratio
+        return options.with_budget(ratio, cal.mass_left if cal is not None else None), source
 
     def query(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Answer:
         """Answer ``question`` from the index.

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -197,31 +198,57 @@ def compute_kv(
 
 @dataclass(frozen=True, eq=False)
 class BlendRequest:
-    """One blend's inputs (see :func:`blend_kv` for each field): the context, the question tail,
-    where its chunks start, which tokens are exact or forced, and the knobs of its plan.
+    """One blend's inputs: the context, the question tail, where its chunks start, which tokens are
+    exact or forced, and the request's blend parameters.
+
+    Attributes:
+        token_ids: ``[N]`` int64 context token ids, in prompt order.
+        positions: ``[N]`` int64 absolute positions of those tokens in the prompt (ascending).
+        knobs: the request's blend parameters, read by attribute (:class:`ragcache.config.BlendKnobs`,
+            or any object with its attributes): ``recompute_ratio`` in [0, 1], ``min_recompute_tokens``
+            (with a ratio above 0, at least this many tokens, all N when fewer;
+            :func:`~ragcache.blend.select.hkvd_budget`), ``recompute_depth`` in (0, 1] (the share
+            of layers, from the first, the selected tokens are recomputed in; applies only when a
+            selection is made), ``check_layer`` in ``[0, num_layers)``, ``deviation`` (``"value"``
+            or ``"key"``), the selection's knobs (:meth:`ragcache.strategies.Selection.from_settings`)
+            and the budget's (``budget``, ``mass_left``, ``max_recompute_ratio``,
+            ``max_recompute_tokens``).
+        tail_ids: ``[T]`` int64 ids of the tokens after the context (the question and the
+            assistant-turn opening), at positions ``positions[-1] + 1 ..``; needed by question-aware
+            selection, ignored otherwise.
+        segment_starts: first index of each cached segment in the context (ascending, from 0).
+        exact: ``[N]`` bool, tokens whose cached KV is already exact (the prompt head, a chunk at its
+            canonical place): recomputed only when the budget exceeds every other token.
+        forced: ``[N]`` bool, True for tokens with no cached KV (always recomputed), or None.
+        selection: the knobs' :class:`~ragcache.strategies.Selection` (derived).
+        budget_rule: the adaptive budget's :class:`~ragcache.blend.select.BudgetRule` where
+            ``knobs.budget`` is ``"adaptive"``, else None: the ratio's budget (derived; applies
+            with question scores, :func:`decide_budgets`).
 
     Raises (on construction):
-        ValueError: empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``.
+        ValueError: empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``, or
+            selection knobs out of range.
     """
 
     token_ids: torch.LongTensor
     positions: torch.LongTensor
-    recompute_ratio: float
-    check_layer: int
-    deviation: str
-    selection: Selection = field(default_factory=lambda: Selection("deviation"))
-    min_recompute_tokens: int = 0
-    recompute_depth: float = 1.0
+    knobs: Any
     tail_ids: torch.LongTensor | None = None
     segment_starts: Sequence[int] = (0,)
     exact: torch.Tensor | None = None
     forced: torch.Tensor | None = None
-    budget_rule: BudgetRule | None = None
+    selection: Selection = field(init=False)
+    budget_rule: BudgetRule | None = field(init=False)
 
     def __post_init__(self) -> None:
         n = _check_positions(self.token_ids, self.positions)
         check_mask(self.forced, n, "forced")
         check_mask(self.exact, n, "exact")
+        k = self.knobs
+        object.__setattr__(self, "selection", Selection.from_settings(k))
+        object.__setattr__(self, "budget_rule", BudgetRule(k.mass_left, k.max_recompute_ratio,
+                                                           max_tokens=k.max_recompute_tokens)
+                           if k.budget == "adaptive" else None)
 
     @property
     def num_tokens(self) -> int:
@@ -236,15 +263,12 @@ class BlendRequest:
         tail = self.tail_ids
         return plan_blend(num_tokens=self.num_tokens, num_layers=num_layers,
                           num_forced=int(self.forced.sum()) if self.forced is not None else 0,
-                          has_tail=tail is not None and tail.dim() == 1 and tail.shape[0] > 0,
-                          recompute_ratio=self.recompute_ratio, min_recompute_tokens=self.min_recompute_tokens,
-                          recompute_depth=self.recompute_depth, check_layer=self.check_layer,
-                          deviation=self.deviation, selection=self.selection)
+                          has_tail=tail is not None and tail.dim() == 1 and tail.shape[0] > 0, knobs=self.knobs)
 
     def pass_key(self, num_layers: int) -> tuple:
         """Blends with equal keys can run in one pass of :func:`blend_batch`: the same layers computed
         in full, probed and refined in, the same selection and deviation."""
-        return (self.plan(num_layers).schedule, self.selection, self.deviation)
+        return (self.plan(num_layers).schedule, self.selection, self.knobs.deviation)
 
 
 class _Batch:
@@ -454,8 +478,8 @@ def decide_budgets(requests: Sequence[BlendRequest], plans: Sequence[BlendPlan],
         if request.budget_rule is None:
             out.append(plan.fixed)
         else:
-            out.append(adaptive_budget(scores[lo:hi], movable[lo:hi], ratio=request.recompute_ratio,
-                                       min_tokens=request.min_recompute_tokens, rule=request.budget_rule))
+            out.append(adaptive_budget(scores[lo:hi], movable[lo:hi], ratio=request.knobs.recompute_ratio,
+                                       min_tokens=request.knobs.min_recompute_tokens, rule=request.budget_rule))
     return out
 
 
@@ -473,7 +497,7 @@ def _select(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan], request:
         if selection.needs_question:
             scores["question"] = question.mean()
         if selection.needs_deviation:
-            which = 1 if request.deviation == "value" else 0
+            which = 1 if request.knobs.deviation == "value" else 0
             scores["deviation"] = deviation_scores(checked.cached[which], (checked.k, checked.v)[which])
     return select_grouped(tokens, selection, forced=batch.forced, exact=batch.exact,
                           segment_starts=batch.segment_starts, starts=batch.starts, device=ops.device, **scores)
@@ -624,7 +648,7 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
         return []
     plans = [r.plan(ops.num_layers) for r in requests]
     plan, first = plans[0], requests[0]
-    if any((p.schedule, r.selection, r.deviation) != (plan.schedule, first.selection, first.deviation)
+    if any((p.schedule, r.selection, r.knobs.deviation) != (plan.schedule, first.selection, first.knobs.deviation)
            for p, r in zip(plans, requests)):
         raise ValueError("blends of one pass must share their schedule, selection and deviation "
                          "(group them by BlendRequest.pass_key)")
@@ -697,25 +721,13 @@ def _first_selective(ops: DecoderOps, batch: _Batch, plan: BlendPlan, selected: 
 
 def blend_kv(
     ops: DecoderOps,
-    token_ids: torch.LongTensor,
-    positions: torch.LongTensor,
+    request: BlendRequest,
     load_layer: LoadLayer | CachedKV,
     *,
-    recompute_ratio: float,
-    min_recompute_tokens: int = 0,
-    recompute_depth: float = 1.0,
-    check_layer: int,
-    deviation: str,
-    selection: Selection | None = None,
-    tail_ids: torch.LongTensor | None = None,
-    segment_starts: Sequence[int] = (0,),
-    exact: torch.Tensor | None = None,
-    forced: torch.Tensor | None = None,
     on_layer: OnLayer,
     attention: Attention | None = None,
     write_rows: WriteRows | None = None,
     prefetch: bool = True,
-    budget_rule: BudgetRule | None = None,
 ) -> BlendResult:
     """CacheBlend: fuse the cached KV of the context tokens, recomputing only a selected share.
 
@@ -741,10 +753,10 @@ def blend_kv(
     3. Layers ``check_layer + 1 ..`` (:func:`_selective_layers`): only the selected tokens go
        forward. K = cached K moved to ``positions`` with the selected rows replaced by their fresh
        K, V likewise; the selected queries attend over all N keys with the exact causal mask by
-       position. With ``recompute_depth`` < 1 they stop after the first ``ceil(depth * L)`` layers
+       position. With ``knobs.recompute_depth`` < 1 they stop after the first ``ceil(depth * L)`` layers
        and the later layers keep the reused KV (forced tokens, which have none, go on to the end).
 
-    With ``check_layer`` 0 and no KV deviation to measure, steps 1-2 compute no context token in
+    With ``knobs.check_layer`` 0 and no KV deviation to measure, steps 1-2 compute no context token in
     full: a token's layer-0 K/V depend on that token alone, so the cached KV moved to ``positions``
     is layer 0's fresh KV. The question probe starts at layer 0 and the selected tokens are
     computed from layer 0 (step 3 from layer 0), which saves a projection pass over all N tokens.
@@ -760,44 +772,22 @@ def blend_kv(
     own kernel over the cache ``on_layer`` writes. ``on_layer`` receives, for every layer, the final K (post-RoPE)
     and V of all N context tokens: fresh for layers ``<= check_layer`` (layer 0 on the fast path above:
     cached and moved, which is the fresh KV up to rounding), fused afterwards (the
-    tail's KV is never emitted: the engine prefills the tail itself). With ``recompute_ratio=1.0``
+    tail's KV is never emitted: the engine prefills the tail itself). With ``knobs.recompute_ratio = 1.0``
     these equal ``compute_kv``'s output rotated to ``positions`` (up to float rounding); with ratio
     0 and no forced tokens, the layers after the check layer equal ``reuse_kv``'s.
 
     Args:
         ops: the model's per-layer callables.
-        token_ids: ``[N]`` int64 context token ids, in prompt order.
-        positions: ``[N]`` int64 absolute positions of those tokens in the prompt (ascending).
+        request: the context, its question tail, its chunks and the request's blend parameters
+            (:class:`BlendRequest`; the parameters' defaults live in one place,
+            ``ragcache.config.BlendSettings``).
         load_layer: the cached KV of the context (rows of forced tokens are ignored and may hold
             anything finite): every layer at once (:class:`~ragcache.blend.reused.CachedKV`: K moved
             in place in one call, no layer loaded twice), or ``layer -> (k_pre [N, Hkv, D], v [N,
-            Hkv, D])`` (:data:`~ragcache.blend.reused.LoadLayer`), called in this order:
-            the check layer (unless the fast path below skips it), the question probe's layers, then
-            every layer after the check layer (from layer 0 on the fast path) that ``write_rows``
-            does not cover, so without ``write_rows`` a probed layer is loaded twice; with
-            ``prefetch`` from a background thread.
+            Hkv, D])`` (:data:`~ragcache.blend.reused.LoadLayer`), called in
+            :meth:`BlendPlan.load_order <ragcache.blend.plan.BlendPlan.load_order>`'s order (without
+            ``write_rows`` a probed layer is loaded twice); with ``prefetch`` from a background thread.
             The blend may write into the returned tensors: return tensors the caller owns.
-        recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
-        recompute_depth: share of the layers, from the first, in which the selected tokens are
-            recomputed, in (0, 1]: from layer ``ceil(recompute_depth * L)`` on (at least the check
-            layer + 1) only forced tokens go forward and every other token keeps its reused KV.
-            Applies only when a selection is made (a budget below every token): ratio 1.0 stays
-            exact.
-        min_recompute_tokens: with a ratio above 0, recompute at least this many tokens (all N
-            when fewer; :func:`~ragcache.blend.select.hkvd_budget`).
-        check_layer: the layer where the tokens are selected, in ``[0, num_layers)``.
-        deviation: ``"value"`` (as in the paper) or ``"key"``: which of the check layer's cached and
-            fresh KV are compared.
-        selection: the selection strategy (default: deviation only, CacheBlend's).
-        tail_ids: ``[T]`` int64 ids of the tokens after the context (the question and the
-            assistant-turn opening), at positions ``positions[-1] + 1 ..``; needed by
-            question-aware selection, ignored otherwise.
-        segment_starts: first index of each cached segment in the context (ascending, from 0).
-        exact: ``[N]`` bool, tokens whose cached KV is already exact (the prompt head, a chunk at
-            its canonical place): recomputed only when the budget exceeds every other token.
-        forced: ``[N]`` bool, True for tokens with no cached KV (always recomputed), or None.
-        (The defaults of ratio, check layer, deviation and selection live in one place:
-        ``ragcache.config.BlendSettings``.)
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None``, see above.
         attention: the context's causal attention (:data:`~ragcache.blend.attention.Attention`);
             default :func:`~ragcache.blend.attention.torch_attention` over ``positions`` on a CPU,
@@ -810,26 +800,16 @@ def blend_kv(
             moved twice, and the result is the same.
         prefetch: load layer i+1 in a background thread while layer i computes (the
             ``pipeline_overlap`` setting).
-        budget_rule: with question scores, the budget adapts to the request (:func:`~ragcache.blend.
-            select.adaptive_budget`: the question's attention left on reused KV, around the ratio's
-            budget); None keeps the ratio's budget (``hkvd_budget``) for every request.
 
     Returns:
-        ``BlendResult`` with the selected indices, the load / compute / on_layer seconds and the
-        seconds per stage.
+        ``BlendResult`` with the selected indices, the budget, the load / compute / on_layer seconds
+        and the seconds per stage.
 
     Raises:
-        ValueError: on empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``,
-            a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a ``recompute_depth``
-            outside ``(0, 1]``, a ``check_layer``
-            outside ``[0, num_layers)``, an unknown ``deviation``, a question-aware selection without
-            ``tail_ids``, or ``load_layer`` returning tensors of the wrong shape.
+        ValueError: as :func:`~ragcache.blend.plan.plan_blend` (a knob out of its range, a
+            question-aware selection without ``tail_ids``), or ``load_layer`` returning tensors of
+            the wrong shape.
     """
-    request = BlendRequest(token_ids=token_ids, positions=positions, recompute_ratio=recompute_ratio,
-                           check_layer=check_layer, deviation=deviation, selection=selection or Selection("deviation"),
-                           min_recompute_tokens=min_recompute_tokens, recompute_depth=recompute_depth,
-                           tail_ids=tail_ids, segment_starts=segment_starts, exact=exact, forced=forced,
-                           budget_rule=budget_rule)
     return blend_batch(ops, [request], load_layer, on_layer=on_layer, attention=attention, write_rows=write_rows,
                        prefetch=prefetch)[0]
 
