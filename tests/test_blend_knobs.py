@@ -6,6 +6,7 @@ No engine, no model."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def test_a_new_setting_reaches_the_worker_without_another_change(tmp_path):
     shutil.copytree(REPO / "ragcache", tmp_path / "ragcache", ignore=shutil.ignore_patterns("__pycache__"))
     config = tmp_path / "ragcache" / "config.py"
     text = config.read_text(encoding="utf-8")
-    anchor = "class BlendSettings(_Section):\n    \"\"\"CacheBlend selective recompute (Yao et al., EuroSys'25) and how its tokens are selected.\"\"\"\n"
+    anchor = ("class BlendSettings(_Section):\n    \"\"\"CacheBlend selective recompute (Yao et al., EuroSys'25) and "
+              "how its tokens are selected.\"\"\"\n")
     assert anchor in text
     config.write_text(text.replace(anchor, anchor + NEW_SETTING), encoding="utf-8")
     code = textwrap.dedent("""
@@ -67,6 +69,6 @@ def test_a_new_setting_reaches_the_worker_without_another_change(tmp_path):
         print(request.knobs.scratch_knob)
     """ % str(tmp_path))
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "5"
