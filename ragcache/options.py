@@ -27,16 +27,19 @@ here, plus the engine code that reads it.
 
 From there the object travels unchanged: the pipeline reads ``top_k`` and ``history``, the engine
 ``mode``, ``max_tokens`` and ``sampling`` (into vLLM's ``SamplingParams``) and turns the blend options
-into the request's one record of blend parameters (:func:`blend_knobs`, with the budget
-:func:`choose_budget` decides; the connector's ``BlendParams`` carries it to the worker). Nothing
-below checks these values again; the one change on the way is the pipeline filling in the recompute
-ratio of the index's calibration (and its ``mass_left``) when the caller gave none
+into the request's one record of blend parameters (:func:`blend_knobs`; the connector's
+``BlendParams`` carries it to the worker). The budget is decided here, once: its ratio
+(:func:`choose_ratio`), fixed or adaptive and its threshold, the default that gives way and the
+refusals (:func:`choose_budget`, whose refusals :func:`check_request` raises). Nothing below checks
+these values again; the one change on the way is the pipeline filling in the ratio
+:func:`choose_ratio` gives (and the calibration's ``mass_left``) when the caller gave none
 (:meth:`QueryOptions.with_budget`). Imports ragcache.config, ragcache.strategies,
 ragcache.conversation and pydantic only: every layer may use it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Mapping
 
@@ -523,6 +526,32 @@ def choose_budget(options: RequestOptions, blend: "BlendSettings") -> BudgetChoi
                                  f"change {knobs}" if knobs else "")
         refusal = (asks, rule)
     return BudgetChoice(budget if reads_question else "fixed", mass_left, refusal)
+
+
+def choose_ratio(override: float | None, blend: "BlendSettings",
+                 calibration: Callable[[], Any] = lambda: None) -> tuple[float, float | None, str]:
+    """A blend's recompute ratio, the adaptive threshold that goes with it, and where the ratio came
+    from: ``"request"`` (``override``), ``"settings"`` (a number in ``blend.recompute_ratio``),
+    ``"calibration"`` (``blend.recompute_ratio = "auto"`` and ``calibration()``, the index's
+    calibration, has a ratio) or ``"fallback"`` (``"auto"`` without one: ``blend.fallback_ratio``).
+
+    Args:
+        calibration: called only for ``"auto"``: None, or a record with ``ratio`` and ``mass_left``
+            (float or None; :class:`ragcache.quality.records.Calibration`).
+
+    Returns:
+        ``(ratio, mass_left, source)``: ``mass_left`` is the calibration's where the ratio is
+        (the threshold was fitted with it), else None; the request's own ``mass_left`` comes first
+        (:meth:`QueryOptions.with_budget`).
+    """
+    if override is not None:
+        return float(override), None, "request"
+    if blend.recompute_ratio != "auto":
+        return float(blend.recompute_ratio), None, "settings"
+    cal = calibration()
+    if cal is not None and cal.ratio is not None:
+        return cal.ratio, cal.mass_left, "calibration"
+    return blend.fallback_ratio, None, "fallback"
 
 
 def blend_knobs(blend: "BlendSettings", options: RequestOptions) -> "BlendKnobs":
