@@ -201,7 +201,6 @@ class BlendSettings(_Section):
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "
         "local disk (there the thread's copies compete with the compute for the same cores)")
-    trace_plan: bool = Field(False, description="log each blend's plan at debug level")
     attention: Literal["auto", "kernel", "torch"] = Field(
         "auto", description="the blend's attention: vLLM's own kernel over the paged KV cache (kernel), torch SDPA "
         "(torch), or auto (the kernel where vLLM's backend offers one, unless torch measures faster on this host)")

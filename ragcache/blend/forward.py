@@ -31,7 +31,6 @@ Tensors handed to ``on_layer`` are created under ``torch.inference_mode()`` and 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -60,8 +59,6 @@ from ragcache.blend.stages import StageClock, Timed, synchronize
 
 __all__ = ["DEVIATIONS", "BlendRequest", "BlendResult", "CachedKV", "LoadLayer", "OnLayer", "WriteRows", "blend_batch",
            "blend_kv", "compute_kv", "decide_budgets", "recompute_layers", "reuse_kv"]
-
-log = logging.getLogger(__name__)
 
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 """``on_layer(layer, k [N, Hkv, D], v [N, Hkv, D])``: the final K (post-RoPE) and V of every context
@@ -743,8 +740,6 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
            != (plan.schedule, first.selection, first.knobs.deviation) for b in blends):
         raise ValueError("blends of one pass must share their schedule, selection and deviation "
                          "(group them by BlendRequest.pass_key)")
-    if first.knobs.trace_plan:
-        log.debug("blend plan of %d blends: %s", len(blends), plan)
     writes = write_rows is not None and attention is not None
     start, clock = time.perf_counter(), StageClock()
     emit, rows = Timed(on_layer, clock, "cache_write_s"), Timed(write_rows, clock, "cache_write_s")
