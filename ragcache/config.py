@@ -333,6 +333,39 @@ class BlendSettings(_Section):
         return self.fallback_ratio if self.recompute_ratio == "auto" else float(self.recompute_ratio)
 
 
+class BlendKnobs(BlendSettings):
+    """One request's blend parameters: the ``[blend]`` settings with the request's own choices applied
+    and every ``"auto"`` resolved, built once where the request is made
+    (:func:`ragcache.options.blend_knobs`), carried to the worker as is
+    (:class:`ragcache.engine.messages.BlendParams`) and read by the blend's plan
+    (:func:`ragcache.blend.plan.plan_blend`). Every ``[blend]`` setting is a field, with its default
+    declared once, in :class:`BlendSettings`: a new setting reaches the worker with no other change.
+
+    Attributes:
+        recompute_ratio: the ratio in force, in [0, 1] (the request's, the index's calibration, or
+            ``blend.recompute_ratio``; ``blend.fallback_ratio`` where that is ``"auto"``).
+        check_layer: :meth:`BlendSettings.check_layer_for` the request's strategy, >= 0.
+        selection, granule: the request's strategy and granule where it sets them, else the settings'.
+        budget, mass_left: as :func:`ragcache.options.choose_budget` decided them: ``budget`` is
+            ``"fixed"`` for a selection that does not read the question's attention.
+        (every other field): the ``[blend]`` setting of the same name.
+
+    Raises (on :meth:`model_validate`):
+        pydantic.ValidationError: a value of another type (strict: ``"yes"`` is no boolean, ``"1"`` no
+            number) or out of its setting's range.
+    """
+
+    model_config = ConfigDict(frozen=True, strict=True)  # as it travels: each value of its own type, none parsed
+
+    recompute_ratio: Ratio
+    check_layer: int = Field(ge=0)
+
+    @property
+    def token_selection(self) -> "strategies.Selection":
+        """The knobs the token selection reads (:meth:`ragcache.strategies.Selection.from_settings`)."""
+        return strategies.Selection.from_settings(self)
+
+
 class StoreSettings(_Section):
     """Tiered KV store: device -> cpu -> disk -> remote."""
 

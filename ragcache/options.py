@@ -26,23 +26,29 @@ CLI's query flags (app/ask_cmd.py) are derived from these fields, so a new optio
 here, plus the engine code that reads it.
 
 From there the object travels unchanged: the pipeline reads ``top_k`` and ``history``, the engine
-``mode``, ``max_tokens``, ``recompute_ratio``, ``selection`` and ``sampling`` (into the connector's
-``BlendParams`` and vLLM's ``SamplingParams``). Nothing below checks these values again; the one
-change on the way is the pipeline filling in the recompute ratio of the index's calibration when
-the caller gave none (:meth:`QueryOptions.with_ratio`). Imports ragcache.config, ragcache.conversation and
-pydantic only: every layer may use it.
+``mode``, ``max_tokens`` and ``sampling`` (into vLLM's ``SamplingParams``) and turns the blend options
+into the request's one record of blend parameters (:func:`blend_knobs`; the connector's
+``BlendParams`` carries it to the worker). The budget is decided here, once: its ratio
+(:func:`choose_ratio`), fixed or adaptive and its threshold, the default that gives way and the
+refusals (:func:`choose_budget`, whose refusals :func:`check_request` raises). Nothing below checks
+these values again; the one change on the way is the pipeline filling in the ratio
+:func:`choose_ratio` gives (and the calibration's ``mass_left``) when the caller gave none
+(:meth:`QueryOptions.with_budget`). Imports ragcache.config, ragcache.strategies,
+ragcache.conversation and pydantic only: every layer may use it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Mapping
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, Strict,
                       ValidationError, ValidationInfo, field_validator, model_validator)
 
 from ragcache import strategies
-from ragcache.config import (BLENDING_MODES, BudgetMode, Granule, MassLeft, MaxTokens, Mode, Ratio, SelectionName, TopK,
-                             range_text)
+from ragcache.config import (BLENDING_MODES, BlendKnobs, BudgetMode, Granule, MassLeft, MaxTokens, Mode, Ratio,
+                             SelectionName, TopK, range_text)
 from ragcache.conversation import Turn
 
 if TYPE_CHECKING:
@@ -381,10 +387,14 @@ class QueryOptions(RequestOptions):
         except ValidationError as exc:
             raise options_error(exc, names or {}) from None
 
-    def with_ratio(self, ratio: float) -> "QueryOptions":
+    def with_budget(self, ratio: float, mass_left: float | None = None) -> "QueryOptions":
         """These options with the recompute ratio the pipeline resolved for the request (from the
-        settings or the index's calibration, both validated where they were read)."""
-        return self.model_copy(update={"recompute_ratio": ratio})
+        settings or the index's calibration, both validated where they were read) and the
+        calibration's ``mass_left``, each where the request set none (the request's own gives no way).
+        Returns ``self`` when nothing changes."""
+        update = {k: v for k, v in (("recompute_ratio", ratio), ("mass_left", mass_left))
+                  if v is not None and getattr(self, k) is None}
+        return self.model_copy(update=update) if update else self
 
 
 def options_error(exc: ValidationError, names: Mapping[str, str]) -> QueryOptionsError:
@@ -464,18 +474,106 @@ def check_request(options: RequestOptions, blend: "BlendSettings", *, default_mo
             if _is_blend_only(field):
                 raise error(field, blend_only_rule(mode, "" if options.mode else mode_from))
         return
-    asks = "mass_left" if options.mass_left is not None else "budget" if options.budget == "adaptive" else None
-    if asks is None or options.budget == "fixed":
-        return
+    refusal = choose_budget(options, blend).refusal
+    if refusal is not None:
+        raise error(*refusal)
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The recompute budget a blend runs with, as :func:`choose_budget` decided it.
+
+    Attributes:
+        budget: ``"adaptive"`` (from the question's attention, within the settings' bounds
+            ``max_recompute_ratio`` and ``max_recompute_tokens``) or ``"fixed"`` (the ratio alone).
+        mass_left: the adaptive budget's threshold, in (0, 1): the request's, else ``blend.mass_left``.
+        refusal: ``(option, rule)`` when the request asks for the adaptive budget (its ``budget =
+            "adaptive"`` or its ``mass_left``) and the selection in force does not read the question's
+            attention, which that budget follows: :func:`check_request` raises it as a
+            :class:`QueryOptionsError`; None otherwise.
+    """
+
+    budget: BudgetMode
+    mass_left: float
+    refusal: tuple[str, str] | None = None
+
+
+def choose_budget(options: RequestOptions, blend: "BlendSettings") -> BudgetChoice:
+    """The one decision of a blend's recompute budget, from the request's options and the ``[blend]``
+    settings (``blend.budget``, ``blend.mass_left``, ``blend.selection``; the ratio is the request's
+    or the pipeline's, :meth:`QueryOptions.with_budget`).
+
+    A setting's default gives way to what the request sets: a request's ``mass_left`` asks for the
+    adaptive budget whatever ``blend.budget`` says (unless it sets ``budget``), and a selection that
+    does not read the question's attention (the request's, else ``blend.selection``; a hybrid whose
+    ``blend.question_weight`` is 0) runs with the fixed budget whatever ``blend.budget`` says. What
+    the request itself asks for and cannot have is returned as :attr:`BudgetChoice.refusal`.
+    """
     strategy = options.selection.strategy if options.selection is not None else blend.selection
     record = strategies.get(strategy)
-    if record.needs_question(blend):
-        return
-    if options.selection is None:
-        raise error(asks, adaptive_rule(asks, strategy, "the", " (no selection given: the setting blend.selection)"))
-    knobs = ", ".join(f"blend.{k} = {getattr(blend, k)!r}" for k in record.settings)
-    raise error(asks, adaptive_rule(asks, strategy, "the request's", f" with {knobs}" if knobs else "",
-                                    f"change {knobs}" if knobs else ""))
+    granule = options.selection.granule if options.selection is not None else None
+    reads_question = record.needs_question(strategies.Selection.from_settings(blend, strategy, granule))
+    budget = options.budget or ("adaptive" if options.mass_left is not None else blend.budget)
+    mass_left = blend.mass_left if options.mass_left is None else options.mass_left
+    asks = "mass_left" if options.mass_left is not None else "budget" if options.budget == "adaptive" else None
+    refusal = None
+    if asks is not None and options.budget != "fixed" and not reads_question:
+        if options.selection is None:
+            rule = adaptive_rule(asks, strategy, "the", " (no selection given: the setting blend.selection)")
+        else:
+            knobs = ", ".join(f"blend.{k} = {getattr(blend, k)!r}" for k in record.settings)
+            rule = adaptive_rule(asks, strategy, "the request's", f" with {knobs}" if knobs else "",
+                                 f"change {knobs}" if knobs else "")
+        refusal = (asks, rule)
+    return BudgetChoice(budget if reads_question else "fixed", mass_left, refusal)
+
+
+def choose_ratio(override: float | None, blend: "BlendSettings",
+                 calibration: Callable[[], Any] = lambda: None) -> tuple[float, float | None, str]:
+    """A blend's recompute ratio, the adaptive threshold that goes with it, and where the ratio came
+    from: ``"request"`` (``override``), ``"settings"`` (a number in ``blend.recompute_ratio``),
+    ``"calibration"`` (``blend.recompute_ratio = "auto"`` and ``calibration()``, the index's
+    calibration, has a ratio) or ``"fallback"`` (``"auto"`` without one: ``blend.fallback_ratio``).
+
+    Args:
+        calibration: called only for ``"auto"``: None, or a record with ``ratio`` and ``mass_left``
+            (float or None; :class:`ragcache.quality.records.Calibration`).
+
+    Returns:
+        ``(ratio, mass_left, source)``: ``mass_left`` is the calibration's where the ratio is
+        (the threshold was fitted with it), else None; the request's own ``mass_left`` comes first
+        (:meth:`QueryOptions.with_budget`).
+    """
+    if override is not None:
+        return float(override), None, "request"
+    if blend.recompute_ratio != "auto":
+        return float(blend.recompute_ratio), None, "settings"
+    cal = calibration()
+    if cal is not None and cal.ratio is not None:
+        return cal.ratio, cal.mass_left, "calibration"
+    return blend.fallback_ratio, None, "fallback"
+
+
+def blend_knobs(blend: "BlendSettings", options: RequestOptions) -> "BlendKnobs":
+    """One request's blend parameters (:class:`~ragcache.config.BlendKnobs`): the ``[blend]``
+    settings, with the request's own recompute ratio, selection and granule where its options set
+    them, ``recompute_ratio = "auto"`` unresolved by the caller read as ``blend.fallback_ratio``, the
+    check layer resolved for the strategy, and the budget :func:`choose_budget` decides.
+
+    Nothing is range-checked here: the settings were validated when they were loaded, the options
+    where the request entered.
+
+    Raises:
+        ValueError: the request's selection measures KV deviation while ``blend.check_layer`` is 0.
+    """
+    sel = options.selection
+    strategy = sel.strategy if sel is not None else blend.selection
+    choice = choose_budget(options, blend)
+    return BlendKnobs.model_construct(**{
+        **blend.model_dump(), "selection": strategy,
+        "granule": blend.granule if sel is None or sel.granule is None else sel.granule,
+        "recompute_ratio": blend.static_ratio if options.recompute_ratio is None else options.recompute_ratio,
+        "check_layer": blend.check_layer_for(strategy), "budget": choice.budget, "mass_left": choice.mass_left})
 
 
 def _is_blend_only(field: str) -> bool:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Litera
 from ragcache.config import BLENDING_MODES, Settings
 from ragcache.conversation import Turn, check_question, retrieval_query
 from ragcache.engine.messages import RequestMetrics, StoreStats
-from ragcache.options import DEFAULTS, QueryOptions, check_request, options_from
+from ragcache.options import DEFAULTS, QueryOptions, check_request, choose_ratio, options_from
 
 if TYPE_CHECKING:
     from ragcache.engine import AsyncBlendEngine, BlendEngine, Generation
@@ -372,15 +372,8 @@ class RAGPipeline:
         ``"settings"`` (a number in ``blend.recompute_ratio``), ``"calibration"`` (``"auto"`` and
         the index is calibrated) or ``"fallback"`` (``"auto"`` without a usable calibration:
         ``blend.fallback_ratio``; :meth:`ratio_note` says so)."""
-        b = self.settings.blend
-        if override is not None:
-            return float(override), "request"
-        if b.recompute_ratio != "auto":
-            return float(b.recompute_ratio), "settings"
-        cal = self.calibration()
-        if cal is not None and cal.ratio is not None:
-            return cal.ratio, "calibration"
-        return b.fallback_ratio, "fallback"
+        ratio, _, source = choose_ratio(override, self.settings.blend, self.calibration)
+        return ratio, source
 
     def ratio_note(self, source: str, ratio: float | None) -> str:
         """One sentence when a blend at ``ratio`` (from ``source``, see :meth:`recompute_ratio`) goes
@@ -417,16 +410,13 @@ class RAGPipeline:
     def _for_engine(self, options: QueryOptions) -> tuple[QueryOptions, str]:
         """``options`` as the engine gets them, and where the blend's ratio came from: in blend mode
         (or ``auto``, which may blend) without a ratio of the request's own, the pipeline's
-        (:meth:`recompute_ratio`) is filled in; everything else passes unchanged."""
+        (:func:`ragcache.options.choose_ratio`: the setting or the index's calibration, with the
+        calibration's ``mass_left`` where the request set none) is filled in; everything else passes
+        unchanged."""
         if (options.mode or self.settings.engine.mode) not in BLENDING_MODES:
             return options, ""
-        ratio, source = self.recompute_ratio(options.recompute_ratio)
-        if options.recompute_ratio is None:
-            options = options.with_ratio(ratio)
-        cal = self.calibration() if source == "calibration" else None
-        if cal is not None and cal.mass_left is not None and options.mass_left is None:
-            options = options.model_copy(update={"mass_left": cal.mass_left})  # the threshold fitted with the ratio
-        return options, source
+        ratio, mass_left, source = choose_ratio(options.recompute_ratio, self.settings.blend, self.calibration)
+        return options.with_budget(ratio, mass_left), source
 
     def query(self, question: str, options: QueryOptions | None = None, **fields: Any) -> Answer:
         """Answer ``question`` from the index.

@@ -19,7 +19,9 @@ import torch
 from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, context_layout, hf_layer_kv, tiny_context, tiny_llama
 from kv_fixtures import SPEC, make_kv
 
-from ragcache.blend import Selection, blend_kv, compute_kv, hkvd_budget, move_keys
+from blend_calls import blend_of
+
+from ragcache.blend import Selection, compute_kv, hkvd_budget, move_keys
 from ragcache.config import StoreSettings
 from ragcache.kvstore import CpuTier, TieredStore
 from ragcache.kvstore.configure import tiers_from_settings
@@ -53,7 +55,7 @@ def models():
 def _blend(ops, context, **kwargs):
     got = LayerCollector(ops.num_layers)
     starts, exact = context_layout(context)
-    result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, on_layer=got,
+    result = blend_of(ops, context.token_ids, context.positions, context.load_layer, on_layer=got,
                       tail_ids=TINY_TAIL, segment_starts=starts, exact=exact, **kwargs)
     return result, got
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from blend_calls import blend_request, knobs
 from hf_ops import HFLlamaOps, LayerCollector, cached_context, tiny_llama
 
 from ragcache.blend import (
@@ -34,12 +35,12 @@ def contexts(ops):
             ((1, [40, 25, 33]), (2, [17, 60]), (3, [30, 30, 30, 12]), (4, [50]))]
 
 
-def request(context, tail, **knobs) -> BlendRequest:
+def request(context, tail, **given) -> BlendRequest:
     starts = [0, *context.chunk_starts]
     exact = torch.zeros(context.token_ids.shape[0], dtype=torch.bool)
     exact[:context.chunk_starts[0]] = True
-    return BlendRequest(token_ids=context.token_ids, positions=context.positions, tail_ids=tail,
-                        segment_starts=starts, exact=exact, **{"check_layer": 0, "deviation": "value", **knobs})
+    return blend_request(context.token_ids, context.positions, tail_ids=tail, segment_starts=starts, exact=exact,
+                         **{"check_layer": 0, "deviation": "value", **given})
 
 
 #: one pass's requests: different lengths, budgets (one adaptive), depths and tails, one selection
@@ -103,17 +104,14 @@ def run_batch(ops, reqs, contexts, source, engine_like):
 def test_a_batched_pass_equals_each_blend_alone(ops, contexts, selection, source, engine_like):
     check_layer = 1 if selection.needs_deviation else 0
     for size in (1, 2, 3, 4):
-        reqs = [replace(r, check_layer=check_layer)
+        reqs = [replace(r, knobs=r.knobs.model_copy(update={"check_layer": check_layer}))
                 for r in requests_for(contexts, selection, size)]
         results, kv, starts = run_batch(ops, reqs, contexts, source, engine_like)
         assert len(results) == size
         for r, (req, result) in enumerate(zip(reqs, results)):
             alone_kv = LayerCollector(ops.num_layers)
-            alone = blend_kv(ops, req.token_ids, req.positions, streamed([contexts[r]]), on_layer=alone_kv,
-                             recompute_ratio=req.recompute_ratio, recompute_depth=req.recompute_depth,
-                             check_layer=check_layer, deviation="value", selection=selection, tail_ids=req.tail_ids,
-                             segment_starts=req.segment_starts, exact=req.exact, budget_rule=req.budget_rule,
-                             prefetch=False)
+            assert req.selection == selection and req.knobs.check_layer == check_layer
+            alone = blend_kv(ops, req, streamed([contexts[r]]), on_layer=alone_kv, prefetch=False)
             assert torch.equal(result.selected, alone.selected), (size, r)
             assert result.budget == alone.budget and result.recomputed_layers == alone.recomputed_layers
             assert 0 < result.num_recomputed < req.num_tokens and result.batch == size
@@ -133,24 +131,26 @@ def test_blends_of_one_pass_must_share_the_schedule(ops, contexts):
 
 
 def test_the_plan_is_made_without_a_model():
-    plan = plan_blend(num_tokens=1000, num_layers=30, has_tail=True, recompute_ratio=0.15, min_recompute_tokens=0,
-                      recompute_depth=1.0, check_layer=0, deviation="value",
-                      selection=Selection("question", candidates=2.0, refine_layer=1))
+    plan = plan_blend(num_tokens=1000, num_layers=30, has_tail=True,
+                      knobs=knobs(recompute_ratio=0.15, min_recompute_tokens=0, recompute_depth=1.0, check_layer=0,
+                                  deviation="value", selection=Selection("question", candidates=2.0, refine_layer=1)))
     assert plan.fixed.tokens == 150 and plan.scores_matter and plan.probe and plan.fast_path
     assert plan.probe_layers == range(0, 30) and plan.selective_layers == range(0, 30)
     assert plan.refine_at == 1 and plan.refines(150) and plan.candidate_budget(150) == 300
     assert plan.load_order(writes_rows=True) == list(range(30))  # the probe writes every layer once
     assert plan.load_order(writes_rows=False) == list(range(30)) * 2
-    whole = plan_blend(num_tokens=100, num_layers=30, has_tail=True, recompute_ratio=1.0, check_layer=0,
-                       deviation="value", selection=Selection("question"))
+    whole = plan_blend(num_tokens=100, num_layers=30, has_tail=True,
+                       knobs=knobs(recompute_ratio=1.0, check_layer=0, deviation="value",
+                                   selection=Selection("question")))
     assert not whole.scores_matter and not whole.probe and whole.depth_end == 30 and whole.refine_at is None
-    deviation = plan_blend(num_tokens=100, num_layers=30, has_tail=False, recompute_ratio=0.2, check_layer=1,
-                           deviation="key", selection=Selection("deviation"), recompute_depth=0.5)
+    deviation = plan_blend(num_tokens=100, num_layers=30, has_tail=False,
+                           knobs=knobs(recompute_ratio=0.2, check_layer=1, deviation="key",
+                                       selection=Selection("deviation"), recompute_depth=0.5))
     assert not deviation.fast_path and deviation.selective_layers == range(2, 30) and deviation.depth_end == 15
     assert deviation.load_order(writes_rows=True) == [1, *range(2, 30)]
     with pytest.raises(ValueError, match="tail"):
-        plan_blend(num_tokens=100, num_layers=30, has_tail=False, recompute_ratio=0.2, check_layer=0,
-                   deviation="value", selection=Selection("question"))
+        plan_blend(num_tokens=100, num_layers=30, has_tail=False,
+                   knobs=knobs(recompute_ratio=0.2, check_layer=0, deviation="value", selection=Selection("question")))
 
 
 class ZeroAttention:
@@ -189,7 +189,8 @@ def test_the_attention_pairs_are_the_selective_queries_causal_keys(ops, contexts
     """``attention_pairs`` counts, over the selective layers' attention calls, each recomputed query with
     the keys at or before it in its own context (not the pass's other requests' rows, not the keys after
     it): recounted here from the calls the attention actually received."""
-    reqs = [replace(r, check_layer=1) for r in requests_for(contexts, Selection("deviation", granule=4), size)]
+    reqs = [replace(r, knobs=r.knobs.model_copy(update={"check_layer": 1}))
+            for r in requests_for(contexts, Selection("deviation", granule=4), size)]
     positions = torch.cat([r.positions for r in reqs])
     starts = torch.tensor([0, *torch.tensor([r.num_tokens for r in reqs]).cumsum(0).tolist()])
     reference = torch_attention(positions, ops.scaling, starts.tolist())

@@ -7,7 +7,9 @@ import torch
 from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, cached_context, context_layout, hf_layer_kv, smollm2, tiny_llama
 from hf_ops import tiny_context as hf_tiny_context
 
-from ragcache.blend import DecoderOps, Selection, blend_kv, compute_kv, hkvd_budget, move_keys, reuse_kv, torch_attention
+from blend_calls import blend_of
+
+from ragcache.blend import DecoderOps, Selection, compute_kv, hkvd_budget, move_keys, reuse_kv, torch_attention
 from ragcache.config import BlendSettings
 
 
@@ -51,7 +53,7 @@ DEFAULTS = {**BlendSettings().model_dump(include={"recompute_ratio", "deviation"
 
 def blend(ops, ids, positions, load_layer, **kwargs):
     """``blend_kv`` with the settings' defaults for the knobs not given."""
-    return blend_kv(ops, ids, positions, load_layer, **{**DEFAULTS, **kwargs})
+    return blend_of(ops, ids, positions, load_layer, **{**DEFAULTS, **kwargs})
 
 
 def run_blend(ops, context, **kwargs):
@@ -200,7 +202,7 @@ def test_question_selection_at_check_layer_zero_computes_only_the_tail_and_the_s
     starts, exact = context_layout(tiny_context)
     n = tiny_context.token_ids.shape[0]
     collected = LayerCollector(ops.num_layers)
-    result = blend_kv(counting, tiny_context.token_ids, tiny_context.positions, tiny_context.load_layer,
+    result = blend_of(counting, tiny_context.token_ids, tiny_context.positions, tiny_context.load_layer,
                       recompute_ratio=0.2, check_layer=0, deviation="value", selection=Selection("question"),
                       tail_ids=TAIL, segment_starts=starts, exact=exact, on_layer=collected)
     assert result.num_recomputed == hkvd_budget(0.2, n) < n

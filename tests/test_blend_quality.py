@@ -9,7 +9,9 @@ import pytest
 import torch
 from hf_ops import HFLlamaOps, LayerCollector, cached_context, hotpotqa_examples, next_token_logits, smollm2
 
-from ragcache.blend import blend_kv, reuse_kv
+from blend_calls import blend_of
+
+from ragcache.blend import reuse_kv
 
 LEAD_IN = (
     "<|im_start|>system\nYou are a helpful assistant. Answer the question using the passages.<|im_end|>\n"
@@ -71,7 +73,7 @@ def test_blend_first_token_distribution_is_closer_to_full_prefill_than_reuse(smo
         kl_reuse.append(kl_full_to(full, next_token_logits(model, reused.k, reused.v, torch.tensor(question))))
 
         blended = LayerCollector(ops.num_layers)
-        result = blend_kv(
+        result = blend_of(
             ops, context.token_ids, context.positions, context.load_layer,
             recompute_ratio=0.15, check_layer=1, deviation="value", on_layer=blended,
         )
@@ -116,7 +118,7 @@ def test_question_selection_spends_more_budget_on_the_chunk_the_question_asks_ab
     for fact, question in enumerate(ASKS):
         tail = tokenizer(f"Question: {question}<|im_end|>\n<|im_start|>assistant\n",
                          add_special_tokens=False)["input_ids"]
-        result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=0.15,
+        result = blend_of(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=0.15,
                           check_layer=1, deviation="value", selection=Selection("question"),
                           tail_ids=torch.tensor(tail), segment_starts=[0] + context.chunk_starts, exact=exact,
                           on_layer=LayerCollector(ops.num_layers))

@@ -181,18 +181,18 @@ def test_a_request_selection_gets_its_own_check_layer():
     """A request that selects otherwise than the settings gets the check layer of its own strategy
     ("auto": 0 for question, 1 for deviation); a deviation request under an explicit check_layer 0
     is refused with the reason."""
-    from ragcache.config import BlendSettings
+    from ragcache.config import BlendKnobs, BlendSettings
     from ragcache.engine.messages import BlendParams
     from ragcache.options import QueryOptions
 
-    def params(blend: BlendSettings, selection: str | None) -> BlendParams:
+    def params(blend: BlendSettings, selection: str | None) -> BlendKnobs:
         return BlendParams.from_options(blend, QueryOptions(mode="blend", selection=selection), mode="blend",
-                                        ctx_len=10, lead_in_len=1, segments=())
+                                        ctx_len=10, lead_in_len=1, segments=()).blend
 
     assert params(BlendSettings(), None).check_layer == 0
     assert params(BlendSettings(), "deviation").check_layer == 1
     assert (params(BlendSettings(selection="deviation"), "question/16").check_layer,
-            params(BlendSettings(selection="deviation"), "question/16").selection.granule) == (0, 16)
+            params(BlendSettings(selection="deviation"), "question/16").granule) == (0, 16)
     assert params(BlendSettings(check_layer=2), "deviation").check_layer == 2
     with pytest.raises(ValueError, match="KV deviation at layer 0 is zero"):
         params(BlendSettings(check_layer=0), "deviation")

@@ -173,7 +173,7 @@ def test_a_context_load_that_fails_is_answered_by_full_prefill_and_the_engine_go
     prompt = engine.prompts.build("Who founded Velmora?", fact_chunks)
     full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=8))
     req = engine._request(prompt, QueryOptions(mode="blend", max_tokens=8))
-    req.sampling.extra_args["kv_transfer_params"][TRANSFER_KEY]["check_layer"] = 99
+    req.sampling.extra_args["kv_transfer_params"][TRANSFER_KEY]["blend"]["check_layer"] = 99
     [out] = engine.llm.generate([req.inputs], [req.sampling], use_tqdm=False)
     failed = engine._generation(req, out, 0.0)
     assert failed.metrics.load_error == "ValueError: check_layer must be in [0, 30), got 99"

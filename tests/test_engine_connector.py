@@ -70,37 +70,40 @@ def schedule(conn, *reqs):
 def test_blend_params_round_trip_through_plain_data():
     p = params(recompute_ratio=0.3)
     d = p.to_dict()
-    assert d["segments"] == [["head", 0, 10], ["c1", 10, 20], ["c2", 30, 15]]
-    assert BlendParams.from_dict(d) == p and p.recompute_ratio == 0.3
-    assert params().recompute_ratio == BlendSettings().recompute_ratio  # the default lives in config
+    assert d["segments"] == [dataclasses.asdict(s) for s in SEGMENTS]
+    assert BlendParams.from_dict(d) == p and p.blend.recompute_ratio == 0.3
+    assert params().blend.recompute_ratio == BlendSettings().recompute_ratio  # the default lives in config
     auto = BlendParams.from_options(BlendSettings(recompute_ratio="auto", fallback_ratio=0.2), QueryOptions(),
                                     mode="blend", ctx_len=45, lead_in_len=10, segments=SEGMENTS)
-    assert auto.recompute_ratio == 0.2  # "auto" unresolved by the caller: the fallback
+    assert auto.blend.recompute_ratio == 0.2  # "auto" unresolved by the caller: the fallback
     with pytest.raises(ValueError, match="malformed"):
         BlendParams.from_dict({k: v for k, v in d.items() if k != "ctx_len"})
-    # the budget's settings have their defaults in config alone: the record restates none of them
+    # every setting has its default in config alone: the record restates none, and travels whole
+    assert set(d["blend"]) == set(BlendSettings.model_fields)
     budget = ("budget", "mass_left", "max_recompute_ratio", "max_recompute_tokens")
-    assert {k: d[k] for k in budget} == BlendSettings().model_dump(include=set(budget))
+    assert {k: d["blend"][k] for k in budget} == BlendSettings().model_dump(include=set(budget))
     for key in budget:
         with pytest.raises(ValueError, match="malformed"):
-            BlendParams.from_dict({k: v for k, v in d.items() if k != key})
+            BlendParams.from_dict({**d, "blend": {k: v for k, v in d["blend"].items() if k != key}})
     with pytest.raises(ValueError, match="modes"):
         params(mode="full")
-    assert params(selection="hybrid").selection.strategy == "hybrid"
-    spec = params(selection="question/16")
-    assert (spec.selection.strategy, spec.selection.granule) == ("question", 16)
-    assert params().selection.granule == BlendSettings().granule
-    # the selection travels as one nested record of the settings' knobs, the worker's Selection as is
-    assert d["selection"] == dataclasses.asdict(Selection.from_settings(BlendSettings()))
-    assert BlendParams.from_dict(d).selection == Selection.from_settings(BlendSettings())
-    with pytest.raises(ValueError, match="malformed.*selection must be one of"):
-        BlendParams.from_dict({**d, "selection": {**d["selection"], "strategy": "attention"}})
+    assert params(selection="hybrid").blend.selection == "hybrid"
+    spec = params(selection="question/16").blend
+    assert (spec.selection, spec.granule) == ("question", 16)
+    assert params().blend.granule == BlendSettings().granule
+    # the blend parameters travel as one nested record, the settings' knobs as the worker's Selection reads them
+    assert d["blend"] == BlendParams.from_dict(d).blend.model_dump()
+    assert BlendParams.from_dict(d).blend.token_selection == Selection.from_settings(BlendSettings())
+    with pytest.raises(ValueError, match=r"(?s)malformed.*selection.*Input should be 'deviation'"):
+        BlendParams.from_dict({**d, "blend": {**d["blend"], "selection": "attention"}})
+    with pytest.raises(ValueError, match="malformed"):
+        BlendParams.from_dict({**d, "blend": "question"})
     with pytest.raises(ValueError, match="malformed"):
         BlendParams.from_dict({**d, "selection": "question"})
     # the options were validated when they were built (tests/test_options.py); nothing here checks again
     unchecked = QueryOptions.model_construct(recompute_ratio=1.5, selection=None)
     assert BlendParams.from_options(BlendSettings(), unchecked, mode="blend", ctx_len=45, lead_in_len=10,
-                                    segments=SEGMENTS).recompute_ratio == 1.5
+                                    segments=SEGMENTS).blend.recompute_ratio == 1.5
 
 
 def test_metrics_round_trip_and_read_the_worker_stats_from_the_output():

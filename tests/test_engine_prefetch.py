@@ -33,6 +33,7 @@ def test_the_setting_crosses_the_connector_unchanged(value):
     blend = BlendSettings(pipeline_overlap=value)
     params = BlendParams.from_options(blend, QueryOptions(), mode="blend", ctx_len=4, lead_in_len=1, segments=(),
                                       question_end=0)
-    assert BlendParams.from_dict(params.to_dict()).pipeline_overlap == value
+    assert BlendParams.from_dict(params.to_dict()).blend.pipeline_overlap == value
     with pytest.raises(ValueError, match="pipeline_overlap"):
-        BlendParams.from_dict({**params.to_dict(), "pipeline_overlap": "yes"})
+        d = params.to_dict()
+        BlendParams.from_dict({**d, "blend": {**d["blend"], "pipeline_overlap": "yes"}})

@@ -107,7 +107,7 @@ def test_a_default_that_does_not_apply_gives_way_and_the_engine_is_told_what_run
         options = QueryOptions.parse({"mode": "blend", **fields})
         check_request(options, blend, default_mode="blend")
         return BlendParams.from_options(blend, options, mode="blend", ctx_len=30, lead_in_len=10,
-                                        segments=())
+                                        segments=()).blend
 
     assert params(settings.blend, selection="deviation").budget == "fixed"  # blend.budget's adaptive gives way
     assert params(settings.blend).budget == "adaptive"
@@ -285,7 +285,7 @@ def test_the_ratio_walks_from_the_http_body_to_the_connector_as_typed_objects_va
     assert engine_opts is options and source == "request"  # the pipeline hands it on unchanged
     req = _engine_base(settings)._request(_prompt(), engine_opts)
     params = BlendParams.from_dict(req.sampling.extra_args["kv_transfer_params"][TRANSFER_KEY])
-    assert (params.recompute_ratio, params.selection.strategy, params.selection.granule) == (0.25, "question", 16)
+    assert (params.blend.recompute_ratio, params.blend.selection, params.blend.granule) == (0.25, "question", 16)
     assert (req.sampling.max_tokens, req.sampling.temperature, req.recompute_ratio) == (7, 0.5, 0.25)
     # the one check is at the edge: a bad ratio stops at the body, naming the field
     with pytest.raises(ValidationError) as e:
@@ -295,7 +295,7 @@ def test_the_ratio_walks_from_the_http_body_to_the_connector_as_typed_objects_va
     unchecked = QueryOptions.model_construct(mode="blend", recompute_ratio=1.5, selection=None, max_tokens=None,
                                              sampling=SamplingOptions())
     sent = _engine_base(settings)._request(_prompt(), unchecked).sampling.extra_args["kv_transfer_params"]
-    assert sent[TRANSFER_KEY]["recompute_ratio"] == 1.5
+    assert sent[TRANSFER_KEY]["blend"]["recompute_ratio"] == 1.5
 
 
 def test_without_a_ratio_of_its_own_the_pipeline_fills_in_its_resolved_one(tmp_path):

@@ -14,7 +14,9 @@ from hf_ops import HFLlamaOps, LayerCollector, context_layout, tiny_context, tin
 from pydantic import ValidationError
 
 from ragcache import strategies
-from ragcache.blend import SCORES, blend_kv, compute_kv, hkvd_budget, move_keys, score_function
+from blend_calls import blend_of
+
+from ragcache.blend import SCORES, compute_kv, hkvd_budget, move_keys, score_function
 from ragcache.config import BlendSettings, ConfigError, Settings
 from ragcache.engine.messages import BlendParams
 from ragcache.options import QueryOptions, SelectionSpec
@@ -57,7 +59,7 @@ def test_a_strategy_registered_in_a_test_runs_a_real_blend(first_tokens, tiny):
     n = context.token_ids.shape[0]
     check_layer = BlendSettings(selection=TOY).resolved_check_layer
     got = LayerCollector(ops.num_layers)
-    result = blend_kv(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=0.2,
+    result = blend_of(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=0.2,
                       check_layer=check_layer, deviation="value", selection=Selection(TOY), segment_starts=starts,
                       exact=exact, on_layer=got)
     # the budget goes to the first tokens after the exact ones (the lead-in and the first chunk)
@@ -73,7 +75,7 @@ def test_a_strategy_registered_in_a_test_runs_a_real_blend(first_tokens, tiny):
     assert not torch.allclose(got.v[1][first + len(rows):], v[1][first + len(rows):], atol=1e-3)
     # at ratio 1 every token is recomputed: full prefill in every layer
     whole = LayerCollector(ops.num_layers)
-    blend_kv(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=1.0,
+    blend_of(ops, context.token_ids, context.positions, context.load_layer, recompute_ratio=1.0,
              check_layer=check_layer, deviation="value", selection=Selection(TOY, granule=4), segment_starts=starts,
              exact=exact, on_layer=whole)
     for layer in range(ops.num_layers):
@@ -92,8 +94,9 @@ def test_the_settings_requests_and_messages_accept_a_registered_strategy(first_t
     options = QueryOptions.parse({"mode": "blend", "selection": f"{TOY}/4"})
     assert options.selection == SelectionSpec(strategy=TOY, granule=4)
     params = BlendParams.from_options(BlendSettings(), options, mode="blend", ctx_len=10, lead_in_len=1, segments=())
-    assert params.selection == Selection.from_settings(BlendSettings(), TOY, 4) and params.check_layer == 0
-    assert not params.selection.needs_question and not params.selection.needs_deviation
+    knobs = params.blend
+    assert knobs.token_selection == Selection.from_settings(BlendSettings(), TOY, 4) and knobs.check_layer == 0
+    assert not knobs.token_selection.needs_question and not knobs.token_selection.needs_deviation
     assert BlendParams.from_dict(params.to_dict()) == params
     # an unknown name is refused with the registered names, the new one among them
     with pytest.raises(ConfigError, match="Input should be 'deviation', 'question', 'hybrid' or 'first-tokens'"):

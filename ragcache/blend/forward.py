@@ -14,14 +14,16 @@ token is computed in full (§4.3); loading the KV of the next layer overlaps wit
 current one (§5, pipelining KV loading and recompute; :mod:`ragcache.blend.reused`).
 
 A blend is a plan (:func:`~ragcache.blend.plan.plan_blend`: budget, probe, depth, refinement) run in
-phases, each a short function here: :func:`_prefill_to_check` (the layers before the check layer
-for every token, and the check layer's fresh KV), :func:`_probe` (the question tail alone over the
-reused KV), :func:`decide_budgets` (the one place the budget is decided after the probe),
-:func:`_select` / :class:`_Refinement` (which tokens), and :func:`_selective_layers` (only those tokens,
-in every later layer). Several blends of one engine step run as one pass (:func:`blend_batch`):
-their context tokens are concatenated, projections and MLP run on all their selected tokens at once,
-the attention is one call of the engine's varlen kernel, and the number of operators a pass
-dispatches does not grow with its requests, chunks or runs (:mod:`ragcache.blend.opcount`).
+phases, each a short function here taking the pass's state (:class:`_Pass`: the model, the blends
+with their plans and budgets, the rows, the reused KV, the callbacks, the clock):
+:func:`_prefill_to_check` (the layers before the check layer for every token, and the check layer's
+fresh KV), :func:`_probe` (the question tail alone over the reused KV), :func:`decide_budgets` (each
+blend's budget after the probe, as its parameters say), :func:`_select` / :class:`_Refinement`
+(which tokens), and :func:`_selective_layers` (only those tokens, in every later layer). Several
+blends of one engine step run as one pass (:func:`blend_batch`): their context tokens are
+concatenated, projections and MLP run on all their selected tokens at once, the attention is one
+call of the engine's varlen kernel, and the number of operators a pass dispatches does not grow with
+its requests, chunks or runs (:mod:`ragcache.blend.opcount`).
 
 Tensors handed to ``on_layer`` are created under ``torch.inference_mode()`` and may alias what
 ``load_layer`` returned: copy them out (e.g. into the engine's paged cache), do not modify them.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -204,31 +207,57 @@ def compute_kv(
 
 @dataclass(frozen=True, eq=False)
 class BlendRequest:
-    """One blend's inputs (see :func:`blend_kv` for each field): the context, the question tail,
-    where its chunks start, which tokens are exact or forced, and the knobs of its plan.
+    """One blend's inputs: the context, the question tail, where its chunks start, which tokens are
+    exact or forced, and the request's blend parameters.
+
+    Attributes:
+        token_ids: ``[N]`` int64 context token ids, in prompt order.
+        positions: ``[N]`` int64 absolute positions of those tokens in the prompt (ascending).
+        knobs: the request's blend parameters, read by attribute (:class:`ragcache.config.BlendKnobs`,
+            or any object with its attributes): ``recompute_ratio`` in [0, 1], ``min_recompute_tokens``
+            (with a ratio above 0, at least this many tokens, all N when fewer;
+            :func:`~ragcache.blend.select.hkvd_budget`), ``recompute_depth`` in (0, 1] (the share
+            of layers, from the first, the selected tokens are recomputed in; applies only when a
+            selection is made), ``check_layer`` in ``[0, num_layers)``, ``deviation`` (``"value"``
+            or ``"key"``), the selection's knobs (:meth:`ragcache.strategies.Selection.from_settings`)
+            and the budget's (``budget``, ``mass_left``, ``max_recompute_ratio``,
+            ``max_recompute_tokens``).
+        tail_ids: ``[T]`` int64 ids of the tokens after the context (the question and the
+            assistant-turn opening), at positions ``positions[-1] + 1 ..``; needed by question-aware
+            selection, ignored otherwise.
+        segment_starts: first index of each cached segment in the context (ascending, from 0).
+        exact: ``[N]`` bool, tokens whose cached KV is already exact (the prompt head, a chunk at its
+            canonical place): recomputed only when the budget exceeds every other token.
+        forced: ``[N]`` bool, True for tokens with no cached KV (always recomputed), or None.
+        selection: the knobs' :class:`~ragcache.strategies.Selection` (derived).
+        budget_rule: the adaptive budget's :class:`~ragcache.blend.select.BudgetRule` where
+            ``knobs.budget`` is ``"adaptive"``, else None: the ratio's budget (derived; applies
+            with question scores, :func:`decide_budgets`).
 
     Raises (on construction):
-        ValueError: empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``.
+        ValueError: empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``, or
+            selection knobs out of range.
     """
 
     token_ids: torch.LongTensor
     positions: torch.LongTensor
-    recompute_ratio: float
-    check_layer: int
-    deviation: str
-    selection: Selection = field(default_factory=lambda: Selection("deviation"))
-    min_recompute_tokens: int = 0
-    recompute_depth: float = 1.0
+    knobs: Any
     tail_ids: torch.LongTensor | None = None
     segment_starts: Sequence[int] = (0,)
     exact: torch.Tensor | None = None
     forced: torch.Tensor | None = None
-    budget_rule: BudgetRule | None = None
+    selection: Selection = field(init=False)
+    budget_rule: BudgetRule | None = field(init=False)
 
     def __post_init__(self) -> None:
         n = _check_positions(self.token_ids, self.positions)
         check_mask(self.forced, n, "forced")
         check_mask(self.exact, n, "exact")
+        k = self.knobs
+        object.__setattr__(self, "selection", Selection.from_settings(k))
+        object.__setattr__(self, "budget_rule", BudgetRule(k.mass_left, k.max_recompute_ratio,
+                                                           max_tokens=k.max_recompute_tokens)
+                           if k.budget == "adaptive" else None)
 
     @property
     def num_tokens(self) -> int:
@@ -243,15 +272,12 @@ class BlendRequest:
         tail = self.tail_ids
         return plan_blend(num_tokens=self.num_tokens, num_layers=num_layers,
                           num_forced=int(self.forced.sum()) if self.forced is not None else 0,
-                          has_tail=tail is not None and tail.dim() == 1 and tail.shape[0] > 0,
-                          recompute_ratio=self.recompute_ratio, min_recompute_tokens=self.min_recompute_tokens,
-                          recompute_depth=self.recompute_depth, check_layer=self.check_layer,
-                          deviation=self.deviation, selection=self.selection)
+                          has_tail=tail is not None and tail.dim() == 1 and tail.shape[0] > 0, knobs=self.knobs)
 
     def pass_key(self, num_layers: int) -> tuple:
         """Blends with equal keys can run in one pass of :func:`blend_batch`: the same layers computed
         in full, probed and refined in, the same selection and deviation."""
-        return (self.plan(num_layers).schedule, self.selection, self.deviation)
+        return (self.plan(num_layers).schedule, self.selection, self.knobs.deviation)
 
 
 class _Batch:
@@ -363,46 +389,6 @@ class _Rows:
                      None if self.stop is None else self.stop[mask])
 
 
-def _full_layer(ops: DecoderOps, layer: int, batch: _Batch, hidden: torch.Tensor, emit: OnLayer,
-                attend: Attention, question: _QuestionProbe | None) -> torch.Tensor:
-    """One layer for every context row (and the tails, when ``question`` scores them): fresh K/V of the
-    context to ``emit``, the context's causal attention through ``attend``, the tails' over their
-    contexts and themselves. ``hidden`` ``[S(+T), ...]`` -> the layer's output, same shape (§4.3: the
-    layers up to the check layer are computed in full)."""
-    n = batch.n
-    if question is None:
-        q, k, v = _qkv_rope(ops, layer, hidden, batch.positions)  # [S, Hq, D], [S, Hkv, D], [S, Hkv, D]
-        emit(layer, k, v)
-        return ops.finish_layer(layer, hidden, attend(layer, q, batch.everything, k, v))
-    q, k, v = _qkv_rope(ops, layer, hidden, batch.all_positions)  # [S+T, ...]
-    k_ctx, v_ctx = k[:n], v[:n]
-    emit(layer, k_ctx, v_ctx)
-    attn = attend(layer, q[:n], batch.everything, k_ctx, v_ctx)  # [S, Hq, D]
-    attn = torch.cat([attn, question.attend(q[n:], k_ctx, k[n:], v_ctx, v[n:])])  # [S+T, Hq, D]
-    return ops.finish_layer(layer, hidden, attn)
-
-
-def _probe(ops: DecoderOps, batch: _Batch, layers: range, kv, question: _QuestionProbe, hidden_tail: torch.Tensor,
-           emit: OnLayer | None, keep_v: Collection[int] = ()) -> dict[int, torch.Tensor]:
-    """The question tails alone through ``layers`` over the reused KV of their contexts (ProphetKV-style
-    scores fused over layers, ICML'26); no context token is computed. With ``emit`` each reused layer
-    goes to the engine's cache now (the selective layers then write only their rows); without it the
-    selective layers read it again. Returns the reused V ``[S, Hkv, D]`` of the layers in ``keep_v``
-    that are among ``layers`` (for :class:`_Refinement`)."""
-    kept: dict[int, torch.Tensor] = {}
-    for layer in layers:
-        k, v = kv.get(layer)  # [S, Hkv, D], moved to the context's positions
-        if layer in keep_v:
-            kept[layer] = v
-        if emit is not None:
-            emit(layer, k, v)
-        q_t, k_t, v_t = _qkv_rope(ops, layer, hidden_tail, batch.tail_positions)  # [T, Hq, D], [T, Hkv, D] x2
-        attn = question.attend(q_t, k, k_t, v, v_t)  # [T, Hq, D]
-        if layer < ops.num_layers - 1:
-            hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
-    return kept
-
-
 @dataclass
 class _Checked:
     """What :func:`_prefill_to_check` leaves: the check layer's fresh ``q`` ``[S, Hq, D]``, ``k``, ``v``
@@ -416,71 +402,196 @@ class _Checked:
     cached: tuple[torch.Tensor, torch.Tensor]
 
 
-def _prefill_to_check(ops: DecoderOps, batch: _Batch, plan: BlendPlan, kv, question: _QuestionProbe | None,
-                      emit: OnLayer, attend: Attention, clock: StageClock, probe_emit: OnLayer | None) -> _Checked:
+@dataclass
+class _Blend:
+    """One blend of a pass: its request, its plan, and the budget :func:`decide_budgets` chose (None
+    before the choice)."""
+
+    request: BlendRequest
+    plan: BlendPlan
+    budget: Budget | None = None
+
+    @property
+    def tokens(self) -> int:
+        """The budget's context tokens."""
+        return self.budget.tokens
+
+    @property
+    def refining(self) -> bool:
+        """Its candidates are cut to the budget at the plan's refine layer (:meth:`BlendPlan.refines
+        <ragcache.blend.plan.BlendPlan.refines>`)."""
+        return self.plan.refines(self.budget.tokens)
+
+    @property
+    def chosen(self) -> int:
+        """Tokens the selection takes: the question's candidates where it refines, else the budget."""
+        return self.plan.candidate_budget(self.tokens) if self.refining else self.tokens
+
+
+@dataclass
+class _Pass:
+    """The state of one pass of :func:`blend_batch`, handed whole to its phases.
+
+    Attributes:
+        ops: the model's per-layer callables.
+        blends: the pass's blends in row order; they share the schedule, selection and deviation
+            (:meth:`BlendRequest.pass_key`).
+        batch: their rows and tails on the compute device.
+        kv: the reused KV: ``kv.get(layer)`` -> ``(k, v)``, each ``[S, Hkv, D]``, K moved to the rows'
+            positions (:func:`~ragcache.blend.reused.open_reused`).
+        emit: ``on_layer``, timed as ``cache_write_s``.
+        write_rows: ``write_rows`` (:data:`WriteRows`), timed as ``cache_write_s``.
+        attend: the context's attention (:data:`~ragcache.blend.attention.Attention`), timed per stage.
+        clock: the pass's seconds per stage.
+        writes: a probed layer goes to ``emit`` from the probe, and the selective layers hand only
+            their rows to ``write_rows``.
+        question: the tails' attention over the rows where the plan probes, else None.
+        checked: what :func:`_prefill_to_check` left; None on the fast path.
+        refinement: the candidates' cut; None where no blend refines.
+    """
+
+    ops: DecoderOps
+    blends: list[_Blend]
+    batch: _Batch
+    kv: Any
+    emit: Timed
+    write_rows: Timed
+    attend: Attention
+    clock: StageClock
+    writes: bool
+    question: _QuestionProbe | None = None
+    checked: _Checked | None = None
+    refinement: _Refinement | None = None
+
+    @property
+    def plan(self) -> BlendPlan:
+        """The first blend's plan: its schedule is every blend's."""
+        return self.blends[0].plan
+
+    @property
+    def selection(self) -> Selection:
+        """The pass's selection (every blend's)."""
+        return self.blends[0].request.selection
+
+    @property
+    def probe_emit(self) -> OnLayer | None:
+        """Where the probe hands the reused layers it reads: ``emit`` when :attr:`writes`, else nowhere."""
+        return self.emit if self.writes else None
+
+    @property
+    def written(self) -> set[int]:
+        """The layers the probe handed to ``emit`` whole."""
+        return set(self.plan.probe_layers) if self.writes else set()
+
+
+def _full_layer(p: _Pass, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    """One layer for every context row (and the tails, when ``p.question`` scores them): fresh K/V of the
+    context to ``p.emit``, the context's causal attention through ``p.attend``, the tails' over their
+    contexts and themselves. ``hidden`` ``[S(+T), ...]`` -> the layer's output, same shape (§4.3: the
+    layers up to the check layer are computed in full)."""
+    ops, batch, question = p.ops, p.batch, p.question
+    n = batch.n
+    if question is None:
+        q, k, v = _qkv_rope(ops, layer, hidden, batch.positions)  # [S, Hq, D], [S, Hkv, D], [S, Hkv, D]
+        p.emit(layer, k, v)
+        return ops.finish_layer(layer, hidden, p.attend(layer, q, batch.everything, k, v))
+    q, k, v = _qkv_rope(ops, layer, hidden, batch.all_positions)  # [S+T, ...]
+    k_ctx, v_ctx = k[:n], v[:n]
+    p.emit(layer, k_ctx, v_ctx)
+    attn = p.attend(layer, q[:n], batch.everything, k_ctx, v_ctx)  # [S, Hq, D]
+    attn = torch.cat([attn, question.attend(q[n:], k_ctx, k[n:], v_ctx, v[n:])])  # [S+T, Hq, D]
+    return ops.finish_layer(layer, hidden, attn)
+
+
+def _probe(p: _Pass, hidden_tail: torch.Tensor, keep_v: Collection[int] = ()) -> dict[int, torch.Tensor]:
+    """The question tails (``hidden_tail`` ``[T, hidden]`` entering the first probed layer) alone through
+    the plan's probe layers over the reused KV of their contexts (ProphetKV-style scores fused over
+    layers, ICML'26); no context token is computed. Each reused layer goes to ``p.probe_emit`` where
+    there is one (the selective layers then write only their rows). Returns the reused V ``[S, Hkv,
+    D]`` of the probed layers in ``keep_v`` (for :class:`_Refinement`)."""
+    ops, batch, question, emit = p.ops, p.batch, p.question, p.probe_emit
+    kept: dict[int, torch.Tensor] = {}
+    for layer in p.plan.probe_layers:
+        k, v = p.kv.get(layer)  # [S, Hkv, D], moved to the context's positions
+        if layer in keep_v:
+            kept[layer] = v
+        if emit is not None:
+            emit(layer, k, v)
+        q_t, k_t, v_t = _qkv_rope(ops, layer, hidden_tail, batch.tail_positions)  # [T, Hq, D], [T, Hkv, D] x2
+        attn = question.attend(q_t, k, k_t, v, v_t)  # [T, Hq, D]
+        if layer < ops.num_layers - 1:
+            hidden_tail = ops.finish_layer(layer, hidden_tail, attn)
+    return kept
+
+
+def _prefill_to_check(p: _Pass) -> _Checked:
     """Layers ``0 .. check_layer - 1`` for every row (and the tails), the check layer's fresh Q/K/V of
-    every row (K/V to ``emit``), then the question probe from the check layer on (§4.3)."""
-    n, layer = batch.n, plan.check_layer
-    with clock("full_layers_s"):
+    every row (K/V to ``p.emit``), then the question probe from the check layer on (§4.3)."""
+    ops, batch, question = p.ops, p.batch, p.question
+    n, layer = batch.n, p.plan.check_layer
+    with p.clock("full_layers_s"):
         hidden = ops.embed(batch.ids if question is None else torch.cat([batch.ids, batch.tail_ids]))
         for i in range(layer):
-            hidden = _full_layer(ops, i, batch, hidden, emit, attend, question)
+            hidden = _full_layer(p, i, hidden)
         q, k, v = _qkv_rope(ops, layer, hidden, batch.positions if question is None else batch.all_positions)
-        emit(layer, k[:n], v[:n])
+        p.emit(layer, k[:n], v[:n])
         hidden_tail = None
         if question is not None:  # the tails go through the whole check layer
             attn_tail = question.attend(q[n:], k[:n], k[n:], v[:n], v[n:])  # [T, Hq, D]
             hidden_tail = ops.finish_layer(layer, hidden[n:], attn_tail)
-    cached = kv.get(layer)
+    cached = p.kv.get(layer)
     if question is not None:
-        with clock("question_probe_s"):
-            _probe(ops, batch, plan.probe_layers, kv, question, hidden_tail, probe_emit)
+        with p.clock("question_probe_s"):
+            _probe(p, hidden_tail)
     return _Checked(q[:n], k[:n], v[:n], hidden, cached)
 
 
-def decide_budgets(requests: Sequence[BlendRequest], plans: Sequence[BlendPlan], question: _QuestionProbe | None,
-                   batch: _Batch) -> list[Budget]:
-    """The recompute budget of each blend, decided here and nowhere else, after the question probe.
+def decide_budgets(p: _Pass) -> list[Budget]:
+    """The recompute budget of each blend of the pass ``p``, in order, after the question probe.
 
-    A blend with a :class:`~ragcache.blend.select.BudgetRule` and question scores gets the adaptive
-    budget (:func:`~ragcache.blend.select.adaptive_budget`: the question's attention left on reused
-    KV, over the tokens that may be chosen and whose KV moved, neither forced nor exact); every other
-    blend keeps its plan's budget (the ratio's, ``hkvd_budget``).
+    Executes the budget each request's parameters carry (decided upstream,
+    :func:`ragcache.options.choose_budget`): a blend with a :class:`~ragcache.blend.select.BudgetRule`
+    (``knobs.budget = "adaptive"``) and question scores gets the adaptive budget
+    (:func:`~ragcache.blend.select.adaptive_budget`: the question's attention left on reused KV, over
+    the tokens that may be chosen and whose KV moved, neither forced nor exact); every other blend
+    keeps its plan's budget (the ratio's, ``hkvd_budget``).
     """
-    if question is None or all(r.budget_rule is None for r in requests):
-        return [plan.fixed for plan in plans]
+    question, batch = p.question, p.batch
+    if question is None or all(b.request.budget_rule is None for b in p.blends):
+        return [b.plan.fixed for b in p.blends]
     scores = question.mean()  # [S]
     movable = torch.ones(batch.n, dtype=torch.bool, device=scores.device)
     for mask in (batch.exact, batch.forced):
         if mask is not None:
             movable &= ~mask
     out = []
-    for request, plan, lo, hi in zip(requests, plans, batch.starts[:-1], batch.starts[1:]):
+    for b, lo, hi in zip(p.blends, batch.starts[:-1], batch.starts[1:]):
+        request = b.request
         if request.budget_rule is None:
-            out.append(plan.fixed)
+            out.append(b.plan.fixed)
         else:
-            out.append(adaptive_budget(scores[lo:hi], movable[lo:hi], ratio=request.recompute_ratio,
-                                       min_tokens=request.min_recompute_tokens, rule=request.budget_rule))
+            out.append(adaptive_budget(scores[lo:hi], movable[lo:hi], ratio=request.knobs.recompute_ratio,
+                                       min_tokens=request.knobs.min_recompute_tokens, rule=request.budget_rule))
     return out
 
 
-def _select(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan], request: BlendRequest, tokens: Sequence[int],
-            checked: _Checked | None, question: _QuestionProbe | None) -> torch.Tensor:
-    """``[n]`` ascending rows to recompute, ``tokens[r]`` of request r's plus its forced ones (§4.3 and
-    :func:`~ragcache.blend.select.select_grouped`): by the strategy's scores, which read the question's
-    attention, the KV deviation at the check layer (the fresh V, or K with ``deviation="key"``, against
-    the reused one), both or neither, as its record says (:mod:`ragcache.strategies`)."""
-    selection, scores = request.selection, {}
-    if not any(plan.scores_matter for plan in plans):  # the choice cannot depend on the scores: zeros stand for them
+def _select(p: _Pass) -> torch.Tensor:
+    """``[n]`` ascending rows to recompute, each blend's :attr:`_Blend.chosen` of its own plus its forced
+    ones (§4.3 and :func:`~ragcache.blend.select.select_grouped`): by the strategy's scores, which read
+    the question's attention, the KV deviation at the check layer (the fresh V, or K with
+    ``deviation="key"``, against the reused one), both or neither, as its record says
+    (:mod:`ragcache.strategies`)."""
+    ops, batch, selection, scores = p.ops, p.batch, p.selection, {}
+    if not any(b.plan.scores_matter for b in p.blends):  # the choice cannot depend on the scores: zeros stand in
         zeros = torch.zeros(batch.n, device=ops.device)
         scores = {"deviation": zeros, **({"question": zeros} if selection.needs_question else {})}
     else:
         if selection.needs_question:
-            scores["question"] = question.mean()
+            scores["question"] = p.question.mean()
         if selection.needs_deviation:
-            which = 1 if request.deviation == "value" else 0
-            scores["deviation"] = deviation_scores(checked.cached[which], (checked.k, checked.v)[which])
-    return select_grouped(tokens, selection, forced=batch.forced, exact=batch.exact,
+            which = 1 if p.blends[0].request.knobs.deviation == "value" else 0
+            scores["deviation"] = deviation_scores(p.checked.cached[which], (p.checked.k, p.checked.v)[which])
+    return select_grouped([b.chosen for b in p.blends], selection, forced=batch.forced, exact=batch.exact,
                           segment_starts=batch.segment_starts, starts=batch.starts, device=ops.device, **scores)
 
 
@@ -501,17 +612,17 @@ class _Refinement:
         e = value_error(fresh_v, self.reused_v[layer][rows])  # [m]
         self.error = e if self.error is None else self.error + e
 
-    def cut(self, ops: DecoderOps, batch: _Batch, selection: Selection, tokens: Sequence[int], sel: _Rows,
-            question: _QuestionProbe) -> _Rows:
-        """The candidates ``sel`` (entering layer ``at``) cut to ``tokens[r]`` per request (plus the forced)."""
+    def cut(self, p: _Pass, sel: _Rows) -> _Rows:
+        """The candidates ``sel`` (entering layer ``at``) cut to each blend's budget (plus the forced)."""
+        ops, batch = p.ops, p.batch
         _, _, fresh_v = ops.qkv(self.at, sel.hidden)  # [m, Hkv, D]
         total = value_error(fresh_v, self.reused_v[self.at][sel.rows])  # [m]
         if self.error is not None:
             total += self.error
-        impact = impact_scores(question.mean(), sel.rows, total)
+        impact = impact_scores(p.question.mean(), sel.rows, total)
         # no exact mask here: it would rank an exact candidate below every non-candidate; an exact
         # token's reused V has no error, so its impact already ranks it last among the candidates
-        final = select_grouped(tokens, selection, question=impact, forced=batch.forced,
+        final = select_grouped([b.tokens for b in p.blends], p.selection, question=impact, forced=batch.forced,
                                segment_starts=batch.segment_starts, starts=batch.starts)
         keep = torch.isin(sel.rows, final)
         # a run the question trimmed may be taken whole here: its tokens outside the candidates have not
@@ -530,72 +641,73 @@ class _Refinement:
         return sel.keep(keep)
 
 
-def _selective_layer(ops: DecoderOps, layer: int, sel: _Rows, k_all: torch.Tensor | None,
-                     v_all: torch.Tensor | None, emit: OnLayer, attend: Attention, write_rows: WriteRows | None,
+def _selective_layer(p: _Pass, layer: int, sel: _Rows, reused: tuple[torch.Tensor, torch.Tensor] | None,
                      last: bool, observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
     """One layer after the check layer for the selected rows only (§4.2, selective KV recompute).
 
-    ``k_all`` / ``v_all`` ``[S, Hkv, D]`` hold the reused KV at the new positions; the selected rows
-    are replaced by their fresh K/V (in place), the layer's final K/V go to ``emit``, and the
-    selected queries attend over them through ``attend``. With ``k_all = v_all = None`` the engine
-    already holds the layer's reused KV (the question probe wrote it): only the selected rows go to
-    ``write_rows``, and ``attend`` reads the layer back from the engine's cache. Returns the rows'
-    residual stream leaving the layer (with ``last``: no row needs it, only their K/V are written,
-    and ``sel.hidden`` is returned). ``observe(layer, rows, v)`` sees the fresh V before any write.
+    ``reused`` ``(k, v)``, each ``[S, Hkv, D]``, holds the reused KV at the new positions; the selected
+    rows are replaced by their fresh K/V (in place), the layer's final K/V go to ``p.emit``, and the
+    selected queries attend over them through ``p.attend``. With ``reused`` None the engine already
+    holds the layer's reused KV (the question probe wrote it): only the selected rows go to
+    ``p.write_rows``, and ``p.attend`` reads the layer back from the engine's cache (``k = v = None``).
+    Returns the rows' residual stream leaving the layer (with ``last``: no row needs it, only their
+    K/V are written, and ``sel.hidden`` is returned). ``observe(layer, rows, v)`` sees the fresh V
+    before any write.
     """
+    ops = p.ops
     q, k, v = _qkv_rope(ops, layer, sel.hidden, sel.positions)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
     if observe is not None:
         observe(layer, sel.rows, v)
-    if k_all is None:
-        write_rows(layer, sel.rows, k, v)
+    k_all, v_all = reused if reused is not None else (None, None)
+    if reused is None:
+        p.write_rows(layer, sel.rows, k, v)
     else:
         k_all.index_copy_(0, sel.rows, k)
         v_all.index_copy_(0, sel.rows, v)
-        emit(layer, k_all, v_all)
+        p.emit(layer, k_all, v_all)
     if last:
         return sel.hidden
-    return ops.finish_layer(layer, sel.hidden, attend(layer, q, sel.rows, k_all, v_all))
+    return ops.finish_layer(layer, sel.hidden, p.attend(layer, q, sel.rows, k_all, v_all))
 
 
-def _selective_layers(ops: DecoderOps, batch: _Batch, plans: Sequence[BlendPlan], kv, sel: _Rows,
-                      refine: tuple[_Refinement, Callable[[_Rows], _Rows]] | None, emit: OnLayer, attend: Attention,
-                      write_rows: WriteRows | None, written: Collection[int], clock: StageClock) -> torch.Tensor:
+def _selective_layers(p: _Pass, sel: _Rows) -> torch.Tensor:
     """The selected rows through every layer from the plan's first selective layer (the fast path's
     refinement at its layer; each request's rows stop at its depth unless forced); returns every row
     recomputed in some layer."""
-    num_layers, plan = ops.num_layers, plans[0]
-    stops = {p.depth_end for p in plans if p.depth_end < num_layers}
-    forced = any(p.num_forced for p in plans)
+    ops, batch, plans, refine = p.ops, p.batch, [b.plan for b in p.blends], p.refinement
+    num_layers, written = ops.num_layers, p.written
+    stops = {q.depth_end for q in plans if q.depth_end < num_layers}
+    forced = any(q.num_forced for q in plans)
     recomputed = sel.rows
 
     def observe(layer: int, rows: torch.Tensor, fresh_v: torch.Tensor) -> None:  # timed as selection
         t0 = time.perf_counter()
-        refine[0].observe(layer, rows, fresh_v)
-        clock.inner("select_s", time.perf_counter() - t0)
+        refine.observe(layer, rows, fresh_v)
+        p.clock.inner("select_s", time.perf_counter() - t0)
 
-    for layer in plan.selective_layers:
+    for layer in p.plan.selective_layers:
         if layer in stops and sel.rows.numel() > 0:  # a request's rows keep their reused KV from here on
             if sel.stop is None:
-                depth = torch.tensor([p.depth_end for p in plans], device=sel.rows.device)[batch.request_of(sel.rows)]
+                depth = torch.tensor([q.depth_end for q in plans], device=sel.rows.device)[batch.request_of(sel.rows)]
                 sel.stop = depth if batch.forced is None else depth.masked_fill(batch.forced[sel.rows], num_layers)
             sel = sel.keep(sel.stop > layer)
         # no row needs an output after the model's last layer, nor after the last layer every row stops at
-        last = layer == num_layers - 1 or not (forced or any(p.depth_end > layer + 1 for p in plans))
-        k_all = v_all = None
+        last = layer == num_layers - 1 or not (forced or any(q.depth_end > layer + 1 for q in plans))
+        reused = None
         if layer not in written:
-            k_all, v_all = kv.get(layer)  # [S, Hkv, D] each (ours to modify)
-            if refine is not None and 1 <= layer <= refine[0].at:
-                refine[0].reused_v[layer] = v_all  # read before the selective layer writes its rows
-        if refine is not None and layer == refine[0].at:  # the candidates -> the budget (timed as selection)
+            reused = p.kv.get(layer)  # [S, Hkv, D] each (ours to modify)
+            if refine is not None and 1 <= layer <= refine.at:
+                refine.reused_v[layer] = reused[1]  # read before the selective layer writes its rows
+        if refine is not None and layer == refine.at:  # the candidates -> the budget (timed as selection)
             t0 = time.perf_counter()
-            sel = refine[1](sel)
+            sel = refine.cut(p, sel)
             recomputed = sel.rows
-            clock.inner("select_s", time.perf_counter() - t0)
-        seen = observe if refine is not None and 1 <= layer < refine[0].at else None
+            p.clock.inner("select_s", time.perf_counter() - t0)
+        seen = observe if refine is not None and 1 <= layer < refine.at else None
         if sel.rows.numel() > 0:
-            sel.hidden = _selective_layer(ops, layer, sel, k_all, v_all, emit, attend, write_rows, last, seen)
-        elif k_all is not None:
-            emit(layer, k_all, v_all)
+            sel.hidden = _selective_layer(p, layer, sel, reused, last, seen)
+        elif reused is not None:
+            p.emit(layer, *reused)
     return recomputed
 
 
@@ -655,10 +767,10 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
     """
     if not requests:
         return []
-    plans = [r.plan(ops.num_layers) for r in requests]
-    plan, first = plans[0], requests[0]
-    if any((p.schedule, r.selection, r.deviation) != (plan.schedule, first.selection, first.deviation)
-           for p, r in zip(plans, requests)):
+    blends = [_Blend(r, r.plan(ops.num_layers)) for r in requests]
+    plan, first = blends[0].plan, requests[0]
+    if any((b.plan.schedule, b.request.selection, b.request.knobs.deviation)
+           != (plan.schedule, first.selection, first.knobs.deviation) for b in blends):
         raise ValueError("blends of one pass must share their schedule, selection and deviation "
                          "(group them by BlendRequest.pass_key)")
     writes = write_rows is not None and attention is not None
@@ -670,43 +782,36 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
             pairs = _PairCount(attention or _reference_attention(ops, batch), batch, clock, "selective_layers_s")
             attend = Timed(pairs, clock,
                            {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
-            question = _QuestionProbe(ops, batch, first.selection.question_heads) if plan.probe else None
-            probe_emit = emit if writes else None
-            checked, reused_v = None, {}
+            p = _Pass(ops, blends, batch, kv, emit, rows, attend, clock, writes,
+                      question=_QuestionProbe(ops, batch, first.selection.question_heads) if plan.probe else None)
+            reused_v = {}
             if plan.fast_path:
                 # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new
                 # positions is layer 0's fresh KV: no context token is computed in full; the question tail
                 # is probed from layer 0 on, and only the selected tokens are computed, from layer 0.
-                if question is not None:
+                if p.question is not None:
                     with clock("question_probe_s"):
                         keep_v = range(1, plan.refine_at + 1) if plan.refine_at is not None else ()
-                        reused_v = _probe(ops, batch, plan.probe_layers, kv, question, ops.embed(batch.tail_ids),
-                                          probe_emit, keep_v)
+                        reused_v = _probe(p, ops.embed(batch.tail_ids), keep_v)
             else:
-                checked = _prefill_to_check(ops, batch, plan, kv, question, emit, attend, clock, probe_emit)
+                p.checked = _prefill_to_check(p)
             with clock("select_s"):
-                budgets = decide_budgets(requests, plans, question, batch)
-                tokens = [b.tokens for b in budgets]
-                refining = [p.refines(t) for p, t in zip(plans, tokens)]
-                selected = _select(ops, batch, plans, first, [p.candidate_budget(t) if r else t
-                                                              for p, t, r in zip(plans, tokens, refining)],
-                                   checked, question)  # [n]
+                for b, budget in zip(blends, decide_budgets(p)):
+                    b.budget = budget
+                selected = _select(p)  # [n]
             with clock("selective_layers_s"):
-                sel = _first_selective(ops, batch, plan, selected, checked, attend)
-                refine = None
-                if any(refining):
-                    refinement = _Refinement(plan.refine_at, reused_v)
-                    refine = (refinement, lambda s: refinement.cut(ops, batch, first.selection, tokens, s, question))
-                recomputed = _selective_layers(ops, batch, plans, kv, sel, refine, emit, attend, rows,
-                                               set(plan.probe_layers) if writes else set(), clock)
+                sel = _first_selective(p, selected)
+                if any(b.refining for b in blends):
+                    p.refinement = _Refinement(plan.refine_at, reused_v)
+                recomputed = _selective_layers(p, sel)
             synchronize(ops.device)
         elapsed, write_s = time.perf_counter() - start, emit.seconds + rows.seconds
     attention_pairs = pairs.total()
-    return [BlendResult(selected=part, num_recomputed=int(part.numel()), num_tokens=p.num_tokens, load_s=kv.wait_s,
-                        compute_s=elapsed - kv.wait_s - write_s, on_layer_s=write_s, stages=dict(clock.seconds),
-                        recomputed_layers=p.depth_end if part.numel() > 0 else 0, budget=b, batch=batch.size,
-                        attention_pairs=attention_pairs)
-            for part, p, b in zip(batch.split(recomputed), plans, budgets)]
+    return [BlendResult(selected=part, num_recomputed=int(part.numel()), num_tokens=b.plan.num_tokens,
+                        load_s=kv.wait_s, compute_s=elapsed - kv.wait_s - write_s, on_layer_s=write_s,
+                        stages=dict(clock.seconds), recomputed_layers=b.plan.depth_end if part.numel() > 0 else 0,
+                        budget=b.budget, batch=batch.size, attention_pairs=attention_pairs)
+            for part, b in zip(batch.split(recomputed), blends)]
 
 
 def _reference_attention(ops: DecoderOps, batch: _Batch) -> Attention:
@@ -717,41 +822,28 @@ def _reference_attention(ops: DecoderOps, batch: _Batch) -> Attention:
     return fn(batch.positions, ops.scaling, batch.starts)
 
 
-def _first_selective(ops: DecoderOps, batch: _Batch, plan: BlendPlan, selected: torch.Tensor,
-                     checked: _Checked | None, attend: Attention) -> _Rows:
-    """The selected rows entering the first selective layer: embedded (fast path), or through the
+def _first_selective(p: _Pass, selected: torch.Tensor) -> _Rows:
+    """The ``selected`` rows entering the first selective layer: embedded (fast path), or through the
     check layer's attention over every row's fresh KV and the rest of that layer."""
+    ops, batch, checked, layer = p.ops, p.batch, p.checked, p.plan.check_layer
     positions = batch.positions[selected]
     if checked is None:
         return _Rows(selected, ops.embed(batch.ids[selected]), positions)  # [n, hidden]
     hidden = checked.hidden[:batch.n][selected]
-    if selected.numel() > 0 and plan.check_layer < ops.num_layers - 1:
-        hidden = ops.finish_layer(plan.check_layer, hidden,
-                                  attend(plan.check_layer, checked.q[selected], selected, checked.k, checked.v))
+    if selected.numel() > 0 and layer < ops.num_layers - 1:
+        hidden = ops.finish_layer(layer, hidden, p.attend(layer, checked.q[selected], selected, checked.k, checked.v))
     return _Rows(selected, hidden, positions)
 
 
 def blend_kv(
     ops: DecoderOps,
-    token_ids: torch.LongTensor,
-    positions: torch.LongTensor,
+    request: BlendRequest,
     load_layer: LoadLayer | CachedKV,
     *,
-    recompute_ratio: float,
-    min_recompute_tokens: int = 0,
-    recompute_depth: float = 1.0,
-    check_layer: int,
-    deviation: str,
-    selection: Selection | None = None,
-    tail_ids: torch.LongTensor | None = None,
-    segment_starts: Sequence[int] = (0,),
-    exact: torch.Tensor | None = None,
-    forced: torch.Tensor | None = None,
     on_layer: OnLayer,
     attention: Attention | None = None,
     write_rows: WriteRows | None = None,
     prefetch: bool = True,
-    budget_rule: BudgetRule | None = None,
 ) -> BlendResult:
     """CacheBlend: fuse the cached KV of the context tokens, recomputing only a selected share.
 
@@ -769,18 +861,19 @@ def blend_kv(
        they held cost more in page faults): with ``write_rows`` each goes to ``on_layer`` as the
        probe leaves it and step 3 writes only the recomputed rows; without it step 3 loads and
        moves those layers again. The budget is decided after the probe
-       (:func:`decide_budgets`: the ratio's, or the adaptive one with ``budget_rule``), and the tokens
-       to recompute are chosen by :func:`_select` under ``selection``: by KV deviation (the fresh V,
-       or K with ``deviation="key"``, against the cached one), by the attention the question tail
-       gives each context token, or a hybrid, token by token or in runs (``selection.granule``).
+       (:func:`decide_budgets`: the ratio's, or the adaptive one where ``knobs.budget`` says so), and
+       the tokens to recompute are chosen by :func:`_select` under the knobs' selection: by KV
+       deviation (the fresh V, or K with ``deviation="key"``, against the cached one), by the
+       attention the question tail gives each context token, or a hybrid, token by token or in runs
+       (``granule``).
        Only the selected tokens' attention and MLP are computed.
     3. Layers ``check_layer + 1 ..`` (:func:`_selective_layers`): only the selected tokens go
        forward. K = cached K moved to ``positions`` with the selected rows replaced by their fresh
        K, V likewise; the selected queries attend over all N keys with the exact causal mask by
-       position. With ``recompute_depth`` < 1 they stop after the first ``ceil(depth * L)`` layers
+       position. With ``knobs.recompute_depth`` < 1 they stop after the first ``ceil(depth * L)`` layers
        and the later layers keep the reused KV (forced tokens, which have none, go on to the end).
 
-    With ``check_layer`` 0 and no KV deviation to measure, steps 1-2 compute no context token in
+    With ``knobs.check_layer`` 0 and no KV deviation to measure, steps 1-2 compute no context token in
     full: a token's layer-0 K/V depend on that token alone, so the cached KV moved to ``positions``
     is layer 0's fresh KV. The question probe starts at layer 0 and the selected tokens are
     computed from layer 0 (step 3 from layer 0), which saves a projection pass over all N tokens.
@@ -796,44 +889,22 @@ def blend_kv(
     own kernel over the cache ``on_layer`` writes. ``on_layer`` receives, for every layer, the final K (post-RoPE)
     and V of all N context tokens: fresh for layers ``<= check_layer`` (layer 0 on the fast path above:
     cached and moved, which is the fresh KV up to rounding), fused afterwards (the
-    tail's KV is never emitted: the engine prefills the tail itself). With ``recompute_ratio=1.0``
+    tail's KV is never emitted: the engine prefills the tail itself). With ``knobs.recompute_ratio = 1.0``
     these equal ``compute_kv``'s output rotated to ``positions`` (up to float rounding); with ratio
     0 and no forced tokens, the layers after the check layer equal ``reuse_kv``'s.
 
     Args:
         ops: the model's per-layer callables.
-        token_ids: ``[N]`` int64 context token ids, in prompt order.
-        positions: ``[N]`` int64 absolute positions of those tokens in the prompt (ascending).
+        request: the context, its question tail, its chunks and the request's blend parameters
+            (:class:`BlendRequest`; the parameters' defaults live in one place,
+            ``ragcache.config.BlendSettings``).
         load_layer: the cached KV of the context (rows of forced tokens are ignored and may hold
             anything finite): every layer at once (:class:`~ragcache.blend.reused.CachedKV`: K moved
             in place in one call, no layer loaded twice), or ``layer -> (k_pre [N, Hkv, D], v [N,
-            Hkv, D])`` (:data:`~ragcache.blend.reused.LoadLayer`), called in this order:
-            the check layer (unless the fast path below skips it), the question probe's layers, then
-            every layer after the check layer (from layer 0 on the fast path) that ``write_rows``
-            does not cover, so without ``write_rows`` a probed layer is loaded twice; with
-            ``prefetch`` from a background thread.
+            Hkv, D])`` (:data:`~ragcache.blend.reused.LoadLayer`), called in
+            :meth:`BlendPlan.load_order <ragcache.blend.plan.BlendPlan.load_order>`'s order (without
+            ``write_rows`` a probed layer is loaded twice); with ``prefetch`` from a background thread.
             The blend may write into the returned tensors: return tensors the caller owns.
-        recompute_ratio: fraction of the N tokens to recompute, in ``[0, 1]``.
-        recompute_depth: share of the layers, from the first, in which the selected tokens are
-            recomputed, in (0, 1]: from layer ``ceil(recompute_depth * L)`` on (at least the check
-            layer + 1) only forced tokens go forward and every other token keeps its reused KV.
-            Applies only when a selection is made (a budget below every token): ratio 1.0 stays
-            exact.
-        min_recompute_tokens: with a ratio above 0, recompute at least this many tokens (all N
-            when fewer; :func:`~ragcache.blend.select.hkvd_budget`).
-        check_layer: the layer where the tokens are selected, in ``[0, num_layers)``.
-        deviation: ``"value"`` (as in the paper) or ``"key"``: which of the check layer's cached and
-            fresh KV are compared.
-        selection: the selection strategy (default: deviation only, CacheBlend's).
-        tail_ids: ``[T]`` int64 ids of the tokens after the context (the question and the
-            assistant-turn opening), at positions ``positions[-1] + 1 ..``; needed by
-            question-aware selection, ignored otherwise.
-        segment_starts: first index of each cached segment in the context (ascending, from 0).
-        exact: ``[N]`` bool, tokens whose cached KV is already exact (the prompt head, a chunk at
-            its canonical place): recomputed only when the budget exceeds every other token.
-        forced: ``[N]`` bool, True for tokens with no cached KV (always recomputed), or None.
-        (The defaults of ratio, check layer, deviation and selection live in one place:
-        ``ragcache.config.BlendSettings``.)
         on_layer: ``(layer, k [N, Hkv, D], v [N, Hkv, D]) -> None``, see above.
         attention: the context's causal attention (:data:`~ragcache.blend.attention.Attention`);
             default :func:`~ragcache.blend.attention.torch_attention` over ``positions`` on a CPU,
@@ -846,26 +917,16 @@ def blend_kv(
             moved twice, and the result is the same.
         prefetch: load layer i+1 in a background thread while layer i computes (the
             ``pipeline_overlap`` setting).
-        budget_rule: with question scores, the budget adapts to the request (:func:`~ragcache.blend.
-            select.adaptive_budget`: the question's attention left on reused KV, around the ratio's
-            budget); None keeps the ratio's budget (``hkvd_budget``) for every request.
 
     Returns:
-        ``BlendResult`` with the selected indices, the load / compute / on_layer seconds and the
-        seconds per stage.
+        ``BlendResult`` with the selected indices, the budget, the load / compute / on_layer seconds
+        and the seconds per stage.
 
     Raises:
-        ValueError: on empty or mismatched ``token_ids`` / ``positions`` / ``forced`` / ``exact``,
-            a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a ``recompute_depth``
-            outside ``(0, 1]``, a ``check_layer``
-            outside ``[0, num_layers)``, an unknown ``deviation``, a question-aware selection without
-            ``tail_ids``, or ``load_layer`` returning tensors of the wrong shape.
+        ValueError: as :func:`~ragcache.blend.plan.plan_blend` (a knob out of its range, a
+            question-aware selection without ``tail_ids``), or ``load_layer`` returning tensors of
+            the wrong shape.
     """
-    request = BlendRequest(token_ids=token_ids, positions=positions, recompute_ratio=recompute_ratio,
-                           check_layer=check_layer, deviation=deviation, selection=selection or Selection("deviation"),
-                           min_recompute_tokens=min_recompute_tokens, recompute_depth=recompute_depth,
-                           tail_ids=tail_ids, segment_starts=segment_starts, exact=exact, forced=forced,
-                           budget_rule=budget_rule)
     return blend_batch(ops, [request], load_layer, on_layer=on_layer, attention=attention, write_rows=write_rows,
                        prefetch=prefetch)[0]
 

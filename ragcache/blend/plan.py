@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ragcache.blend.select import Budget, Selection, hkvd_budget
 from ragcache.strategies import recompute_layers
@@ -100,23 +101,26 @@ class BlendPlan:
                 + [layer for layer in self.selective_layers if layer not in written])
 
 
-def plan_blend(*, num_tokens: int, num_layers: int, num_forced: int = 0, has_tail: bool, recompute_ratio: float,
-               min_recompute_tokens: int = 0, recompute_depth: float = 1.0, check_layer: int, deviation: str,
-               selection: Selection) -> BlendPlan:
+def plan_blend(*, num_tokens: int, num_layers: int, num_forced: int = 0, has_tail: bool, knobs: Any) -> BlendPlan:
     """The :class:`BlendPlan` of a blend of ``num_tokens`` context tokens on a model of ``num_layers``.
 
     Args:
         num_forced: tokens with no cached KV.
         has_tail: the question tail's token ids are given.
-        recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation, selection:
-            as :func:`~ragcache.blend.forward.blend_kv` takes them.
+        knobs: the request's blend parameters (:class:`ragcache.config.BlendKnobs`, or any object
+            with its attributes; see :class:`~ragcache.blend.forward.BlendRequest`): this reads
+            ``recompute_ratio``, ``min_recompute_tokens``, ``recompute_depth``, ``check_layer``,
+            ``deviation`` and the selection's knobs.
 
     Raises:
         ValueError: a ratio outside ``[0, 1]``, a negative ``min_recompute_tokens``, a
             ``recompute_depth`` outside ``(0, 1]``, a ``check_layer`` outside ``[0, num_layers)``, an
-            unknown ``deviation``, or a question-aware selection without the tail.
+            unknown ``deviation``, selection knobs out of range, or a question-aware selection
+            without the tail.
     """
-    budget = hkvd_budget(recompute_ratio, num_tokens, min_recompute_tokens)  # validates the ratio and the floor
+    recompute_ratio, check_layer, recompute_depth = knobs.recompute_ratio, knobs.check_layer, knobs.recompute_depth
+    deviation, selection = knobs.deviation, Selection.from_settings(knobs)
+    budget = hkvd_budget(recompute_ratio, num_tokens, knobs.min_recompute_tokens)  # validates the ratio and the floor
     if not 0 <= check_layer < num_layers:
         raise ValueError(f"check_layer must be in [0, {num_layers}), got {check_layer}")
     if not 0.0 < recompute_depth <= 1.0:

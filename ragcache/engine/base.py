@@ -338,7 +338,7 @@ class EngineBase:
         extra = None
         ratio = None
         if mode in CONNECTOR_MODES:
-            ratio = params.recompute_ratio if mode == "blend" else None
+            ratio = params.blend.recompute_ratio if mode == "blend" else None
             extra = {"kv_transfer_params": {TRANSFER_KEY: params.to_dict()}}
         opts = options.sampling
         sp = SamplingParams(
@@ -373,10 +373,11 @@ class EngineBase:
         lengths = [s.length for s in chunks]
         ctx = prompt.ctx_len
         router = self.router
+        knobs = params.blend
         recompute = router.recompute_tokens(
-            ctx, len(prompt.token_ids), ratio=params.recompute_ratio, adaptive=params.budget == "adaptive",
-            min_tokens=params.min_recompute_tokens, max_ratio=params.max_recompute_ratio,
-            max_tokens=params.max_recompute_tokens)
+            ctx, len(prompt.token_ids), ratio=knobs.recompute_ratio, adaptive=knobs.budget == "adaptive",
+            min_tokens=knobs.min_recompute_tokens, max_ratio=knobs.max_recompute_ratio,
+            max_tokens=knobs.max_recompute_tokens)
         inp = RouteInputs(prompt_tokens=len(prompt.token_ids), ctx_tokens=ctx, tail_tokens=prompt.tail_len,
                           chunks=len(chunks), passage_tokens=sum(lengths) / len(lengths) if lengths else 0.0,
                           recompute_tokens=recompute, tier_tokens=router.tier_tokens([s.key for s in chunks], lengths))

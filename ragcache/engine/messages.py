@@ -20,23 +20,25 @@ Flow of one reuse/blend request (its options validated once upstream, :mod:`ragc
     scheduler connector.request_finished  --ContextStats.to_dict()-->  RequestOutput.kv_transfer_params
     driver  --RequestMetrics.from_output(...)-->  Generation.metrics / Answer.metrics
 
-Imports only ragcache.config, ragcache.options, ragcache.quality, ragcache.strategies and
-ragcache.kvstore.stats (no vLLM, no torch), so the pipeline, the server, the UI and the tests can use
-these types without starting an engine.
+Imports only ragcache.config, ragcache.options, ragcache.quality, ragcache.kvstore.stats and pydantic
+(no vLLM, no torch), so the pipeline, the server, the UI and the tests can use these types without
+starting an engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
-from ragcache.config import BlendSettings
+from pydantic import BaseModel
+
+from ragcache.config import BlendKnobs, BlendSettings
 from ragcache.kvstore.stats import TierCounters
-from ragcache.options import QueryOptions
+from ragcache.options import QueryOptions, blend_knobs
 from ragcache.quality.measures import repetition_loop
-from ragcache.strategies import Selection
 
 #: key of ragcache's entry inside vLLM's ``kv_transfer_params`` (request in, stats out)
 TRANSFER_KEY = "ragcache"
@@ -65,17 +67,60 @@ class Rpc:
            OP_COUNTS)
 
 
-def _overlap(value: Any) -> bool | str:
-    """``pipeline_overlap`` from the wire: True, False or "auto"."""
-    if value == "auto" or isinstance(value, bool):
-        return value
-    raise ValueError(f"pipeline_overlap must be true, false or 'auto', got {value!r}")
-
-
 def _pick(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of ``data`` that are fields of dataclass ``cls`` (unknown keys are ignored)."""
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in data.items() if k in names}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain data: a dataclass as a dict of its fields, a pydantic model as its
+    ``model_dump()``, a tuple or list as a list, anything else as is."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    """Plain data ``value`` as type ``hint``: a dataclass from the dict of its fields, a pydantic model
+    validated (``model_validate``, every field present), ``tuple[X, ...]`` item by item, ``int``, ``float``, ``str`` and
+    ``bool`` checked (an int is taken for a float).
+
+    Raises:
+        ValueError: a value of another type, a dict without a field it needs, a model's field out of
+            its range.
+    """
+    if dataclasses.is_dataclass(hint):
+        names = {f.name for f in fields(hint)}
+        if not isinstance(value, Mapping) or not names >= set(value):
+            raise ValueError(f"{hint.__name__} must be a dict of its fields, got {value!r}")
+        hints = typing.get_type_hints(hint)
+        missing = [f.name for f in fields(hint) if f.name not in value and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{hint.__name__} lacks {', '.join(missing)}")
+        return hint(**{k: _typed(hints[k], v) for k, v in value.items()})
+    if isinstance(hint, type) and issubclass(hint, BaseModel):
+        missing = sorted(set(hint.model_fields) - set(value)) if isinstance(value, Mapping) else []
+        if missing:  # a record travels whole: no field falls back to a default on the way
+            raise ValueError(f"{hint.__name__} lacks {', '.join(missing)}")
+        return hint.model_validate(value)
+    if typing.get_origin(hint) is tuple:
+        (item, _) = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"expected a list, got {value!r}")
+        return tuple(_typed(item, v) for v in value)
+    if hint in (int, float, str, bool):
+        ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool)) or (
+            hint is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"expected {hint.__name__}, got {value!r}")
+        return hint(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -100,19 +145,9 @@ class BlendParams:
         question_end: the question tail that question-aware selection reads is
             ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
             the continuation they score (a gold answer) is not seen by the selection.
-        selection: how the blend chooses its tokens: the request's strategy and granule, or the
-            settings', with the ``[blend]`` knobs the selection reads
-            (:meth:`ragcache.strategies.Selection.from_settings`).
-        recompute_ratio, min_recompute_tokens, recompute_depth, check_layer, deviation,
-            pipeline_overlap, budget, mass_left, max_recompute_ratio, max_recompute_tokens: the
-            ``[blend]`` settings of the same names in force for this request (see
-            :class:`ragcache.config.BlendSettings`); ``check_layer`` resolved for the selection;
-            ``budget`` and ``mass_left`` as the request's options set them (a request's ``mass_left``
-            implies the adaptive budget unless it sets ``budget``); ``budget`` is ``"fixed"`` for a
-            selection that does not read the question's attention (the adaptive budget's input),
-            whatever ``blend.budget`` says: the setting's default gives way (a request asking for
-            both was refused where it entered, :mod:`ragcache.options`). Required, here and in
-            :meth:`from_dict`: their defaults are the settings', declared once in ragcache.config.
+        blend: the request's blend parameters (:class:`ragcache.config.BlendKnobs`, built by
+            :func:`ragcache.options.blend_knobs`), carried as they are; the worker hands them to
+            the blend unchanged.
     """
 
     mode: str
@@ -120,27 +155,13 @@ class BlendParams:
     lead_in_len: int
     segments: tuple[SegmentRef, ...]
     question_end: int = 0
-    selection: Selection
-    recompute_ratio: float
-    min_recompute_tokens: int
-    recompute_depth: float
-    check_layer: int
-    deviation: str
-    pipeline_overlap: bool | str
-    budget: str
-    mass_left: float
-    max_recompute_ratio: float
-    max_recompute_tokens: int
+    blend: BlendKnobs
 
     @classmethod
     def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
                      segments: tuple[SegmentRef, ...], question_end: int = 0) -> "BlendParams":
-        """Parameters for one request: the ``[blend]`` settings, with the request's own recompute
-        ratio and selection where its options set them (``recompute_ratio = "auto"`` unresolved by
-        the caller: ``blend.fallback_ratio``).
-
-        Nothing is range-checked here: the settings were validated when they were loaded, the
-        options where the request entered (:mod:`ragcache.options`).
+        """Parameters for one request: the ``[blend]`` settings with the request's options applied
+        (:func:`ragcache.options.blend_knobs`; nothing is range-checked again).
 
         Raises:
             ValueError: ``mode`` is not reuse or blend (the caller's mistake, not the user's), or the
@@ -148,56 +169,26 @@ class BlendParams:
         """
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
-        sel = options.selection
-        selection = Selection.from_settings(blend, sel.strategy if sel else None, sel.granule if sel else None)
-        budget = options.budget or ("adaptive" if options.mass_left is not None else blend.budget)
-        return cls(
-            mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments), question_end=question_end,
-            selection=selection,
-            recompute_ratio=blend.static_ratio if options.recompute_ratio is None else options.recompute_ratio,
-            check_layer=blend.check_layer_for(selection.strategy),
-            budget=budget if selection.needs_question else "fixed",
-            mass_left=blend.mass_left if options.mass_left is None else options.mass_left,
-            **blend.model_dump(include=_CARRIED),
-        )
+        return cls(mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments),
+                   question_end=question_end, blend=blend_knobs(blend, options))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``kv_transfer_params[TRANSFER_KEY]`` (segments as ``[key, start, length]``,
-        the selection as a dict of its fields)."""
-        d = asdict(self)
-        d["segments"] = [[s.key, s.start, s.length] for s in self.segments]
-        return d
+        """Plain data for ``kv_transfer_params[TRANSFER_KEY]``: each field as :func:`_plain` writes it
+        (segments as dicts of their fields, ``blend`` as its ``model_dump()``)."""
+        return _plain(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BlendParams":
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`, field by field from the fields' types (:func:`_typed`).
 
         Raises:
-            ValueError: a field is missing or has the wrong type, or the selection is not valid (an
-                unregistered strategy, a knob out of range).
+            ValueError: a field is missing or has the wrong type, or ``blend`` is not valid (a
+                setting missing or out of its range, an unregistered strategy).
         """
         try:
-            return cls(
-                mode=str(data["mode"]), ctx_len=int(data["ctx_len"]), lead_in_len=int(data["lead_in_len"]),
-                segments=tuple(SegmentRef(str(k), int(s), int(n)) for k, s, n in data["segments"]),
-                question_end=int(data.get("question_end", 0)),
-                selection=Selection(**_pick(Selection, data["selection"])),
-                recompute_ratio=float(data["recompute_ratio"]), min_recompute_tokens=int(data["min_recompute_tokens"]),
-                recompute_depth=float(data["recompute_depth"]),
-                check_layer=int(data["check_layer"]),
-                deviation=str(data["deviation"]),
-                pipeline_overlap=_overlap(data["pipeline_overlap"]), budget=str(data["budget"]),
-                mass_left=float(data["mass_left"]), max_recompute_ratio=float(data["max_recompute_ratio"]),
-                max_recompute_tokens=int(data["max_recompute_tokens"]),
-            )
+            return _typed(cls, data)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed ragcache transfer params ({type(exc).__name__}: {exc}): {dict(data)!r}") from None
-
-
-#: the [blend] settings a reuse/blend request carries as they are: the fields of :class:`BlendParams`
-#: named like a setting, but for those :meth:`BlendParams.from_options` sets from the request's options
-_CARRIED = (({f.name for f in fields(BlendParams)} & set(BlendSettings.model_fields))
-            - {"selection", "recompute_ratio", "check_layer", "budget", "mass_left"})
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ragcache.blend import BlendRequest, BlendResult, BudgetRule, CachedKV, blend_batch, compute_kv, reuse_kv
+from ragcache.blend import BlendRequest, BlendResult, CachedKV, blend_batch, compute_kv, reuse_kv
 from ragcache.blend.opcount import count_ops
 from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
@@ -345,23 +345,20 @@ class WorkerRuntime:
         opened.open_s = time.perf_counter() - t0 - opened.missing_s
         # one staging copy makes the loads cheap and upfront; a network tier (or an explicit setting)
         # is read layer by layer in a background thread instead, behind the compute
-        opened.streamed = prefetch_layers(p.pipeline_overlap, self.ops.device, opened.tiers) and (
-            p.pipeline_overlap is True or any(tier in SLOW_TIERS for tier in opened.tiers))
+        knobs = p.blend
+        opened.streamed = prefetch_layers(knobs.pipeline_overlap, self.ops.device, opened.tiers) and (
+            knobs.pipeline_overlap is True or any(tier in SLOW_TIERS for tier in opened.tiers))
         n = p.ctx_len
         if p.mode == "reuse":
             opened.key = ("reuse", opened.streamed)
             return opened
         canonical = [is_canonical(seg.start, head_ids) for seg in p.segments]
         exact = torch.repeat_interleave(torch.tensor(canonical), torch.tensor([seg.length for seg in p.segments]))
-        tail = token_ids[n:p.question_end or None] if p.selection.needs_question else None
+        tail = token_ids[n:p.question_end or None] if knobs.token_selection.needs_question else None
         opened.request = BlendRequest(
-            token_ids=torch.tensor(token_ids[:n], dtype=torch.long), positions=torch.arange(n),
-            recompute_ratio=p.recompute_ratio, min_recompute_tokens=p.min_recompute_tokens,
-            recompute_depth=p.recompute_depth, check_layer=p.check_layer, deviation=p.deviation, selection=p.selection,
+            token_ids=torch.tensor(token_ids[:n], dtype=torch.long), positions=torch.arange(n), knobs=knobs,
             tail_ids=None if tail is None else torch.tensor(tail, dtype=torch.long),
-            segment_starts=[seg.start for seg in p.segments], exact=exact,
-            budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio, max_tokens=p.max_recompute_tokens)
-            if p.budget == "adaptive" else None)
+            segment_starts=[seg.start for seg in p.segments], exact=exact)
         opened.key = ("blend", opened.streamed, opened.request.pass_key(self.ops.num_layers))
         return opened
 
