@@ -96,6 +96,7 @@ def test_stale_token_is_named_and_forcing_it_restores(diagnosis: Diagnosis) -> N
     assert not cf["replay"]["token_restored"]  # the replay of the blend's own selection diverges the same way
     assert cf["top_k"]["token_restored"] and cf["top_k"]["answer_restored"]
     assert cf["patch_top_k"]["answer_restored"]
+    assert cf["all"]["answer_restored"] and cf["all"]["recomputed"] == ctx["n"] - ctx["lengths"][0] - ctx["lengths"][1]
     assert d["cause"] == "top_k" == classify(d)
 
     summary = aggregate([clean, rec])
@@ -110,9 +111,10 @@ def test_stale_token_is_named_and_forcing_it_restores(diagnosis: Diagnosis) -> N
 def test_classify_order() -> None:
     def rec(**restored):
         return {"counterfactuals": {name: {"token_restored": restored.get(name, False)}
-                                    for name in ("replay", "top_k", "heads", "passage")}}
+                                    for name in ("replay", "top_k", "heads", "passage", "all")}}
     assert classify(rec(replay=True, top_k=True)) == "replay_differs"
     assert classify(rec(top_k=True, passage=True)) == "top_k"
     assert classify(rec(heads=True, passage=True)) == "heads"
-    assert classify(rec(passage=True)) == "passage"
+    assert classify(rec(passage=True, all=True)) == "passage"
+    assert classify(rec(all=True)) == "all"
     assert classify(rec()) == "not_restored"

@@ -26,6 +26,8 @@ selection alone and must reproduce the divergence):
 - ``heads``: the first ``head_tokens`` tokens of every moved chunk (the chunks' attention sinks,
   what ``blend.chunk_head_tokens`` recomputes);
 - ``passage``: every token of the moved chunk that step attends to most (Cache-Craft-style);
+- ``all``: every moved token (the blend at ratio 1: what is left is the rounding of the blend's own
+  layer-wise path against full prefill's, not staleness);
 - ``patch_top_k`` (no blend): the blended KV with the top-k tokens' rows replaced by full prefill's
   (their KV exact, everything else as blended): whether those tokens' KV error is the cause at all.
 
@@ -48,7 +50,8 @@ CAUSES = {
     "top_k": "attended tokens reused: forcing the step's top-k restores",
     "heads": "chunk heads (attention sinks): forcing every chunk's first tokens restores",
     "passage": "passage: forcing the attended chunk whole restores",
-    "not_restored": "not restored by top-k, chunk heads or the attended passage",
+    "all": "only recomputing every token restores (staleness spread over the context)",
+    "not_restored": "not restored even by recomputing every token (the blend path's rounding)",
     "replay_differs": "the replay of the blend's own selection does not diverge (reference noise)",
 }
 
@@ -59,11 +62,11 @@ NEAR_TIE = 0.5
 def classify(record: Mapping[str, Any]) -> str:
     """The cause of one divergence (a key of :data:`CAUSES`) from its counterfactuals:
     ``record["counterfactuals"][name]["token_restored"]`` for ``replay`` (must *not* restore),
-    ``top_k``, ``heads``, ``passage``."""
+    ``top_k``, ``heads``, ``passage``, ``all``."""
     cf = record["counterfactuals"]
     if cf["replay"]["token_restored"]:
         return "replay_differs"
-    for name in ("top_k", "heads", "passage"):
+    for name in ("top_k", "heads", "passage", "all"):
         if cf.get(name, {}).get("token_restored"):
             return name
     return "not_restored"
@@ -362,6 +365,7 @@ class Diagnosis:
                   "heads": {starts[c] + j for c in moved for j in range(min(self.head_tokens, ctx["lengths"][c]))}}
         if passage is not None:
             extras["passage"] = set(range(starts[passage], starts[passage] + ctx["lengths"][passage]))
+        extras["all"] = set(range(n))
         cfs = {}
         for name, extra in extras.items():
             extra = {i for i in extra if not bool(exact[i])}
