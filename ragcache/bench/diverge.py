@@ -33,7 +33,11 @@ selection alone and must reproduce the divergence):
 
 A token is restored when the rerun's greedy tokens up to and including step s equal full prefill's;
 the answer when all its tokens do. A divergence's cause is the smallest forced set that restores the
-token (top-k < heads < passage), else "not restored".
+token (top-k < heads < passage < all), else "not restored".
+
+Run: ``ragcache bench diverge --dataset hotpotqa --n 6`` (``--dtype auto``: the engine's dtype on this
+host). ``scripts/unseen_sets.py OUT_DIR`` writes two sets from rows no setting was tuned on (HotpotQA
+questions among unrelated passages; MuSiQue with ~500-token passages) for ``--dataset OUT_DIR/...``.
 """
 
 from __future__ import annotations
