@@ -118,3 +118,13 @@ def test_classify_order() -> None:
     assert classify(rec(passage=True, all=True)) == "passage"
     assert classify(rec(all=True)) == "all"
     assert classify(rec()) == "not_restored"
+
+
+def test_cli_parses_diverge() -> None:
+    from app.bench_cmd import run_diverge
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "diverge", "--dataset", "x.json", "--n", "2", "--dtype", "float32"])
+    assert (args.func, args.n, args.offset, args.passages, args.max_tokens, args.top_k, args.head_tokens, args.dtype) == (
+        run_diverge, 2, 0, 10, 32, 8, 4, "float32")
+    assert str(args.out) == "results/bench_diverge.json"
