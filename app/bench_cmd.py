@@ -1,4 +1,4 @@
-"""`ragcache bench ttft|hotset|throughput|tiers|storage|ingest|serve|scale|bandwidth|retrieval|coldstart|plain`,
+"""`ragcache bench ttft|hotset|throughput|tiers|storage|ingest|serve|scale|bandwidth|retrieval|coldstart|plain|diverge`,
 `ragcache bench report` (tables of committed results) and `ragcache eval`: reproducible numbers.
 
 Thin flag parsing over ragcache.bench, where the runners, metrics, tables and plots live.
@@ -132,7 +132,7 @@ def _common(p: argparse.ArgumentParser, *, out: str | None, plot: bool, dataset:
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks: TTFT and quality by mode, hotset, throughput, tiers, storage, ingest, "
-                       "serve, scale, bandwidth, retrieval, coldstart, plain; report: tables of committed results",
+                       "serve, scale, bandwidth, retrieval, coldstart, plain, diverge; report: tables of committed results",
                        description="Each benchmark prints its tables and writes RESULT.json, RESULT.md and (ttft, hotset, "
                        "throughput, serve) RESULT.png; "
                        "see docs/benchmarks.md for what is measured and how.", formatter_class=_FMT)
@@ -290,6 +290,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                    help="vLLM's scheduler budget per step (default: vLLM's, 4096 on CPU)")
     n.set_defaults(func=run_plain)
+
+    dv = kinds.add_parser("diverge", help="where blend's greedy answers part from full prefill's and why: the "
+                          "first differing step, the context tokens it attends to, their KV error, counterfactual "
+                          "reruns (on a plain-torch reference of the engine)", formatter_class=_FMT)
+    _common(dv, out="results/bench_diverge.json", plot=False, dataset="hotpotqa")
+    dv.add_argument("--n", type=_positive, default=6, help="examples")
+    dv.add_argument("--offset", type=_non_negative, default=0, help="first example")
+    dv.add_argument("--passages", type=_positive, default=10, help="passages (chunks) per prompt, in the file's order")
+    dv.add_argument("--max-tokens", type=_positive, default=32, help="tokens decoded per answer (greedy)")
+    dv.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                    help="the reference's dtype (auto: engine.dtype resolved on this host, as the engine runs)")
+    dv.add_argument("--top-k", type=_positive, default=8,
+                    help="context tokens listed per divergence, and forced by the top-k counterfactual")
+    dv.add_argument("--head-tokens", type=_positive, default=4,
+                    help="first tokens of every moved chunk forced by the chunk-heads counterfactual")
+    dv.set_defaults(func=run_diverge)
 
     rp = kinds.add_parser("report", help="tables of committed results: print a RESULT.json's, or regenerate the "
                           "generated sections of a markdown document (docs/benchmarks.md) from the JSON each names",
@@ -598,6 +614,23 @@ def run_plain(args: argparse.Namespace) -> int:
         result = run(bench_settings(args.settings, kv_dir=kv_dir), example, dtype=args.dtype,
                      passages=args.passages, runs=args.runs, max_num_batched_tokens=args.max_num_batched_tokens,
                      progress=_say)
+    _stamp(args, result, started=started)
+    return _finish(result, args.out)
+
+
+@_user_error
+def run_diverge(args: argparse.Namespace) -> int:
+    from ragcache.bench.diverge import run_diverge as run
+    from ragcache.bench.environment import bench_settings, utc_now
+    from ragcache.engine.dtype import resolve_dtype
+
+    examples = _load(args, args.n, args.offset)
+    started = utc_now()
+    with _scratch(args.kv_dir, "ragcache-bench-kv-") as kv_dir:  # chunk KV stays in memory; settings need a folder
+        settings = bench_settings(args.settings, kv_dir=kv_dir)
+        dtype = resolve_dtype(settings.engine.dtype if args.dtype == "auto" else args.dtype, cuda=False).dtype
+        result = run(settings, examples, dtype=dtype, passages=args.passages, max_tokens=args.max_tokens,
+                     top_k=args.top_k, head_tokens=args.head_tokens, progress=_say)
     _stamp(args, result, started=started)
     return _finish(result, args.out)
 

@@ -17,6 +17,10 @@ Owns, one job per module:
 - ``bandwidth`` (a KV entry's read bandwidth per tier), ``retrieval`` (search latency),
   ``coldstart`` (start-up and the first request), and ``plain``'s ``run_plain`` (a plain vLLM
   prefill in any dtype): the measurements that were scripts before, now ``ragcache bench`` kinds;
+- ``diverge``: where blend's greedy answers part from full prefill's and why (attended tokens, their
+  KV error, counterfactual reruns), on ``reference`` (the model through transformers as
+  ``DecoderOps`` and a plain-torch decode that returns attention), the one module here that imports
+  torch and transformers at import: only the ``diverge`` runner imports it;
 
 The services a runner starts (a throwaway redis-server, Redis Cluster, PostgreSQL, HAProxy, server
 replicas) and the page-cache drop live outside the SDK, in :mod:`ragcache_testing.services`, which

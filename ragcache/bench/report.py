@@ -308,6 +308,32 @@ def _accelerator_tables(r: Mapping[str, Any]) -> list[Table]:
              ["shape", "context tokens", "runs", "transformers prefill", "blend", "reuse", "blend vs prefill"], rows)]
 
 
+def _diverge_tables(r: Mapping[str, Any]) -> list[Table]:
+    sm = r["summary"]
+    head = (f"blend vs full prefill ({r['dtype']}, KV {r['kv_compression']}): {sm['answers_equal']}/{sm['questions']} "
+            f"answers equal, {sm['divergences']} divergences, mean recompute share {sm['mean_recompute_share']}")
+    out: list[Table] = [(head, ["cause", "divergences", "share"],
+                         [[c["label"], c["count"], c["share"]] for c in sm.get("causes", {}).values()])]
+    if sm.get("counterfactuals"):
+        out.append(("counterfactual reruns (forced into the recompute set; patch = full prefill's KV for those rows)",
+                    ["rerun", "extra tokens (mean)", "token restored", "answer restored"],
+                    [[name, c["extra_tokens_mean"], c["token_restored"], c["answer_restored"]]
+                     for name, c in sm["counterfactuals"].items()]))
+        out.append((f"the {r['top_k']} context tokens each diverging step attends to most ({r['attention']})",
+                    ["kind", "tokens", "attention mass (mean)", "K rel. error", "V rel. error"],
+                    [[kind, t["count"], t["mass_mean"], t["k_error_mean"], t["v_error_mean"]]
+                     for kind, t in sm["top_tokens"].items()]))
+    rows = []
+    for rec in r["records"]:
+        d = rec.get("divergence")
+        rows.append([rec.get("index", ""), rec["recomputed"], rec["ctx_tokens"], "-" if d is None else f"{d['step']}/{d['full_len']}",
+                     "" if d is None else f"{d['full_token']!r} vs {d['blend_token']!r}",
+                     "" if d is None else d["full_margin"], "equal" if d is None else d["cause"]])
+    out.append(("per question", ["example", "recomputed", "context", "step", "full vs blend token",
+                                 "full margin (nats)", "cause"], rows))
+    return out
+
+
 def _transcribed_tables(r: Mapping[str, Any]) -> list[Table]:
     """Tables kept as numbers only (their run's own JSON was not kept): as the file gives them."""
     return [(t["title"], list(t["headers"]), [list(row) for row in t["rows"]]) for t in r["tables"]]
@@ -319,7 +345,7 @@ TABLES: dict[str, Callable[[Mapping[str, Any]], list[Table]]] = {
     "tiers": _tiers_tables, "ingest": _ingest_tables, "serve": _serve_tables, "scale": _scale_tables,
     "bandwidth": _bandwidth_tables, "retrieval": _retrieval_tables, "coldstart": _coldstart_tables,
     "plain": _plain_tables, "storage": _storage_tables, "accelerator": _accelerator_tables,
-    "transcribed": _transcribed_tables,
+    "transcribed": _transcribed_tables, "diverge": _diverge_tables,
 }
 
 
