@@ -230,20 +230,16 @@ class Diagnosis:
         indices ``forced_extra`` (a set; nothing else selected). Returns (k, v, selected)."""
         import torch
 
-        from ragcache.blend import BudgetRule, CachedKV, blend_kv
+        from ragcache.blend import BlendRequest, CachedKV, blend_kv
 
         p, n = ctx["params"], ctx["n"]
-        kwargs = dict(
-            recompute_ratio=p.recompute_ratio, min_recompute_tokens=p.min_recompute_tokens,
-            recompute_depth=p.recompute_depth, check_layer=p.check_layer, deviation=p.deviation,
-            selection=p.selection, tail_ids=ctx["tail_sel"], segment_starts=ctx["starts"], exact=ctx["exact"],
-            budget_rule=BudgetRule(p.mass_left, p.max_recompute_ratio, max_tokens=p.max_recompute_tokens)
-            if p.budget == "adaptive" else None)
-        forced = None
+        knobs, forced = p.blend, None  # the request's blend record, as the worker hands it on
         if forced_extra is not None:
             forced = torch.zeros(n, dtype=torch.bool)
             forced[sorted(forced_extra)] = True
-            kwargs.update(recompute_ratio=0.0, min_recompute_tokens=0, budget_rule=None)
+            knobs = knobs.model_copy(update={"recompute_ratio": 0.0, "min_recompute_tokens": 0, "budget": "fixed"})
+        request = BlendRequest(token_ids=ctx["ids"], positions=torch.arange(n), knobs=knobs, tail_ids=ctx["tail_sel"],
+                               segment_starts=ctx["starts"], exact=ctx["exact"], forced=forced)
         L = self.ops.num_layers
         ks: list = [None] * L
         vs: list = [None] * L
@@ -251,8 +247,8 @@ class Diagnosis:
         def keep(layer, k, v):
             ks[layer], vs[layer] = k.clone(), v.clone()
 
-        res = blend_kv(self.ops, ctx["ids"], torch.arange(n), CachedKV(ctx["k_pre"].clone(), ctx["v"].clone()),
-                       forced=forced, on_layer=keep, prefetch=False, **kwargs)
+        res = blend_kv(self.ops, request, CachedKV(ctx["k_pre"].clone(), ctx["v"].clone()), on_layer=keep,
+                       prefetch=False)
         return torch.stack(ks), torch.stack(vs), set(res.selected.tolist())
 
     def _decode(self, ctx, k, v):
@@ -305,7 +301,7 @@ class Diagnosis:
         tail = ids[n:]
         return {"ids": ctx_ids, "n": n, "tail": tail, "params": params, "exact": exact,
                 "starts": [s.start for s in prompt.segments], "lengths": [s.length for s in prompt.segments],
-                "tail_sel": torch.tensor(tail) if params.selection.needs_question else None,
+                "tail_sel": torch.tensor(tail) if params.blend.token_selection.needs_question else None,
                 "k_pre": torch.cat(k_parts, dim=1).contiguous(), "v": torch.cat(v_parts, dim=1).contiguous(),
                 "full_k": full_k, "full_v": fv}
 
