@@ -53,7 +53,6 @@ from ragcache.blend.select import (
     impact_scores,
     select_grouped,
     tail_attention,
-    tail_layout,
     value_error,
 )
 from ragcache.blend.stages import StageClock, Timed, synchronize
@@ -355,11 +354,13 @@ class _QuestionProbe:
                v_tail: torch.Tensor) -> torch.Tensor:
         """The tails' attention output ``[sum T, Hq, D]`` over their contexts (rows ``[S, Hkv, D]``) and
         themselves (``[sum T, ...]``); adds the layer's scores."""
-        ctx_index, tail_index = (None, None) if self.size == 1 else (self.ctx_index, self.tail_index)
-        k = tail_layout(k_ctx, k_tail, keys=True, ctx_index=ctx_index, tail_index=tail_index)  # [R, Hkv, D, P]
-        v = tail_layout(v_ctx, v_tail, keys=False, ctx_index=ctx_index, tail_index=tail_index)  # [R, Hkv, P, D]
-        out, scores = tail_attention(q_tail if self.size == 1 else q_tail[self.tail_index], k, v, self.scaling,
-                                     self.masks)
+        if self.size == 1:
+            out, scores = tail_attention(q_tail, torch.cat([k_ctx, k_tail]), torch.cat([v_ctx, v_tail]), self.scaling,
+                                         self.masks)
+        else:
+            out, scores = tail_attention(
+                q_tail[self.tail_index], torch.cat([k_ctx[self.ctx_index], k_tail[self.tail_index]], dim=1),
+                torch.cat([v_ctx[self.ctx_index], v_tail[self.tail_index]], dim=1), self.scaling, self.masks)
         self.total = scores if self.total is None else self.total.add_(scores)
         self.layers += 1
         self._mean = None

@@ -361,43 +361,9 @@ def question_attention(q_tail: torch.Tensor, k_ctx: torch.Tensor, k_tail: torch.
     n = k_ctx.shape[0]
     masks = TailMasks.of(torch.tensor([n]), torch.tensor([t]), n, t, num_heads, num_heads // k_ctx.shape[1], heads,
                          q_tail.dtype, q_tail.device)
-    values = None if v_ctx is None or v_tail is None else tail_layout(v_ctx, v_tail, keys=False)
-    out, scores = tail_attention(q_tail, tail_layout(k_ctx, k_tail, keys=True), values, scaling, masks)
+    values = None if v_ctx is None or v_tail is None else torch.cat([v_ctx, v_tail])
+    out, scores = tail_attention(q_tail, torch.cat([k_ctx, k_tail]), values, scaling, masks)
     return out, scores[0]
-
-
-def tail_layout(ctx: torch.Tensor, tail: torch.Tensor, *, keys: bool, ctx_index: torch.Tensor | None = None,
-                tail_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Context rows then tail rows in the layout :func:`tail_attention` multiplies, in one copy.
-
-    Args:
-        ctx: ``[S, Hkv, D]`` the context rows' post-RoPE keys or values.
-        tail: ``[sum T, Hkv, D]`` the tails' keys or values.
-        keys: True for keys (``[R, Hkv, D, P]``, transposed for the logits' matmul), False for values
-            (``[R, Hkv, P, D]``).
-        ctx_index: ``[R, N]`` int64, the rows of each request padded to N (a padded slot repeats a real
-            row); None for one request owning every row.
-        tail_index: ``[R, T]`` int64, likewise for the tails; None for one request.
-
-    Returns:
-        ``[R, Hkv, D, P]`` (keys) or ``[R, Hkv, P, D]`` (values), ``P = N + T``, contiguous, in ``ctx``'s
-        dtype and device.
-    """
-    if ctx_index is not None:
-        ctx, tail = ctx[ctx_index], tail[tail_index]  # [R, N, Hkv, D], [R, T, Hkv, D]
-    else:
-        ctx, tail = ctx.unsqueeze(0), tail.unsqueeze(0)
-    r, n, num_kv_heads, head_dim = ctx.shape
-    p = n + tail.shape[1]
-    if keys:
-        out = torch.empty(r, num_kv_heads, head_dim, p, dtype=ctx.dtype, device=ctx.device)
-        out[..., :n].copy_(ctx.permute(0, 2, 3, 1))
-        out[..., n:].copy_(tail.permute(0, 2, 3, 1))
-    else:
-        out = torch.empty(r, num_kv_heads, p, head_dim, dtype=ctx.dtype, device=ctx.device)
-        out[:, :, :n].copy_(ctx.transpose(1, 2))
-        out[:, :, n:].copy_(tail.transpose(1, 2))
-    return out
 
 
 @dataclass(frozen=True)
@@ -459,9 +425,9 @@ def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, sca
 
     Args:
         q: ``[R, T, Hq, D]`` post-RoPE tail queries (padded rows are ignored); ``[T, Hq, D]`` for R = 1.
-        k: ``[R, Hkv, D, P]`` post-RoPE keys, transposed: the context (padded to N) then the tail
-            (to T), as :func:`tail_layout` makes them.
-        v: ``[R, Hkv, P, D]`` values in that order (:func:`tail_layout`), or None for the scores alone.
+        k: ``[R, P, Hkv, D]`` post-RoPE keys: the context (padded to N) then the tail (to T);
+            ``[P, Hkv, D]`` for R = 1.
+        v: values in the same layout as ``k``, or None for the scores alone.
         scaling: softmax scale.
         masks: :class:`TailMasks` of this padding.
 
@@ -470,14 +436,14 @@ def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, sca
         ``masks`` says and averaged over each request's real tail tokens (0 at padded tokens).
     """
     num_heads, head_dim = q.shape[-2:]
-    r, t, p, num_kv_heads = masks.bias.shape[0], masks.num_tail, k.shape[-1], k.shape[1]
+    r, t, p, num_kv_heads = masks.bias.shape[0], masks.num_tail, k.shape[-3], k.shape[-2]
     g = num_heads // num_kv_heads
     # rows ordered (group member, tail token): [R, Hkv, G * T, D]; matmuls batched over R and the KV heads
     query = (q * scaling).view(r, t, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(
         r, num_kv_heads, g * t, head_dim)
     # In the model's dtype: softmax accumulates in float32 inside. No float32 copy of these
     # [R, Hkv, G*T, P] tensors (a conversion per layer cost more than the matmuls around them).
-    logits = torch.matmul(query, k).add_(masks.bias)  # [R, Hkv, G*T, P]
+    logits = torch.matmul(query, k.movedim(-3, -1)).add_(masks.bias)  # [R, Hkv, G*T, P]
     weights = torch.softmax(logits, dim=-1)
     # the pooled sum over queries (and heads) accumulates in float32 inside the matmul, rounded once
     n = masks.num_ctx
@@ -487,7 +453,7 @@ def tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, sca
         scores = torch.matmul(masks.pool, weights.view(r, num_heads, t, p)[..., :n]).amax(dim=1).view(r, n).float()
     if v is None:
         return None, scores
-    out = torch.matmul(weights, v)  # [R, Hkv, G*T, D]
+    out = torch.matmul(weights, v.transpose(-3, -2))  # [R, Hkv, G*T, D]
     return out.view(r, num_kv_heads, g, t, head_dim).permute(0, 3, 1, 2, 4).reshape(r * t, num_heads, head_dim), scores
 
 
