@@ -43,7 +43,28 @@ def test_toml_key_scan_matches_the_parsed_file():
     # could pass by reading too little
     parsed = tomllib.loads(SETTINGS_TOML.read_text(encoding="utf-8"))
     live = {f"{s}.{k}" for s, table in parsed.items() for k in table}
-    assert live and live <= _toml_keys()
+    assert live <= _toml_keys() and len(_toml_keys()) > 50
+
+
+def test_settings_toml_declares_no_default_and_shows_config_s():
+    """The defaults are declared once, in ragcache/config.py: settings.toml sets nothing, and each key
+    it shows commented out carries config.py's default (the paths' defaults depend on the host and are
+    shown as examples)."""
+    text = SETTINGS_TOML.read_text(encoding="utf-8")
+    assert not any(table for table in tomllib.loads(text).values()), "settings.toml sets a value"
+    defaults = {name: info.annotation() for name, info in Settings.model_fields.items()}
+    shown, section = 0, None
+    for line in text.splitlines():
+        if m := _SECTION_LINE.match(line):
+            section = m.group(1)
+        elif section and line.startswith("# ") and _KEY_LINE.match(line):
+            key, value = next(iter(tomllib.loads(line[2:]).items()))
+            default = getattr(defaults[section], key)
+            if isinstance(default, Path):
+                continue
+            assert value == default or str(value) == str(default), f"{section}.{key}: shows {value!r}, default {default!r}"
+            shown += 1
+    assert shown > 50
 
 
 def test_every_settings_toml_key_is_documented():
