@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ragcache.bench.reference import HFDecoderOps
 from ragcache.blend import compute_kv
 
 
@@ -40,46 +40,8 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(torch.float32).eval()
 
 
-class HFLlamaOps:
-    """``ragcache.blend.DecoderOps`` over a transformers ``LlamaForCausalLM``."""
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        config = model.config
-        self.model = model
-        self.layers = model.model.layers
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scaling = self.layers[0].self_attn.scaling
-        weight = model.model.embed_tokens.weight
-        self.device = weight.device
-        self.dtype = weight.dtype
-
-    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(token_ids)  # [n, hidden]
-
-    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn = self.layers[layer].self_attn
-        x = self.layers[layer].input_layernorm(hidden)  # [n, hidden]
-        n = hidden.shape[0]
-        q = attn.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-    def rope(
-        self, layer: int, positions: torch.LongTensor, q: torch.Tensor | None, k: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        cos, sin = self.model.model.rotary_emb(k, positions.unsqueeze(0))  # [1, n, D] each
-        # [n, H, D] layout: unsqueeze cos/sin at dim 1 to broadcast over heads.
-        q_rot, k_rot = apply_rotary_pos_emb(k if q is None else q, k, cos[0], sin[0], unsqueeze_dim=1)
-        return (None if q is None else q_rot), k_rot
-
-    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        block = self.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+#: ``ragcache.blend.DecoderOps`` over a transformers ``LlamaForCausalLM``: the reference the benchmarks use too
+HFLlamaOps = HFDecoderOps
 
 
 def hf_layer_kv(model: LlamaForCausalLM, token_ids: torch.LongTensor, positions: torch.LongTensor) -> list:
