@@ -56,7 +56,7 @@ def render_corpus(folder: Path) -> list[Path]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="ingest Python's stdlib docs and compare blend vs full prefill",
+    p = sub.add_parser("demo", help="ingest Python's stdlib docs and answer questions by the default route and by full prefill",
                        formatter_class=HelpFormatter)
     p.add_argument("--index", default="demo", help="index name for the demo corpus")
     p.add_argument("--questions", type=int, default=len(DEMO_QUESTIONS), help="how many demo questions to ask")

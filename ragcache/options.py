@@ -259,7 +259,7 @@ class RequestOptions(BaseModel):
     description as its help).
 
     Attributes:
-        mode: full, prefix, reuse or blend (default ``engine.mode``).
+        mode: auto, full, prefix, reuse or blend (default ``engine.mode``).
         top_k: chunks retrieved (default ``retrieval.top_k``), in [1, 100].
         recompute_ratio: blend's share of context tokens recomputed, in [0, 1] (default: the
             pipeline's, see ``RAGPipeline.recompute_ratio``).
@@ -297,7 +297,7 @@ class RequestOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    mode: Mode | None = Field(None, description="full, prefix, reuse or blend (default engine.mode)")
+    mode: Mode | None = Field(None, description="auto, full, prefix, reuse or blend (default engine.mode)")
     top_k: RequestTopK | None = Field(None, description="chunks retrieved (default retrieval.top_k)")
     recompute_ratio: Annotated[RequestRatio | None, BLEND_ONLY] = Field(
         None, description="share of context tokens recomputed in blend mode (default blend.recompute_ratio)")

@@ -423,7 +423,7 @@ class RAGPipeline:
 
         Args:
             options: how to answer (:class:`~ragcache.options.QueryOptions`); or, instead, its fields
-                as keyword arguments, validated here: ``mode`` (full, prefix, reuse or blend; default
+                as keyword arguments, validated here: ``mode`` (auto, full, prefix, reuse or blend; default
                 ``engine.mode``), ``top_k`` (default ``retrieval.top_k``), ``max_tokens``,
                 ``recompute_ratio`` (overrides ``blend.recompute_ratio``; see :meth:`recompute_ratio`
                 for where the ratio comes from otherwise, ``answer.metrics.ratio_source`` says which),

@@ -17,7 +17,7 @@ Usage::
     python scripts/unseen_sets.py OUT_DIR [--data DIR] [--hotpotqa-rows 85-99] [--musique-rows 140-149]
 
 ``--data`` is the folder holding ``hotpotqa/hotpotqa_distractor_100.json`` and
-``musique/musique_s.json`` (default: what ``ragcache.bench.datasets.shared_data_dir`` finds). The
+``musique/musique_s.json`` (default: ``$RAGCACHE_DATA_DIR``). The
 outputs are read by ``ragcache bench ... --dataset OUT_DIR/unrelated.json``.
 """
 
@@ -111,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.data is None:
-        from ragcache.bench.datasets import shared_data_dir
+        from ragcache.bench.datasets import data_dir
 
-        args.data = shared_data_dir()
+        args.data = data_dir()
+    if args.data is None:
+        print("unseen_sets: give --data or set RAGCACHE_DATA_DIR to the folder of the public QA sets", file=sys.stderr)
+        return 2
     hotpot = json.loads((args.data / "hotpotqa" / "hotpotqa_distractor_100.json").read_text())
     musique = json.loads((args.data / "musique" / "musique_s.json").read_text())
     h_rows, m_rows = rows(args.hotpotqa_rows), rows(args.musique_rows)

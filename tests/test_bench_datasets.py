@@ -39,3 +39,16 @@ def test_the_demo_dataset_ships_with_ragcache(tmp_path, monkeypatch):
     for e in json.loads(PACKAGED["demo"].read_text(encoding="utf-8")):
         module = re.search(r"\b([a-z]+)\.[A-Za-z_]+", e["question"]).group(1)
         assert module in {c["source"] for c in e["ctxs"]}, e["question"]
+
+
+def test_the_public_sets_are_read_from_ragcache_data_dir_alone(tmp_path, monkeypatch):
+    from ragcache.bench.datasets import resolve_dataset
+
+    monkeypatch.delenv("RAGCACHE_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetNotFoundError, match="RAGCACHE_DATA_DIR is not set.*musique/musique_s.json"):
+        resolve_dataset("musique")
+    (tmp_path / "musique").mkdir()
+    (tmp_path / "musique" / "musique_s.json").write_text("[]")
+    monkeypatch.setenv("RAGCACHE_DATA_DIR", str(tmp_path))
+    assert resolve_dataset("musique") == tmp_path / "musique" / "musique_s.json"

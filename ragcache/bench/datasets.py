@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from ragcache.chunks import Chunk, chunk_id_for
 
-#: MuSiQue / HotpotQA files under the data folder (:func:`shared_data_dir`), by short name
+#: MuSiQue / HotpotQA files under the data folder (:func:`data_dir`), by short name
 DATASETS = {
     "musique": "musique/musique_s.json",
     "hotpotqa": "hotpotqa/hotpotqa_distractor_100.json",
@@ -53,18 +53,10 @@ class QAExample:
     passages: list[tuple[str, str]]
 
 
-def shared_data_dir() -> Path:
-    """The folder of the public QA sets: ``$RAGCACHE_DATA_DIR``, else a ``shared/data`` folder next to the
-    repository (or to the working directory) where there is one; the path where it was looked for
-    otherwise."""
+def data_dir() -> Path | None:
+    """The folder of the public QA sets: ``$RAGCACHE_DATA_DIR``, or None when it is not set."""
     env = os.environ.get("RAGCACHE_DATA_DIR")
-    if env:
-        return Path(env)
-    for base in (_REPO, Path.cwd()):
-        cand = base.parent / "shared" / "data"
-        if cand.is_dir():
-            return cand
-    return _REPO.parent / "shared" / "data"
+    return Path(env) if env else None
 
 
 def resolve_dataset(name_or_path: str | os.PathLike[str]) -> Path:
@@ -77,7 +69,13 @@ def resolve_dataset(name_or_path: str | os.PathLike[str]) -> Path:
     if key in PACKAGED:
         path = PACKAGED[key]
     elif key in DATASETS:
-        path = shared_data_dir() / DATASETS[key]
+        folder = data_dir()
+        if folder is None:
+            raise DatasetNotFoundError(
+                f"dataset {key}: RAGCACHE_DATA_DIR is not set; set it to the folder holding {DATASETS[key]} (the "
+                f"README says where MuSiQue and HotpotQA come from), or use --dataset demo (ships with ragcache) "
+                f"or a JSON file: a list of {{question, answers: [str], ctxs: [{{title, text}}]}}")
+        path = folder / DATASETS[key]
     else:
         path = Path(key).expanduser()
     if not path.is_file():
