@@ -418,8 +418,8 @@ def _quality_cell(key: tuple[str, str], rows: Sequence[dict[str, float | None]],
         why = f"gold-answer NLL {100 * gold:+.1f}% of full prefill's (at most {100 * max_gold_nll_rel:+g}%)"
     else:
         passes = rouge >= min_agree
-        why = (f"answers agree with full prefill's at Rouge-L {rouge:.2f} (at least {min_agree:g}; "
-               f"{round(agree * n)}/{n} equal, first-token KL {kl:.3f})")
+        why = (f"Rouge-L of blend's answers against full prefill's {rouge:.2f}, needs at least {min_agree:g} "
+               f"({round(agree * n)}/{n} equal, first-token KL {kl:.3f})")
     if loops_blend > loops_full:
         passes = False
         why += f"; loops in {loops_blend:.0%} of blend's answers against {loops_full:.0%} of full's"
