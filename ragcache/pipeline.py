@@ -329,8 +329,10 @@ class RAGPipeline:
     def calibrated_settings(self, selection: str | None = None) -> dict[str, Any]:
         """What a calibration of this index is measured under and holds for: the blend settings that
         change what a blend at a ratio computes (:meth:`ragcache.config.BlendSettings.calibrated_settings`
-        for ``selection``, None: ``blend.selection``) and the engine's resolved ``engine.dtype``."""
+        for ``selection``, None: ``blend.selection``), the KV context chunk KV is computed after
+        (``prompt.kv_context_tokens``) and the engine's resolved ``engine.dtype``."""
         values = self.engine.settings.blend.calibrated_settings(selection or self.settings.blend.selection)
+        values["prompt.kv_context_tokens"] = self.engine.settings.prompt.kv_context_tokens
         values["engine.dtype"] = str(self.engine.dtype.dtype)
         values["host"] = self.engine.router.host
         return values

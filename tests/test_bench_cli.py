@@ -43,7 +43,7 @@ def test_bench_help_shows_list_defaults_as_typed_and_no_empty_defaults(capsys):
     assert "(default: 0,0.05,0.1,0.15,0.3,1)" in text and "[0.0" not in text
     assert "(default: None)" not in text and ".png" in text
     args = parser.parse_args(["bench", "ttft"])
-    assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend", "auto", "plain"]
+    assert args.ratios == [0.0, 0.05, 0.1, 0.15, 0.3, 1.0] and args.modes == ["full", "prefix", "reuse", "blend", "auto", "plain", "floor"]
     assert args.selections is None  # blend.selection
     args = parser.parse_args(["bench", "ttft", "--selections", "question/1, question/16,deviation"])
     assert args.selections == ["question/1", "question/16", "deviation"]
@@ -90,13 +90,14 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
 
     res = json.loads(out.read_text())
     assert res["benchmark"] == "ttft" and res["n"] == 2 and res["machine"]["cpu_count"] >= 1
-    assert set(res["modes"]) == {"full", "plain", "prefix", "reuse", "blend", "auto"}
+    assert set(res["modes"]) == {"full", "plain", "floor", "prefix", "reuse", "blend", "auto"}
     assert [s["recompute_ratio"] for s in res["sweep"]] == [0.0, 0.15]
     for name, s in [*res["modes"].items(), *((s["variant"], s) for s in res["sweep"])]:
         assert SUMMARY_FIELDS <= set(s), SUMMARY_FIELDS - set(s)
         assert s["n"] == 2 and s["ttft_median_s"] > 0
-        # plain vLLM is timed and its answer scored, but it has no teacher-forced scores (another engine)
-        assert (s["gold_nll_mean"] is None) if name == "plain" else (s["gold_nll_mean"] > 0)
+        # plain vLLM (and the floor, plain vLLM in the other dtype) is timed and its answer scored, but it
+        # has no teacher-forced scores (another engine)
+        assert (s["gold_nll_mean"] is None) if name in ("plain", "floor") else (s["gold_nll_mean"] > 0)
     # short prompts (3 passages): judged by their answers (gold F1 against full's only where full's is above
     # 0); ratio-1 vs plain needs a ratio-1 sweep point (not asked for here)
     f1 = {"blend_f1_vs_full"} if res["modes"]["full"]["f1_mean"] else set()
@@ -108,13 +109,15 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
     assert res["blend_ops"]["n"] == 2 and res["targets"]["blend_aten_ops"]["value"] == res["blend_ops"]["total_median"]
     assert "ratio_one_vs_plain" not in res["targets"]
     for ex in res["examples"]:
-        assert set(ex["results"]) == {"full", "plain", "prefix", "reuse", "blend@0", "blend@0.15", "auto"}
+        assert set(ex["results"]) == {"full", "plain", "floor", "prefix", "reuse", "blend@0", "blend@0.15", "auto"}
         assert ex["results"]["auto"]["route"] in ("full", "blend")
         assert sorted(ex["order"]) == sorted(ex["results"])
         for rec in ex["results"].values():
             assert RECORD_FIELDS <= set(rec), RECORD_FIELDS - set(rec)
         full, prefix, plain = ex["results"]["full"], ex["results"]["prefix"], ex["results"]["plain"]
         assert plain["ttft_s"] > 0 and plain["answer"] and plain["kl_from_full"] is None
+        floor = ex["results"]["floor"]  # full prefill in the other dtype: its agreement is the noise floor
+        assert floor["ttft_s"] > 0 and floor["answer"] and floor["agree_em"] in (0.0, 1.0, True, False)
         assert full["kl_from_full"] == 0.0 and prefix["kl_from_full"] < 1e-3  # prefix caching is exact
         assert ex["results"]["blend@0.15"]["recomputed_tokens"] > 0
         assert ex["results"]["reuse"]["kl_from_full"] > 0 and ex["results"]["reuse"]["recomputed_tokens"] == 0

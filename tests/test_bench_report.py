@@ -144,10 +144,18 @@ DOCS = ROOT / "docs"
 BENCHMARKS = DOCS / "benchmarks.md"
 
 
-def test_benchmarks_md_is_what_its_json_renders():
-    text = BENCHMARKS.read_text(encoding="utf-8")
-    assert stale_sections(text, DOCS) == [], "run `ragcache bench report docs/benchmarks.md`"
+#: the documents with generated sections
+GENERATED_DOCS = [BENCHMARKS, DOCS / "fidelity.md"]
+
+
+@pytest.mark.parametrize("doc", GENERATED_DOCS, ids=lambda p: p.name)
+def test_benchmarks_md_is_what_its_json_renders(doc):
+    text = doc.read_text(encoding="utf-8")
+    assert SECTION.search(text), f"{doc.name} has no generated section"
+    assert stale_sections(text, DOCS) == [], f"run `ragcache bench report docs/{doc.name}`"
     assert regenerate(text, DOCS) == text
+    outside = SECTION.sub("", text)
+    assert not [line for line in outside.splitlines() if line.startswith("|")], "a table outside a generated section"
 
 
 def test_every_table_of_benchmarks_md_is_generated_from_a_named_json_file():

@@ -225,6 +225,7 @@ def test_calibrate_writes_a_ratio_that_auto_then_uses(engine, engine_settings, t
     # the record keeps what it was measured under; a change to one of those settings voids it
     assert result.settings["blend.granule"] == engine.settings.blend.granule
     assert result.settings["engine.dtype"] == engine.dtype.dtype and "blend.recompute_depth" in result.settings
+    assert result.settings["prompt.kv_context_tokens"] == engine.settings.prompt.kv_context_tokens
     monkeypatch.setattr(engine.settings.blend, "granule", 2 * engine.settings.blend.granule)
     assert rag.calibration() is None and rag.calibration_changes() == [
         f"blend.granule = {engine.settings.blend.granule} (calibrated with {result.settings['blend.granule']})"]

@@ -59,7 +59,7 @@ def test_ratio_one_reproduces_full_prefill(engine, fact_chunks):
 
 def test_single_chunk_at_canonical_position_reuse_is_exact(engine, fact_chunks):
     for chunk in fact_chunks[:2]:
-        prompt = engine.prompts.build("Summarize the document in one sentence.", [chunk])
+        prompt = engine.prompts.without_kv_context().build("Summarize the document in one sentence.", [chunk])
         full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=20))
         reuse = engine.generate(prompt, QueryOptions(mode="reuse", max_tokens=20))
         assert reuse.token_ids == full.token_ids, (full.text, reuse.text)

@@ -69,7 +69,8 @@ def test_ratio_one_gives_full_prefills_greedy_tokens_on_a_multi_chunk_prompt(fam
 
 def test_chunk_at_its_canonical_position_served_by_reuse_equals_full(family):
     _, engine, chunks = family
-    prompt = engine.prompts.build("Summarize the document.", chunks[1:2])
+    # chunk KV computed after the head alone (no KV context): the canonical place is exact
+    prompt = engine.prompts.without_kv_context().build("Summarize the document.", chunks[1:2])
     full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=8))
     reuse = engine.generate(prompt, QueryOptions(mode="reuse", max_tokens=8))
     assert reuse.token_ids == full.token_ids

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from ragcache.chunks import Chunk, chunk_id_for
 from ragcache.config import PromptSettings, Settings
 from ragcache.models import encode, resolve_llm
-from ragcache.prompt import PromptBuilder, PromptTooLongError, lead_in_for
+from ragcache.prompt import KV_CONTEXT_FILE, PromptBuilder, PromptTooLongError, is_canonical, lead_in_for
 
 TEXTS = ["Velmora is the capital of Zorbia.", "The Amber Hall has 212 seats and a copper roof.",
          "Kelmet is a stew of lentils, smoked fish and saffron."]
@@ -56,7 +56,7 @@ def test_a_chunk_has_the_same_key_and_tokens_at_any_position(tokenizer, chunks):
 
 
 def test_placement_rule_puts_the_head_at_zero_and_every_chunk_right_after_it(tokenizer, chunks):
-    b = builder(tokenizer)
+    b = builder(tokenizer, kv_context_tokens=0)
     assert lead_in_for(0, b.head_ids) == []
     assert lead_in_for(len(b.head_ids), b.head_ids) == b.head_ids
     assert lead_in_for(1234, b.head_ids) == b.head_ids
@@ -65,6 +65,32 @@ def test_placement_rule_puts_the_head_at_zero_and_every_chunk_right_after_it(tok
     # the canonical place is where the chunk sits when it comes first
     first = b.build("q?", chunks[1:2]).segments[1]
     assert (first.start, first.key) == (seg.start, seg.key)
+    assert is_canonical(first.start, b.head_ids) and is_canonical(0, b.head_ids)
+    assert not is_canonical(first.start + 3, b.head_ids)
+
+
+def test_with_a_kv_context_chunks_are_computed_after_the_head_and_the_context_and_none_is_exact(tokenizer, chunks):
+    plain = builder(tokenizer, kv_context_tokens=0)
+    b = builder(tokenizer, kv_context_tokens=64)
+    text = KV_CONTEXT_FILE.read_text(encoding="utf-8")
+    assert b.context_ids == tuple(encode(tokenizer, text)[:64]) and plain.context_ids == ()
+    assert lead_in_for(0, b.head_ids, b.context_ids) == []
+    assert lead_in_for(len(b.head_ids), b.head_ids, b.context_ids) == b.head_ids + list(b.context_ids)
+    seg = b.canonical_segment(chunks[1])
+    assert seg.start == len(b.head_ids) + 64 and seg.key == b.key(chunks[1])
+    # the prompt itself is unchanged: the context is never in it, only in the chunks' keys
+    p, q = b.build("q?", chunks), plain.build("q?", chunks)
+    assert p.token_ids == q.token_ids and p.kv_context == b.context_ids and q.kv_context == ()
+    assert [s.start for s in p.segments] == [s.start for s in q.segments]
+    assert p.segments[0].key == q.segments[0].key  # the head has no lead-in either way
+    assert all(x.key != y.key for x, y in zip(p.segments[1:], q.segments[1:]))
+    # in a prompt a chunk follows the head and other chunks, never the context: nothing but the head is exact
+    assert not any(is_canonical(s.start, b.head_ids, b.context_ids) for s in p.segments[1:])
+    assert is_canonical(0, b.head_ids, b.context_ids)
+    # the self-check's builder keys its chunk after the head alone
+    assert b.without_kv_context().key(chunks[1]) == plain.key(chunks[1]) and b.context_ids
+    with pytest.raises(ValueError, match="kv_context_tokens"):
+        builder(tokenizer, kv_context_tokens=100_000)
 
 
 def test_keys_change_with_the_model_and_the_system_prompt(tokenizer, chunks):

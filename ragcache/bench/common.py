@@ -73,8 +73,18 @@ def target(value: float | None, limit: float, kind: str, note: str) -> dict[str,
 
 #: the plain-vLLM baseline (no ragcache connector), run in a child process by ``bench ttft``
 PLAIN = "plain"
-#: what ``--modes`` accepts: ragcache's modes plus the plain baseline
-BENCH_MODES: tuple[str, ...] = (*MODES, PLAIN)
+#: full prefill by a plain vLLM engine in the other compute dtype (:func:`other_dtype`), in a child
+#: process: how often it agrees with ragcache's full prefill is the noise floor of every agreement
+#: figure (the answers two correct prefills give when only their rounding differs)
+FLOOR = "floor"
+#: what ``--modes`` accepts: ragcache's modes plus the plain baseline and the noise floor
+BENCH_MODES: tuple[str, ...] = (*MODES, PLAIN, FLOOR)
+
+
+def other_dtype(dtype: str) -> str:
+    """The dtype the noise floor (:data:`FLOOR`) runs in: float32 beside a 16-bit engine, bfloat16
+    beside a float32 one."""
+    return "bfloat16" if dtype == "float32" else "float32"
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,8 @@ class Variant:
         Raises:
             QueryOptionsError: a ratio, selection or ``max_tokens`` out of range.
         """
-        return QueryOptions.parse({"mode": None if self.mode == PLAIN else self.mode, "recompute_ratio": self.ratio,
+        return QueryOptions.parse({"mode": None if self.mode in (PLAIN, FLOOR) else self.mode,
+                                   "recompute_ratio": self.ratio,
                                    "selection": self.selection, "max_tokens": max_tokens,
                                    **budget_options(self.budget)})
 

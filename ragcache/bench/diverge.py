@@ -272,7 +272,8 @@ class Diagnosis:
 
     def context_of(self, prompt: Any) -> dict[str, Any]:
         """:meth:`context` of an :class:`~ragcache.prompt.AssembledPrompt` (or anything with its
-        ``token_ids``, ``ctx_len``, ``lead_in_len`` and ``segments`` of ``start``, ``length``, ``key``)."""
+        ``token_ids``, ``ctx_len``, ``lead_in_len``, ``segments`` of ``start``, ``length``, ``key``, and
+        optionally ``kv_context``)."""
         import torch
 
         from ragcache.blend import compute_kv
@@ -281,10 +282,10 @@ class Diagnosis:
         from ragcache.prompt import is_canonical, lead_in_for
 
         ids, n, lead = list(prompt.token_ids), prompt.ctx_len, prompt.lead_in_len
-        head = ids[:lead]
+        head, context = ids[:lead], tuple(getattr(prompt, "kv_context", ()))
         k_parts, v_parts = [], []
         for seg in prompt.segments:
-            k, v = self._stored(lead_in_for(seg.start, head), ids[seg.start:seg.start + seg.length])
+            k, v = self._stored(lead_in_for(seg.start, head, context), ids[seg.start:seg.start + seg.length])
             k_parts.append(k)
             v_parts.append(v)
         ctx_ids = torch.tensor(ids[:n])
@@ -294,9 +295,9 @@ class Diagnosis:
             full_k = torch.stack([self.ops.rope(i, positions, None, fk_pre[i])[1] for i in range(self.ops.num_layers)])
         params = BlendParams.from_options(
             self.settings.blend, QueryOptions(), mode="blend", ctx_len=n, lead_in_len=lead,
-            segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments))
+            segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments), kv_context=context)
         # as the worker builds its BlendRequest (ragcache.engine.worker, _open)
-        canonical = [is_canonical(s.start, head) for s in prompt.segments]
+        canonical = [is_canonical(s.start, head, context) for s in prompt.segments]
         exact = torch.repeat_interleave(torch.tensor(canonical), torch.tensor([s.length for s in prompt.segments]))
         tail = ids[n:]
         return {"ids": ctx_ids, "n": n, "tail": tail, "params": params, "exact": exact,

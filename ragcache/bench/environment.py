@@ -87,6 +87,7 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
         "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
         "attention_reason": getattr(worker, "attention_reason", None),
+        "kv_context_tokens": s.prompt.kv_context_tokens,
         "store": {"cpu_kv_pool_gb": s.store.cpu_kv_pool_gb, "ssd_cache_max_gb": s.store.ssd_cache_max_gb,
                   "remote": bool(s.store.remote_url), "kv_dtype": s.store.kv_dtype,
                   "kv_compression": s.store.kv_compression},

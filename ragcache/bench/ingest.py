@@ -23,8 +23,9 @@ def run_ingest(engine: "BlendEngine", examples: Sequence[QAExample], *, passages
                progress: Progress | None = None) -> dict[str, Any]:
     """KV precompute tokens/s next to vLLM prefill tokens/s for the same chunks.
 
-    Both process ``[prompt head][chunk unit]`` per chunk (precompute keeps the unit's KV; vLLM
-    prefills the same tokens as a prompt with max_tokens=1); tokens/s counts unit tokens only.
+    Both process ``[prompt head][KV context][chunk unit]`` per chunk (the placement rule,
+    :func:`ragcache.prompt.lead_in_for`; precompute keeps the unit's KV; vLLM prefills the same
+    tokens as a prompt with max_tokens=1); tokens/s counts unit tokens only.
     The chunks' stored KV is deleted first so precompute really computes; its time includes
     storing (top memory tier plus write-through to the persistent tiers configured). vLLM is
     measured one chunk at a time (as precompute works) and as one batch.
@@ -38,7 +39,8 @@ def run_ingest(engine: "BlendEngine", examples: Sequence[QAExample], *, passages
     pre_wall = time.perf_counter() - t0
     unit_tokens = sum(len(engine.prompts.unit_ids(c)) for c in chunks)
     head = list(engine.prompts.head_ids)
-    prompts = [AssembledPrompt(head + engine.prompts.unit_ids(c), [], 0, len(head)) for c in chunks]
+    lead = head + list(engine.prompts.context_ids)
+    prompts = [AssembledPrompt(lead + engine.prompts.unit_ids(c), [], 0, len(head)) for c in chunks]
     say(f"precompute: {len(chunks)} chunks, {unit_tokens} tokens in {pre.seconds:.1f} s")
     full = QueryOptions(mode="full", max_tokens=1)
     t0 = time.perf_counter()
@@ -50,6 +52,7 @@ def run_ingest(engine: "BlendEngine", examples: Sequence[QAExample], *, passages
     ttft_sum = sum(g.metrics.ttft_s for g in single)
     out = {
         "benchmark": "ingest", "chunks": len(chunks), "unit_tokens": unit_tokens, "head_tokens": len(head),
+        "kv_context_tokens": len(engine.prompts.context_ids),
         "precompute": {"computed": pre.computed, "seconds": rounded(pre.seconds, 3),
                        "wall_s": rounded(pre_wall, 3), "tokens_per_s": rounded(unit_tokens / pre.seconds, 1)},
         "vllm_prefill_sequential": {"wall_s": rounded(seq_wall, 3), "ttft_sum_s": rounded(ttft_sum, 3),

@@ -81,10 +81,11 @@ class PlainVLLM:
             raise RuntimeError(f"the plain vLLM baseline did not start: {ready['error']}")
 
     @classmethod
-    def like(cls, engine: Any) -> "PlainVLLM":
-        """A plain engine configured like ragcache's ``engine`` (a BlendEngine)."""
+    def like(cls, engine: Any, dtype: str | None = None) -> "PlainVLLM":
+        """A plain engine configured like ragcache's ``engine`` (a BlendEngine), in ``dtype`` (None:
+        the engine's)."""
         e = engine.settings.engine
-        return cls(model=str(engine.llm_info.path), dtype=engine.dtype.dtype, max_model_len=e.max_model_len,
+        return cls(model=str(engine.llm_info.path), dtype=dtype or engine.dtype.dtype, max_model_len=e.max_model_len,
                    kv_cache_memory_bytes=e.kv_cache_memory_bytes, enforce_eager=e.enforce_eager)
 
     def generate(self, token_ids: list[int], max_tokens: int) -> dict[str, Any]:

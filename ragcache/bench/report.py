@@ -429,7 +429,8 @@ def summary_table(results: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
     """One row per ttft result ``(link, result)``: TTFT of full prefill, plain vLLM and the default
     blend, blend's speedup over the faster of the two, and its quality against full prefill."""
     h = ["run", "dtype", "set", "n", "prompt tokens", "full (s)", "plain vLLM (s)", "blend (s)", "blend vs best",
-         "KL blend / reuse", "gold NLL vs full %", "agree Rouge-L", "recomputed %"]
+         "KL blend", "KL blend / reuse", "gold NLL vs full %", "agree EM", "floor agree EM", "agree Rouge-L",
+         "recomputed %"]
     rows = []
     for link, r in results:
         md, blend, reuse = r["modes"], r["modes"]["blend"], r["modes"].get("reuse") or {}
@@ -437,11 +438,13 @@ def summary_table(results: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
         rows.append([f"[{Path(link).stem}]({link})", (r.get("engine") or {}).get("dtype"), _dataset(r), r["n"],
                      round(md["full"]["prompt_tokens_mean"]) if md["full"].get("prompt_tokens_mean") else None,
                      md["full"]["ttft_median_s"], (md.get("plain") or {}).get("ttft_median_s"), blend["ttft_median_s"],
-                     blend.get("speedup_vs_best_median") or blend["speedup_median"], kl_ratio,
-                     _pct(blend.get("gold_nll_rel_full")), blend["agree_rouge_l_mean"],
+                     blend.get("speedup_vs_best_median") or blend["speedup_median"], blend.get("kl_mean"), kl_ratio,
+                     _pct(blend.get("gold_nll_rel_full")), blend.get("agree_em_mean"),
+                     (md.get("floor") or {}).get("agree_em_mean"), blend["agree_rouge_l_mean"],
                      _pct(blend["recomputed_frac_mean"])])
     return ("TTFT medians and blend's quality against full prefill, one run per row (the default blend: "
-            "'vs best' = median per example of min(full, plain vLLM) / blend)", h, rows)
+            "'vs best' = median per example of min(full, plain vLLM) / blend; 'floor agree EM': full prefill in "
+            "the other dtype against full, the noise floor)", h, rows)
 
 
 def section(spec: str, base: Path) -> str:

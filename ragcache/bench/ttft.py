@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ragcache.bench.common import (
-    PLAIN, TARGETS, prompt_length, Checkpoint, Progress, Variant, answer_ids, main_blend, make_variants, ratio_name, request_record,
+    FLOOR, PLAIN, TARGETS, other_dtype, prompt_length, Checkpoint, Progress, Variant, answer_ids, main_blend, make_variants, ratio_name, request_record,
     speedup, target, warm_prefix_cache, warm_up,
 )
 from ragcache.bench.plain import PlainVLLM
@@ -45,7 +45,9 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     over the whole vocabulary); ``prefix`` is preceded by an untimed warm-up (see
     :func:`~ragcache.bench.common.warm_prefix_cache`); ``plain`` goes to a plain vLLM engine in a
     child process (:class:`~ragcache.bench.plain.PlainVLLM`: same model, dtype and limits, no
-    connector). After the timed requests, two teacher-forced scores per variant (with
+    connector); ``floor`` to another such child in the other dtype (float32 beside a 16-bit engine,
+    bfloat16 beside a float32 one): its agreement with ``full`` is the noise floor every other
+    mode's agreement is read against. After the timed requests, two teacher-forced scores per variant (with
     ``engine.continuation_logprobs``): the mean NLL of full prefill's own greedy answer (gold-free:
     works on any corpus) and of the gold answer (``full`` and ``prefix`` both serve exact KV, so one
     exact score, taken in ``prefix`` mode over the warm cache, stands for both).
@@ -54,7 +56,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     ``blend.selection``), and ``budgets`` once per recompute budget (``fixed``, ``adaptive`` or the
     adaptive budget's ``mass_left``; default: only ``blend.budget``).
 
-    Returns a dict with ``modes`` (summary of full/plain/prefix/reuse/blend at ``default_ratio``),
+    Returns a dict with ``modes`` (summary of full/plain/floor/prefix/reuse/blend at ``default_ratio``),
     ``sweep`` (one summary per blend variant), ``variants`` (every variant's summary), ``stages``
     (the blend's worker time by stage, with its compute floor), ``targets`` and ``examples``
     (per-example records of every variant). ``checkpoint``, when given, receives the result so far
@@ -67,6 +69,9 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     main = main_blend(variants, default_ratio, blend_settings.selection, blend_settings.granule)
     main_name = main.name if main is not None else None
     plain = PlainVLLM.like(engine) if any(v.mode == PLAIN for v in variants) else None
+    floor = (PlainVLLM.like(engine, other_dtype(engine.dtype.dtype)) if any(v.mode == FLOOR for v in variants)
+             else None)
+    children = {PLAIN: plain, FLOOR: floor}
     records: list[dict[str, Any]] = []
     t_start = time.perf_counter()
 
@@ -88,15 +93,16 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
             pre = engine.precompute(chunks)
             prompt = engine.prompts.build(ex.question, chunks)
             if i == 0:
-                warm_up(engine, chunks, [v.mode for v in variants if v.mode != PLAIN])
-                if plain is not None:
-                    plain.generate(prompt.token_ids, 2)  # its own one-time costs, untimed
+                warm_up(engine, chunks, [v.mode for v in variants if v.mode not in children])
+                for child in children.values():
+                    if child is not None:
+                        child.generate(prompt.token_ids, 2)  # its own one-time costs, untimed
             engine.reset_prefix_cache()
             gens: dict[str, Generation] = {}
             order = rotated(variants, i)
             for v in order:
-                if v.mode == PLAIN:
-                    gens[v.name] = _plain_generation(engine, plain, prompt, max_tokens)
+                if v.mode in children:
+                    gens[v.name] = _plain_generation(engine, children[v.mode], prompt, max_tokens, v.mode)
                     continue
                 if v.mode == "prefix":
                     warm_prefix_cache(engine, chunks, prefix_warmup)
@@ -121,8 +127,9 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
             if checkpoint is not None and i + 1 < len(examples):
                 checkpoint(result(partial=True))
     finally:
-        if plain is not None:
-            plain.close()
+        for child in children.values():
+            if child is not None:
+                child.close()
     return result()
 
 
@@ -140,12 +147,13 @@ def _blend_ops(engine: "BlendEngine", prompt: "AssembledPrompt", main: Variant) 
 
 
 def _plain_generation(engine: "BlendEngine", plain: PlainVLLM, prompt: "AssembledPrompt",
-                      max_tokens: int) -> "Generation":
-    """The plain baseline's answer as a Generation (TTFT measured by its own vLLM; no distribution)."""
+                      max_tokens: int, mode: str = PLAIN) -> "Generation":
+    """A plain vLLM child's answer (the baseline, or the noise floor) as a Generation (TTFT measured
+    by its own vLLM; no distribution)."""
     from ragcache.engine import Generation, RequestMetrics
 
     out = plain.generate(prompt.token_ids, max_tokens)
-    metrics = RequestMetrics(mode=PLAIN, ttft_s=out["ttft_s"], prompt_tokens=len(prompt.token_ids),
+    metrics = RequestMetrics(mode=mode, ttft_s=out["ttft_s"], prompt_tokens=len(prompt.token_ids),
                              output_tokens=len(out["token_ids"]))
     text = engine.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
     return Generation(text, list(out["token_ids"]), metrics, None)
@@ -160,7 +168,7 @@ def _continuation_nlls(engine: "BlendEngine", prompt: "AssembledPrompt", continu
     exact_nll: float | None = None
     for v in variants:
         mode = ran.get(v.name, v.mode)
-        if not continuation or v.mode == PLAIN:
+        if not continuation or v.mode in (PLAIN, FLOOR):
             nlls[v.name] = None
         elif mode in ("full", "prefix"):
             if exact_nll is None:
@@ -202,7 +210,7 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
     summaries = {v.name: summarize_variant(v, records) for v in variants}
     routes = route_table(records, main_name) if "auto" in summaries else None
     main = {"full": summaries["full"]}
-    for m in (PLAIN, "prefix", "reuse"):
+    for m in (PLAIN, FLOOR, "prefix", "reuse"):
         if m in summaries:
             main[m] = summaries[m]
     if main_name in summaries:

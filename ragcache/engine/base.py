@@ -324,7 +324,7 @@ class EngineBase:
                 self.settings.blend, options, mode="reuse" if asked == "reuse" else "blend", ctx_len=prompt.ctx_len,
                 lead_in_len=prompt.lead_in_len,
                 segments=tuple(SegmentRef(s.key, s.start, s.length) for s in prompt.segments),
-                question_end=question_end,
+                question_end=question_end, kv_context=prompt.kv_context,
             )
         if asked == "auto":
             route = self.route(prompt, params, quality)
@@ -446,7 +446,7 @@ class EngineBase:
         if not continuation:
             raise ValueError("empty continuation: nothing to score")
         extended = AssembledPrompt(list(prompt.token_ids) + list(continuation), prompt.segments, prompt.ctx_len,
-                                   prompt.lead_in_len)
+                                   prompt.lead_in_len, prompt.kv_context)
         # the blend's question-aware selection reads the question, never the continuation it scores
         req = self._request(extended, options.model_copy(update={"max_tokens": 1}),
                             question_end=len(prompt.token_ids))
@@ -492,7 +492,7 @@ class EngineBase:
             seg = self.prompts.canonical_segment(c, namespace)
             items.append(PrecomputeItem(seg.key, seg.start, tuple(self.prompts.unit_ids(c))))
         return PrecomputeRun(head_ids, PrecomputeItem(head.key, head.start, tuple(head_ids)), items, batch_size,
-                             show_progress)
+                             show_progress, self.prompts.context_ids)
 
     # ---- the KV store (its RPCs on both engines) -------------------------------------------
 
@@ -519,9 +519,10 @@ class PrecomputeRun:
     """
 
     def __init__(self, head_ids: list[int], head: PrecomputeItem, items: Sequence[PrecomputeItem],
-                 batch_size: int, show_progress: bool):
-        self.head_args = (head_ids, [head.to_list()])
-        self.batches = [((head_ids, [i.to_list() for i in items[j:j + batch_size]]), len(items[j:j + batch_size]))
+                 batch_size: int, show_progress: bool, context_ids: Sequence[int] = ()):
+        context = list(context_ids)
+        self.head_args = (head_ids, [head.to_list()], context)
+        self.batches = [((head_ids, [i.to_list() for i in items[j:j + batch_size]], context), len(items[j:j + batch_size]))
                         for j in range(0, len(items), batch_size)]
         self.report = PrecomputeReport()
         self._total, self._show = len(items), show_progress

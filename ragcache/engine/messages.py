@@ -140,7 +140,7 @@ class BlendParams:
         mode: ``"reuse"`` (cached KV moved to its positions) or ``"blend"`` (CacheBlend).
         ctx_len: tokens ``[0, ctx_len)`` of the prompt are served from cached KV; the rest (the
             question tail) is prefilled by vLLM.
-        lead_in_len: tokens of the prompt head; chunk KV is computed right after them.
+        lead_in_len: tokens of the prompt head; chunk KV is computed right after them and ``kv_context``.
         segments: the cached spans covering ``[0, ctx_len)`` in order; ``segments[0]`` is the head.
         question_end: the question tail that question-aware selection reads is
             ``[ctx_len, question_end)``; 0 = the rest of the prompt. Scoring requests set it so that
@@ -148,6 +148,9 @@ class BlendParams:
         blend: the request's blend parameters (:class:`ragcache.config.BlendKnobs`, built by
             :func:`ragcache.options.blend_knobs`), carried as they are; the worker hands them to
             the blend unchanged.
+        kv_context: token ids of the KV context the prompt's chunk KV is computed after
+            (:attr:`ragcache.prompt.PromptBuilder.context_ids`; :func:`ragcache.prompt.lead_in_for`):
+            what the worker computes a missing chunk after, and whether any chunk is exact.
     """
 
     mode: str
@@ -156,10 +159,12 @@ class BlendParams:
     segments: tuple[SegmentRef, ...]
     question_end: int = 0
     blend: BlendKnobs
+    kv_context: tuple[int, ...] = ()
 
     @classmethod
     def from_options(cls, blend: BlendSettings, options: QueryOptions, *, mode: str, ctx_len: int, lead_in_len: int,
-                     segments: tuple[SegmentRef, ...], question_end: int = 0) -> "BlendParams":
+                     segments: tuple[SegmentRef, ...], question_end: int = 0,
+                     kv_context: tuple[int, ...] = ()) -> "BlendParams":
         """Parameters for one request: the ``[blend]`` settings with the request's options applied
         (:func:`ragcache.options.blend_knobs`; nothing is range-checked again).
 
@@ -170,7 +175,7 @@ class BlendParams:
         if mode not in CONNECTOR_MODES:
             raise ValueError(f"the KV connector serves modes {CONNECTOR_MODES}, not {mode!r}")
         return cls(mode=mode, ctx_len=ctx_len, lead_in_len=lead_in_len, segments=tuple(segments),
-                   question_end=question_end, blend=blend_knobs(blend, options))
+                   question_end=question_end, blend=blend_knobs(blend, options), kv_context=tuple(kv_context))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``kv_transfer_params[TRANSFER_KEY]``: each field as :func:`_plain` writes it

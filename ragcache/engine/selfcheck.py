@@ -269,7 +269,9 @@ class _Plan:
         self.prompt: AssembledPrompt | None = None
         self.too_long: str | None = None
         try:
-            self.prompt = engine.prompts.build(PROBE_QUESTION, self.chunks, namespace=self.namespace)
+            # its chunk at the canonical place is exact only when computed after the head alone
+            self.prompt = engine.prompts.without_kv_context().build(PROBE_QUESTION, self.chunks,
+                                                                   namespace=self.namespace)
         except PromptTooLongError as exc:
             self.too_long = f"the self-check prompt does not fit ({exc})"
 

@@ -187,8 +187,10 @@ class WorkerRuntime:
 
     # ---- chunk KV -------------------------------------------------------------------------
 
-    def compute_segment(self, head_ids: list[int], start: int, unit: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV of ``unit`` computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`).
+    def compute_segment(self, head_ids: list[int], start: int, unit: list[int],
+                        context_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of ``unit`` computed where the placement rule puts it (:func:`ragcache.prompt.lead_in_for`:
+        after the head and the KV context ``context_ids``, for a chunk).
 
         Returns pre-RoPE K and V, each ``[L, len(unit), Hkv, D]`` in the model's dtype on its device.
 
@@ -197,32 +199,36 @@ class WorkerRuntime:
         """
         if self.ops is None:
             raise self.ops_error
-        lead_in = lead_in_for(start, head_ids)
+        lead_in = lead_in_for(start, head_ids, context_ids)
         ids = torch.tensor(lead_in + list(unit), dtype=torch.long, device=self.ops.device)
         positions = torch.arange(len(ids), device=self.ops.device)
         return compute_kv(self.ops, ids, positions, keep_from=len(lead_in), attention=self._scratch_attention)
 
     def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int],
-                           stored: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           stored: dict[str, int] | None = None,
+                           context_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute a segment's KV and store it; returns the computed K and V (:meth:`compute_segment`)."""
-        k, v = self.compute_segment(head_ids, start, unit)
-        tiers = self.store.put(key, k, v, start_position=len(lead_in_for(start, head_ids)))
+        k, v = self.compute_segment(head_ids, start, unit, context_ids)
+        tiers = self.store.put(key, k, v, start_position=len(lead_in_for(start, head_ids, context_ids)))
         if stored is not None:
             for tier in tiers:
                 stored[tier] += 1
         return k, v
 
-    def _compute_for_request(self, key: str, head_ids: list[int], start: int, unit: list[int]) -> _MemoryHandle:
+    def _compute_for_request(self, key: str, head_ids: list[int], start: int, unit: list[int],
+                             context_ids: Sequence[int] = ()) -> _MemoryHandle:
         """A missing segment computed and stored now, served as its stored entry will be served
         (``store.as_stored``: through ``store.kv_compression``), so an answer does not depend on
         whether its chunks were hits. The start-up self-check's private segments are served as
         computed: the check measures the adapter against vLLM, not the compression."""
-        k, v = self._compute_and_store(key, head_ids, start, unit)
+        k, v = self._compute_and_store(key, head_ids, start, unit, context_ids=context_ids)
         return _MemoryHandle(*((k, v) if is_private_key(key) else self.store.as_stored(k, v)))
 
-    def precompute(self, head_ids: list[int], items: list[PrecomputeItem]) -> PrecomputeReport:
-        """Compute and store the KV of every item not stored yet (see
-        :class:`~ragcache.engine.messages.PrecomputeReport` for what the report counts)."""
+    def precompute(self, head_ids: list[int], items: list[PrecomputeItem],
+                   context_ids: Sequence[int] = ()) -> PrecomputeReport:
+        """Compute and store the KV of every item not stored yet, chunks after the head and the KV
+        context ``context_ids`` (see :class:`~ragcache.engine.messages.PrecomputeReport` for what
+        the report counts)."""
         t0 = time.perf_counter()
         report = PrecomputeReport(stored=dict.fromkeys(self.store.tier_names, 0))
         with self.lock:
@@ -230,7 +236,8 @@ class WorkerRuntime:
                 if self.store.contains(item.key):
                     report.skipped += 1
                     continue
-                self._compute_and_store(item.key, head_ids, item.start, list(item.unit_ids), report.stored)
+                self._compute_and_store(item.key, head_ids, item.start, list(item.unit_ids), report.stored,
+                                        context_ids)
                 report.computed += 1
                 report.computed_keys.append(item.key)
                 report.tokens += len(item.unit_ids)
@@ -337,7 +344,7 @@ class WorkerRuntime:
                 if handle is None:
                     t_miss = time.perf_counter()
                     handle = self._compute_for_request(seg.key, head_ids, seg.start,
-                                                       token_ids[seg.start:seg.start + seg.length])
+                                                       token_ids[seg.start:seg.start + seg.length], p.kv_context)
                     opened.missing_s += time.perf_counter() - t_miss
                     opened.missing_tokens += seg.length
                 opened.handles.append(handle)
@@ -352,7 +359,7 @@ class WorkerRuntime:
         if p.mode == "reuse":
             opened.key = ("reuse", opened.streamed)
             return opened
-        canonical = [is_canonical(seg.start, head_ids) for seg in p.segments]
+        canonical = [is_canonical(seg.start, head_ids, p.kv_context) for seg in p.segments]
         exact = torch.repeat_interleave(torch.tensor(canonical), torch.tensor([seg.length for seg in p.segments]))
         tail = token_ids[n:p.question_end or None] if knobs.token_selection.needs_question else None
         opened.request = BlendRequest(
@@ -442,7 +449,7 @@ class _Opened:
         self.handles[j].close()
         t0 = time.perf_counter()
         self.handles[j] = runtime._compute_for_request(seg.key, token_ids[: p.lead_in_len], seg.start,
-                                                       token_ids[seg.start:seg.start + seg.length])
+                                                       token_ids[seg.start:seg.start + seg.length], p.kv_context)
         self.missing_s += time.perf_counter() - t0  # a missing segment like one missed at open
         self.missing_tokens += seg.length
         self.tiers[j] = COMPUTED
@@ -536,10 +543,12 @@ class RagcacheWorkerExtension:
         """See :meth:`WorkerRuntime.probe`; returns ``OpsProbe.to_dict()``."""
         return self._ragcache.probe(token_ids).to_dict()
 
-    def ragcache_precompute(self, head_ids: list[int], items: list[list[Any]]) -> dict[str, Any]:
+    def ragcache_precompute(self, head_ids: list[int], items: list[list[Any]],
+                            context_ids: list[int] | None = None) -> dict[str, Any]:
         """See :meth:`WorkerRuntime.precompute`: ``PrecomputeItem.to_list()`` rows in,
         ``PrecomputeReport.to_dict()`` out."""
-        return self._ragcache.precompute(head_ids, [PrecomputeItem.from_list(i) for i in items]).to_dict()
+        return self._ragcache.precompute(head_ids, [PrecomputeItem.from_list(i) for i in items],
+                                         context_ids or ()).to_dict()
 
     def ragcache_op_counts(self, steps: int = 0) -> list[dict[str, Any]]:
         """See :meth:`WorkerRuntime.count_ops`: arm the count of the next ``steps`` load steps and
