@@ -104,13 +104,13 @@ def kv_context_ids(tokenizer: Any, tokens: int) -> tuple[int, ...]:
     """The KV context: the first ``tokens`` token ids of :data:`KV_CONTEXT_FILE` (``()`` for 0).
 
     Chunk KV computed right after the head alone has seen a context no prompt has: its tokens
-    attend to a few hundred tokens at most, where in a prompt they share their attention with the
-    chunks before them. Computing it after a few passages of neutral text (never shown to the model
-    in a prompt) makes the reused KV much closer to a full prefill's: on HotpotQA questions among
-    unrelated passages the reused K's error against full prefill's fell by ~30% and the first-token
-    KL of reuse by ~10x (docs/benchmarks.md). The passages precomputed after a chunk's most similar
-    chunks (FusionRAG, arXiv 2601.12904) gave no larger gain there than this fixed text, which
-    needs no neighbour lookup at ingest or on a miss.
+    attend to a short system prompt and nothing else, where in a prompt they share their attention
+    with the passages before them. Computed after a few passages of neutral text (never shown to
+    the model in a prompt), the reused KV is closer to a full prefill's: on held-out HotpotQA
+    questions blend's first-token KL against full prefill fell 2-3x and reuse's ~3x (bfloat16,
+    docs/fidelity.md). The same idea with each chunk's most similar chunks as its context
+    (FusionRAG, arXiv 2601.12904) needs a neighbour lookup at ingest and on every miss; this fixed
+    text needs none, so a chunk's key and KV depend on its own tokens alone.
 
     Raises:
         ValueError: ``tokens`` is more than the file holds.

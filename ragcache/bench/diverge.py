@@ -12,8 +12,9 @@ configured model through transformers, the same :func:`ragcache.blend.blend_kv` 
 ``DecoderOps``), because vLLM exposes neither per-token K/V nor attention weights. The blend is
 built as the engine's worker builds it (:meth:`ragcache.engine.messages.BlendParams.from_options`
 from the ``[blend]`` settings, the same exact/segment layout, the same budget rule), the chunk KV
-is computed after the prompt head and stored in ``store.kv_compression``'s form (int8 by default:
-quantised and dequantised with :mod:`ragcache.kvstore.codec`), and the attention is torch's. What
+is computed where the placement rule puts it (after the prompt head and the KV context) and
+stored in ``store.kv_compression``'s form (int8 by default: quantised and dequantised with
+:mod:`ragcache.kvstore.codec`), and the attention is torch's. What
 the reference cannot show: vLLM's own kernels' rounding (full prefill fp32 vs bf16 already changes
 1 answer in 12 on short prompts).
 
