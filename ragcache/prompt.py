@@ -96,7 +96,7 @@ def is_canonical(start: int, head_ids: Sequence[int], context_ids: Sequence[int]
     return start == 0 or (not context_ids and start == len(head_ids))
 
 
-#: the KV context's text, shipped with ragcache (three short encyclopedia-style passages written for it)
+#: the KV context's text, shipped with ragcache (five short encyclopedia-style passages written for it)
 KV_CONTEXT_FILE = Path(__file__).parent / "data" / "kv_context.txt"
 
 

@@ -1,0 +1,154 @@
+"""Screen what chunk KV is computed after, on the plain-torch reference of the engine.
+
+For each question of a QA file: full prefill and blend, greedy, on the reference of
+``ragcache bench diverge`` (transformers + ragcache.blend), with chunk KV computed after
+
+- ``textN``: the head and the first N tokens of the shipped KV context (``prompt.kv_context_tokens = N``;
+  ``text0`` is the head alone);
+- ``nbrN``: the head and the chunk's N most similar passages of the file's slice (MiniLM embeddings,
+  the most similar closest to the chunk): FusionRAG's offline stage (arXiv 2601.12904). Not a
+  ragcache setting: it needs a neighbour list fixed at ingest.
+
+and the blend at each ``--ratios`` (fixed budget; ``default`` = the settings' own). Prints, per
+variant and ratio, the answers equal to full prefill's, the median first-token KL and the mean
+relative K/V error of the non-exact context tokens against full prefill's; writes every row to
+``--out``. A scratch measurement for choosing what to build, not a benchmark of the engine (vLLM's
+kernels round differently): measure a choice with ``ragcache bench ttft`` before shipping it.
+
+Usage::
+
+    python scripts/kv_context_screen.py --dataset OUT_DIR/unrelated.json --n 12 \\
+        --variants text0,text256,nbr2 --ratios 0.15,0.3,default --out screen.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", required=True, help="QA file (or musique / hotpotqa)")
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--n", type=int, default=12)
+    ap.add_argument("--passages", type=int, default=10)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--variants", default="text0,text256,nbr2")
+    ap.add_argument("--ratios", default="0.15,0.3,default")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=Path("kv_context_screen.json"))
+    args = ap.parse_args()
+
+    import torch
+
+    from ragcache.bench.datasets import load_qa, make_chunks
+    from ragcache.bench.diverge import Diagnosis
+    from ragcache.bench.reference import greedy_decode, load_reference
+    from ragcache.blend import BlendRequest, CachedKV, blend_kv
+    from ragcache.config import Settings
+    from ragcache.models import load_embed_model
+    from ragcache.prompt import PromptBuilder, lead_in_for
+
+    settings = Settings()
+    examples = load_qa(args.dataset, n=args.n, offset=args.offset)
+    _, tok, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
+    diag = Diagnosis(settings, ops, tok, passages=args.passages, max_tokens=args.max_tokens, top_k=8, head_tokens=4)
+    variants, ratios = args.variants.split(","), args.ratios.split(",")
+
+    # the slice's passages, embedded: each chunk's neighbours for the nbrN variants
+    corpus = {tuple(c.token_ids): c.text for ex in examples for c in make_chunks(tok, ex.passages[:args.passages])}
+    keys = list(corpus)
+    vecs = torch.tensor(load_embed_model(settings).get_text_embedding_batch([corpus[k] for k in keys]))
+    sims = vecs @ vecs.T
+    sims.fill_diagonal_(-1)
+
+    def builder(tokens: int) -> PromptBuilder:
+        prompt = settings.prompt.model_copy(update={"kv_context_tokens": tokens})
+        return PromptBuilder(tok, prompt, "reference", compute_dtype=str(ops.dtype))
+
+    builders = {v: builder(int(v[4:]) if v.startswith("text") else 0) for v in variants}
+
+    def context(ex, variant: str) -> dict:
+        b = builders[variant]
+        prompt = b.build(ex.question, make_chunks(tok, ex.passages[:args.passages]))
+        ctx = diag.context_of(prompt)
+        if not variant.startswith("nbr"):
+            return ctx
+        m, ids, head = int(variant[3:]), list(prompt.token_ids), list(b.head_ids)
+        ks, vs = [], []
+        for seg in prompt.segments:
+            unit = ids[seg.start:seg.start + seg.length]
+            lead = lead_in_for(seg.start, head)
+            if seg.start:
+                own = next(i for i, k in enumerate(keys) if tuple(unit[:len(k)]) == k)
+                separator = unit[len(keys[own]):]
+                for j in reversed(torch.argsort(sims[own], descending=True)[:m].tolist()):
+                    lead += list(keys[j]) + separator
+            k, v = diag._stored(lead, unit)
+            ks.append(k)
+            vs.append(v)
+        exact = torch.zeros(ctx["n"], dtype=torch.bool)
+        exact[:prompt.segments[1].start] = True  # only the head sits where it was computed
+        return {**ctx, "k_pre": torch.cat(ks, 1).contiguous(), "v": torch.cat(vs, 1).contiguous(), "exact": exact}
+
+    def blend(ctx, ratio: str):
+        knobs = ctx["params"].blend
+        if ratio != "default":
+            knobs = knobs.model_copy(update={"recompute_ratio": float(ratio), "budget": "fixed",
+                                             "min_recompute_tokens": 0})
+        n = ctx["n"]
+        request = BlendRequest(token_ids=ctx["ids"], positions=torch.arange(n), knobs=knobs, tail_ids=ctx["tail_sel"],
+                               segment_starts=ctx["starts"], exact=ctx["exact"])
+        out_k, out_v = [None] * ops.num_layers, [None] * ops.num_layers
+
+        def keep(layer, k, v):
+            out_k[layer], out_v[layer] = k.clone(), v.clone()
+
+        res = blend_kv(ops, request, CachedKV(ctx["k_pre"].clone(), ctx["v"].clone()), on_layer=keep, prefetch=False)
+        return torch.stack(out_k), torch.stack(out_v), int(res.selected.numel())
+
+    def error(a, b, mask) -> float:
+        e = ((a.float() - b.float()).norm(dim=-1).norm(dim=-1)
+             / b.float().norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(0)
+        return float(e[mask].mean())
+
+    rows = []
+    for ex in examples:
+        t0 = time.time()
+        full = None
+        for variant in variants:
+            ctx = context(ex, variant)
+            if full is None:
+                full = greedy_decode(ops, list(ctx["full_k"]), list(ctx["full_v"]), ctx["tail"], args.max_tokens,
+                                     diag.stop_ids, keep_logprobs=True)
+            for ratio in ratios:
+                k, v, selected = blend(ctx, ratio)
+                trace = greedy_decode(ops, list(k), list(v), ctx["tail"], args.max_tokens, diag.stop_ids,
+                                      keep_logprobs=True)
+                kl = float((full.logprobs[0].exp() * (full.logprobs[0] - trace.logprobs[0])).sum())
+                rows.append({"index": ex.index, "variant": variant, "ratio": ratio, "equal": trace.tokens == full.tokens,
+                             "kl": kl, "recomputed": selected / ctx["n"],
+                             "k_error": error(k, ctx["full_k"], ~ctx["exact"]),
+                             "v_error": error(v, ctx["full_v"], ~ctx["exact"])})
+        print(f"example {ex.index}: {time.time() - t0:.0f} s", flush=True)
+        args.out.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+
+    print("variant ratio equal KL(median) recomputed K-error V-error")
+    for variant in variants:
+        for ratio in ratios:
+            r = [x for x in rows if x["variant"] == variant and x["ratio"] == ratio]
+            print(variant, ratio, f"{sum(x['equal'] for x in r)}/{len(r)}", f"{statistics.median(x['kl'] for x in r):.4f}",
+                  f"{statistics.mean(x['recomputed'] for x in r):.3f}", f"{statistics.mean(x['k_error'] for x in r):.4f}",
+                  f"{statistics.mean(x['v_error'] for x in r):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
