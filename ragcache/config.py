@@ -489,7 +489,7 @@ class PromptSettings(_Section):
     )
     chunk_separator: str = Field("\n\n", description="text placed after every chunk")
     kv_context_tokens: int = Field(
-        256, ge=0, description="chunk KV is computed after the head and this many tokens of a neutral text shipped "
+        256, ge=0, le=400, description="chunk KV is computed after the head and this many tokens of a neutral text shipped "
         "with ragcache (never part of a prompt), so the reused KV has seen a context like a prompt's; 0 = after "
         "the head alone (the first chunk of a prompt is then exact). Changing it changes every chunk's KV key")
 

@@ -442,9 +442,10 @@ def summary_table(results: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
                      _pct(blend.get("gold_nll_rel_full")), blend.get("agree_em_mean"),
                      (md.get("floor") or {}).get("agree_em_mean"), blend["agree_rouge_l_mean"],
                      _pct(blend["recomputed_frac_mean"])])
+    floor = "; 'floor agree EM': full prefill in the other dtype against full, the noise floor" \
+        if any(r[h.index("floor agree EM")] is not None for r in rows) else ""
     return ("TTFT medians and blend's quality against full prefill, one run per row (the default blend: "
-            "'vs best' = median per example of min(full, plain vLLM) / blend; 'floor agree EM': full prefill in "
-            "the other dtype against full, the noise floor)", h, rows)
+            f"'vs best' = median per example of min(full, plain vLLM) / blend{floor})", h, rows)
 
 
 def section(spec: str, base: Path) -> str:
