@@ -227,11 +227,12 @@ class AsyncBlendEngine(EngineBase):
         """For each KV store key, every tier holding it now, top-down ([] for none)."""
         return await self._rpc(Rpc.STORE_HOLDERS, list(keys))
 
-    async def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
+    async def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False,
+               kv_context: bool = True) -> int:
         """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
         with ``head`` the prompt head's entry in that namespace too; returns how many entries were
-        removed."""
-        return await self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head))
+        removed (``kv_context`` False: the entries computed after the head alone, the self-check's)."""
+        return await self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head, kv_context=kv_context))
 
     async def reset_prefix_cache(self) -> None:
         """Drop vLLM's own prefix cache (for fair side-by-side measurements)."""

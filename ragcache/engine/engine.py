@@ -271,11 +271,12 @@ class BlendEngine(EngineBase):
         """For each KV store key, every tier holding it now, top-down ([] for none)."""
         return self._rpc(Rpc.STORE_HOLDERS, list(keys))
 
-    def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
+    def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False,
+               kv_context: bool = True) -> int:
         """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
         with ``head`` the prompt head's entry in that namespace too; returns how many entries were
-        removed."""
-        return self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head))
+        removed (``kv_context`` False: the entries computed after the head alone, the self-check's)."""
+        return self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head, kv_context=kv_context))
 
     def flush(self) -> None:
         """Write the store's lookup counts to its counter file now (``close`` does it too)."""

@@ -345,7 +345,7 @@ def self_check_steps(engine: CheckedEngine) -> Generator[EngineCall, Any, BlendS
             reuse = (yield EngineCall("generate", (plan.prompt, CHECK_REUSE), {"logprobs": -1})).first_token_logprobs
         except Exception as exc:  # judged below: reuse/blend are disabled, the engine keeps running
             reuse = exc
-        yield EngineCall("forget", (plan.chunks, plan.namespace), {"head": True})
+        yield EngineCall("forget", (plan.chunks, plan.namespace), {"head": True, "kv_context": False})
         support = plan.judge(found, full.first_token_logprobs, reuse)
     return plan.report(support)
 
