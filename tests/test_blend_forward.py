@@ -9,7 +9,9 @@ from hf_ops import tiny_context as hf_tiny_context
 
 from blend_calls import blend_of
 
-from ragcache.blend import DecoderOps, Selection, compute_kv, hkvd_budget, move_keys, reuse_kv, torch_attention
+from ragcache.blend import (
+    DecoderOps, Selection, compute_kv, hkvd_budget, lead_in_kv, move_keys, reuse_kv, torch_attention,
+)
 from ragcache.config import BlendSettings
 
 
@@ -93,6 +95,24 @@ def test_compute_kv_keep_from_returns_the_tail_of_the_full_prefill(tiny):
         compute_kv(ops, ids, positions, keep_from=30)
     with pytest.raises(ValueError):
         compute_kv(ops, ids, positions[:-1])
+
+
+def test_compute_kv_after_a_cached_lead_in_equals_the_prefill_of_both(tiny):
+    _, ops = tiny
+    gen = torch.Generator().manual_seed(5)
+    lead, chunk = torch.randint(0, 256, (40,), generator=gen), torch.randint(0, 256, (25,), generator=gen)
+    k_all, v_all = compute_kv(ops, torch.cat([lead, chunk]), torch.arange(65), keep_from=40)
+    cached = lead_in_kv(ops, lead.tolist())
+    assert cached.length == 40 and cached.k.shape == (ops.num_layers - 1, 40, ops.num_kv_heads, ops.head_dim)
+    k, v = compute_kv(ops, chunk, torch.arange(40, 65), lead_in=cached)
+    torch.testing.assert_close(k, k_all, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v, v_all, atol=1e-5, rtol=1e-5)
+    # the lead-in is attended to: the same chunk after another lead-in gets other KV
+    other = lead_in_kv(ops, torch.randint(0, 256, (40,), generator=gen).tolist())
+    k_other, _ = compute_kv(ops, chunk, torch.arange(40, 65), lead_in=other)
+    assert (k_other[1:] - k_all[1:]).abs().max() > 1e-3  # layer 0's K depends on the token alone
+    with pytest.raises(ValueError, match="inside the lead-in"):
+        compute_kv(ops, chunk, torch.arange(30, 55), lead_in=cached)
 
 
 def test_compute_kv_equals_transformers_past_key_values_every_layer_smollm2(smol):

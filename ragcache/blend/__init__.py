@@ -11,7 +11,8 @@ from ragcache.blend.attention import (
     Attention, CausalPlan, causal_attention, causal_plan, expand_kv_heads, masked_attention, torch_attention,
 )
 from ragcache.blend.forward import (
-    BlendRequest, BlendResult, OnLayer, WriteRows, blend_batch, blend_kv, compute_kv, decide_budgets, reuse_kv,
+    BlendRequest, BlendResult, LeadInKV, OnLayer, WriteRows, blend_batch, blend_kv, compute_kv, decide_budgets,
+    lead_in_kv, reuse_kv,
 )
 from ragcache.blend.plan import BlendPlan, plan_blend, recompute_layers
 from ragcache.blend.reused import CachedKV, LoadLayer
@@ -67,6 +68,8 @@ __all__ = [
     "causal_attention",
     "causal_plan",
     "compute_kv",
+    "lead_in_kv",
+    "LeadInKV",
     "expand_kv_heads",
     "hkvd_budget",
     "move_keys",

@@ -58,7 +58,7 @@ from ragcache.blend.select import (
 from ragcache.blend.stages import StageClock, Timed, synchronize
 
 __all__ = ["DEVIATIONS", "BlendRequest", "BlendResult", "CachedKV", "LoadLayer", "OnLayer", "WriteRows", "blend_batch",
-           "blend_kv", "compute_kv", "decide_budgets", "recompute_layers", "reuse_kv"]
+           "blend_kv", "compute_kv", "decide_budgets", "LeadInKV", "lead_in_kv", "recompute_layers", "reuse_kv"]
 
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 """``on_layer(layer, k [N, Hkv, D], v [N, Hkv, D])``: the final K (post-RoPE) and V of every context
@@ -148,58 +148,132 @@ def _qkv_rope(ops: DecoderOps, layer: int, hidden: torch.Tensor, positions: torc
     return q, k, v
 
 
+@dataclass(frozen=True, eq=False)
+class LeadInKV:
+    """The KV of a lead-in (the tokens chunk KV is computed after), computed once and attended to
+    by every chunk computed after it (:func:`compute_kv` with ``lead_in=``), so a chunk's precompute
+    costs its own tokens' projections and MLP, not the lead-in's again (a prefix cache, as vLLM's
+    automatic prefix caching shares a prompt's common head).
+
+    Attributes:
+        token_ids: the lead-in's token ids (what it was computed from; positions ``0 .. P-1``).
+        k: ``[L - 1, P, Hkv, D]`` K rotated to positions ``0 .. P-1``, every layer but the last
+            (the last layer's KV is never attended to by a prefill that returns only KV).
+        v: ``[L - 1, P, Hkv, D]`` V, the same layers.
+    """
+
+    token_ids: tuple[int, ...]
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """P, the lead-in's tokens."""
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the lead-in's K and V hold."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+def lead_in_kv(ops: DecoderOps, token_ids: Sequence[int], attention: Attention | None = None) -> LeadInKV:
+    """Prefill ``token_ids`` at positions ``0 .. P-1`` once and keep every layer's K (rotated) and V
+    for chunks computed after it (:class:`LeadInKV`).
+
+    Args:
+        ops: the model's per-layer callables.
+        token_ids: the lead-in's P token ids (P >= 1).
+        attention: the causal attention (as :func:`compute_kv`'s).
+
+    Raises:
+        ValueError: if ``token_ids`` is empty.
+    """
+    ids = torch.tensor(list(token_ids), dtype=torch.long)
+    k, v = _prefill(ops, ids, torch.arange(len(ids)), 0, attention, None, keep_rotated=True)
+    return LeadInKV(tuple(int(t) for t in token_ids), k, v)
+
+
 def compute_kv(
     ops: DecoderOps,
     token_ids: torch.LongTensor,
     positions: torch.LongTensor,
     keep_from: int = 0,
     attention: Attention | None = None,
+    lead_in: LeadInKV | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain layer-wise prefill of ``token_ids`` at ``positions``; returns their pre-RoPE K and V.
 
     Every token attends causally to all earlier tokens (exact full prefill). Used to precompute a
-    chunk's KV after a canonical lead-in (``keep_from = len(lead_in)`` drops the lead-in's KV) and
-    to compute a chunk whose KV is missing at query time.
+    chunk's KV after a canonical lead-in and to compute a chunk whose KV is missing at query time:
+    either the lead-in is part of ``token_ids`` (``keep_from = len(lead_in)`` drops its KV) or it
+    was computed once (``lead_in``: :func:`lead_in_kv`) and ``token_ids`` are the chunk's alone,
+    attending to the lead-in's cached KV (the same arithmetic up to float rounding: the chunk's
+    rows go through the projections without the lead-in's beside them).
 
     Args:
         ops: the model's per-layer callables.
         token_ids: ``[T]`` int64 token ids.
-        positions: ``[T]`` int64 absolute positions (usually ``start + arange(T)``).
+        positions: ``[T]`` int64 absolute positions (usually ``start + arange(T)``); with
+            ``lead_in``, after it (every position ``>= lead_in.length``).
         keep_from: index of the first token whose KV is returned, in ``[0, T)``.
         attention: the causal attention (:data:`~ragcache.blend.attention.Attention`; called with
-            every token as a query and the layer's K/V, nothing written before it: it must use the
-            ``k``/``v`` it is handed); default :func:`~ragcache.blend.attention.torch_attention`.
+            the queries of ``token_ids`` and the layer's K/V, the lead-in's rows first when there is
+            one, nothing written before it: it must use the ``k``/``v`` it is handed); default
+            :func:`~ragcache.blend.attention.torch_attention`.
+        lead_in: the cached KV of the tokens before ``token_ids`` (positions ``0 .. P-1``), or None.
 
     Returns:
         ``(k_pre, v)``, each ``[num_layers, T - keep_from, Hkv, D]`` on ``ops.device`` in
         ``ops.dtype``; K before RoPE (rotate with ``move_keys`` to place it).
 
     Raises:
-        ValueError: if ``token_ids`` is empty or not 1-D, ``positions`` has another shape, or
-            ``keep_from`` is outside ``[0, T)``.
+        ValueError: if ``token_ids`` is empty or not 1-D, ``positions`` has another shape or (with
+            ``lead_in``) overlaps the lead-in, or ``keep_from`` is outside ``[0, T)``.
     """
+    return _prefill(ops, token_ids, positions, keep_from, attention, lead_in, keep_rotated=False)
+
+
+def _prefill(ops: DecoderOps, token_ids: torch.LongTensor, positions: torch.LongTensor, keep_from: int,
+             attention: Attention | None, lead_in: LeadInKV | None, keep_rotated: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_kv`'s loop; with ``keep_rotated`` the K it returns is rotated and the last
+    layer is left out (:func:`lead_in_kv`)."""
     num_tokens = _check_positions(token_ids, positions)
     if not 0 <= keep_from < num_tokens:
         raise ValueError(f"keep_from must be in [0, {num_tokens}), got {keep_from}")
+    before = 0 if lead_in is None else lead_in.length
+    if before and int(positions.min()) < before:
+        raise ValueError(f"positions start at {int(positions.min())}, inside the lead-in's {before} tokens")
     num_layers = ops.num_layers
     with torch.inference_mode():
         token_ids = token_ids.to(ops.device)
         positions = positions.to(ops.device)
-        attention = attention or torch_attention(positions, ops.scaling)
-        everything = torch.arange(num_tokens, device=ops.device)
-        shape = (num_layers, num_tokens - keep_from, ops.num_kv_heads, ops.head_dim)
+        if attention is None:
+            every = positions if not before else torch.cat([torch.arange(before, device=ops.device), positions])
+            attention = torch_attention(every, ops.scaling)
+        queries = torch.arange(before, before + num_tokens, device=ops.device)  # their rows among the keys
+        kept = num_layers - 1 if keep_rotated else num_layers
+        shape = (kept, num_tokens - keep_from, ops.num_kv_heads, ops.head_dim)
         k_out = torch.empty(shape, device=ops.device, dtype=ops.dtype)  # [L, T', Hkv, D]
         v_out = torch.empty(shape, device=ops.device, dtype=ops.dtype)  # [L, T', Hkv, D]
 
         hidden = ops.embed(token_ids)  # [T, hidden]
         for layer in range(num_layers):
             q, k, v = ops.qkv(layer, hidden)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-            k_out[layer] = k[keep_from:]
-            v_out[layer] = v[keep_from:]
+            if not keep_rotated:
+                k_out[layer] = k[keep_from:]
+                v_out[layer] = v[keep_from:]
             if layer == num_layers - 1:
                 break  # the last layer's output is not part of any KV
             q, k = ops.rope(layer, positions, q, k)
-            attn = attention(layer, q, everything, k, v)  # [T, Hq, D]
+            if keep_rotated:
+                k_out[layer] = k[keep_from:]
+                v_out[layer] = v[keep_from:]
+            if before:
+                k = torch.cat([lead_in.k[layer], k])  # [P + T, Hkv, D]
+                v = torch.cat([lead_in.v[layer], v])
+            attn = attention(layer, q, queries, k, v)  # [T, Hq, D]
             hidden = ops.finish_layer(layer, hidden, attn)  # [T, hidden]
     return k_out, v_out
 
