@@ -348,7 +348,7 @@ def test_both_engines_offer_the_same_methods_with_the_same_arguments():
     from ragcache.engine import AsyncBlendEngine, BlendEngine
 
     shared = ("precompute", "generate", "generate_many", "stream", "continuation_logprobs", "ops_probe",
-              "store_stats", "stored_tiers", "stored_where", "store_holders", "forget", "flush", "close",
+              "store_stats", "stored_tiers", "stored_where", "store_holders", "forget", "forget_prompt", "flush", "close",
               "reset_prefix_cache", "num_unfinished_requests")
     for name in shared:
         sync, asyn = getattr(BlendEngine, name), getattr(AsyncBlendEngine, name)

@@ -496,15 +496,12 @@ class EngineBase:
 
     # ---- the KV store (its RPCs on both engines) -------------------------------------------
 
-    def _chunk_keys(self, chunks: Sequence["Chunk"], namespace: str, *, head: bool = False,
-                    kv_context: bool = True) -> list[str]:
+    def _chunk_keys(self, chunks: Sequence["Chunk"], namespace: str, *, head: bool = False) -> list[str]:
         """The KV store keys of ``chunks`` in index namespace ``namespace``, and with ``head`` the
-        prompt head's key in that namespace last; without ``kv_context``, the keys of chunk KV
-        computed after the head alone (the self-check's, :meth:`ragcache.prompt.PromptBuilder.without_kv_context`)."""
-        prompts = self.prompts if kv_context else self.prompts.without_kv_context()
-        keys = [prompts.key(c, namespace) for c in chunks]
+        prompt head's key in that namespace last."""
+        keys = [self.prompts.key(c, namespace) for c in chunks]
         if head:
-            keys.append(prompts.head_segment(namespace).key)
+            keys.append(self.prompts.head_segment(namespace).key)
         return keys
 
 

@@ -271,12 +271,16 @@ class BlendEngine(EngineBase):
         """For each KV store key, every tier holding it now, top-down ([] for none)."""
         return self._rpc(Rpc.STORE_HOLDERS, list(keys))
 
-    def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False,
-               kv_context: bool = True) -> int:
+    def forget(self, chunks: Sequence[Chunk], namespace: str = "", *, head: bool = False) -> int:
         """Delete the stored KV of ``chunks`` (in index namespace ``namespace``) from every tier, and
         with ``head`` the prompt head's entry in that namespace too; returns how many entries were
-        removed (``kv_context`` False: the entries computed after the head alone, the self-check's)."""
-        return self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head, kv_context=kv_context))
+        removed."""
+        return self._rpc(Rpc.STORE_DELETE, self._chunk_keys(chunks, namespace, head=head))
+
+    def forget_prompt(self, prompt: AssembledPrompt) -> int:
+        """Delete the stored KV of every cached segment of ``prompt`` (its head and chunks, under
+        the keys it was built with) from every tier; returns how many entries were removed."""
+        return self._rpc(Rpc.STORE_DELETE, [s.key for s in prompt.segments])
 
     def flush(self) -> None:
         """Write the store's lookup counts to its counter file now (``close`` does it too)."""

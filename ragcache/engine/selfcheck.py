@@ -240,7 +240,7 @@ class CheckedEngine(Protocol):
 class EngineCall:
     """One call the self-check makes of its engine: ``getattr(engine, method)(*args, **kwargs)``,
     awaited on an :class:`~ragcache.engine.async_engine.AsyncBlendEngine`. Both engines have the
-    same ``ops_probe``, ``generate`` and ``forget``."""
+    same ``ops_probe``, ``generate`` and ``forget_prompt``."""
 
     method: str
     args: tuple[Any, ...] = ()
@@ -345,7 +345,7 @@ def self_check_steps(engine: CheckedEngine) -> Generator[EngineCall, Any, BlendS
             reuse = (yield EngineCall("generate", (plan.prompt, CHECK_REUSE), {"logprobs": -1})).first_token_logprobs
         except Exception as exc:  # judged below: reuse/blend are disabled, the engine keeps running
             reuse = exc
-        yield EngineCall("forget", (plan.chunks, plan.namespace), {"head": True, "kv_context": False})
+        yield EngineCall("forget_prompt", (plan.prompt,))
         support = plan.judge(found, full.first_token_logprobs, reuse)
     return plan.report(support)
 
