@@ -106,8 +106,9 @@ class EngineSettings(_Section):
         2 * 1024**3, ge=16 * 1024**2, description="bytes of vLLM's paged KV cache"
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="model dtype; auto = bfloat16 on CUDA and on CPUs with AMX-BF16/AVX512-BF16, "
-        "float32 on other CPUs"
+        "auto", description="model dtype; auto = bfloat16 on CUDA, and on CPUs with AMX-BF16/AVX512-BF16 where a "
+        "bf16 matmul is measured faster than float32 (once per host, recorded in ~/.cache/ragcache/host/dtype.json), "
+        "else float32"
     )
     enforce_eager: bool = Field(True, description="skip torch.compile/CUDA graphs (start-up minutes on CPU)")
     in_process: bool = Field(

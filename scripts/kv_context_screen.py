@@ -8,6 +8,8 @@ For each question of a QA file: full prefill and blend, greedy, on the reference
 - ``nbrN``: the head and the chunk's N most similar passages of the file's slice (MiniLM embeddings,
   the most similar closest to the chunk): FusionRAG's offline stage (arXiv 2601.12904). Not a
   ragcache setting: it needs a neighbour list fixed at ingest.
+- ``poolN``: the head and the N passages of the slice nearest its mean embedding, the same for every
+  chunk (the next one for a chunk that is one of them): an index's own text as a shared context.
 
 and the blend at each ``--ratios`` (fixed budget; ``default`` = the settings' own). Prints, per
 variant and ratio, the answers equal to full prefill's, the median first-token KL and the mean
@@ -68,6 +70,7 @@ def main() -> int:
     vecs = torch.tensor(load_embed_model(settings).get_text_embedding_batch([corpus[k] for k in keys]))
     sims = vecs @ vecs.T
     sims.fill_diagonal_(-1)
+    central = torch.argsort(vecs @ vecs.mean(0), descending=True).tolist()  # the poolN variants' order
 
     def builder(tokens: int) -> PromptBuilder:
         prompt = settings.prompt.model_copy(update={"kv_context_tokens": tokens})
@@ -79,9 +82,9 @@ def main() -> int:
         b = builders[variant]
         prompt = b.build(ex.question, make_chunks(tok, ex.passages[:args.passages]))
         ctx = diag.context_of(prompt)
-        if not variant.startswith("nbr"):
+        if not variant.startswith(("nbr", "pool")):
             return ctx
-        m, ids, head = int(variant[3:]), list(prompt.token_ids), list(b.head_ids)
+        m, ids, head = int(variant.lstrip("nbrpol")), list(prompt.token_ids), list(b.head_ids)
         ks, vs = [], []
         for seg in prompt.segments:
             unit = ids[seg.start:seg.start + seg.length]
@@ -89,7 +92,9 @@ def main() -> int:
             if seg.start:
                 own = next(i for i, k in enumerate(keys) if tuple(unit[:len(k)]) == k)
                 separator = unit[len(keys[own]):]
-                for j in reversed(torch.argsort(sims[own], descending=True)[:m].tolist()):
+                ranked = torch.argsort(sims[own], descending=True).tolist() if variant.startswith("nbr") \
+                    else [j for j in central if j != own]
+                for j in reversed(ranked[:m]):
                     lead += list(keys[j]) + separator
             k, v = diag._stored(lead, unit)
             ks.append(k)

@@ -1,7 +1,8 @@
 """Blend answers that once went wrong, through the real engine on the real SmolLM2 in the dtype
-``auto`` picks on the host, i.e. what a user gets there: bfloat16 on AVX512-BF16/AMX CPUs (where
-they were found), float32 elsewhere (where bf16 is emulated and ~2.6x slower: 83 s against 31 s for
-this module on an Ice Lake-class Xeon; the heapq answer is loop-free in both dtypes there).
+``auto`` picks on the host, i.e. what a user gets there: bfloat16 on AVX512-BF16/AMX CPUs whose
+bf16 matmul is measured faster (where they were found), float32 elsewhere (where bf16 is emulated
+or slower: 83 s against 31 s for this module on an Ice Lake-class Xeon; the heapq answer is
+loop-free in both dtypes there).
 
 The heapq loop (issue "Blend answers like full prefill on unseen data"): on the demo corpus, "What
 does heapq.heappush do?" retrieves three heapq and two shutil pydoc chunks (~2.1k tokens). With
