@@ -203,11 +203,15 @@ class Diagnosis:
         self._builder = None
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self._segment_kv: dict[tuple, tuple] = {}
+        from ragcache.blend import LeadIns
+
+        self._lead_ins = LeadIns(ops)  # the lead-ins' KV, computed once as the worker does (_stored)
 
     # ---- the KV each path sees -------------------------------------------------------------
 
     def _stored(self, lead_in: list[int], unit: list[int]):
-        """One segment's KV as the store serves it: computed after ``lead_in``, in the stored form."""
+        """One segment's KV as the store serves it: computed after ``lead_in`` as the engine's worker
+        computes it (the lead-in's KV once, :func:`~ragcache.blend.lead_in_kv`), in the stored form."""
         import torch
 
         from ragcache.blend import compute_kv
@@ -215,8 +219,9 @@ class Diagnosis:
 
         key = (tuple(lead_in), tuple(unit))
         if key not in self._segment_kv:
-            ids = torch.tensor(lead_in + unit)
-            k, v = compute_kv(self.ops, ids, torch.arange(len(ids)), keep_from=len(lead_in))
+            positions = torch.arange(len(lead_in), len(lead_in) + len(unit))
+            k, v = compute_kv(self.ops, torch.tensor(unit), positions,
+                              lead_in=self._lead_ins.get(lead_in) if lead_in else None)
             form = self.settings.store.kv_compression
             if form != "none":
                 L, T, H, D = k.shape

@@ -11,7 +11,7 @@ from ragcache.blend.attention import (
     Attention, CausalPlan, causal_attention, causal_plan, expand_kv_heads, masked_attention, torch_attention,
 )
 from ragcache.blend.forward import (
-    BlendRequest, BlendResult, LeadInKV, OnLayer, WriteRows, blend_batch, blend_kv, compute_kv, decide_budgets,
+    BlendRequest, BlendResult, LeadInKV, LeadIns, OnLayer, WriteRows, blend_batch, blend_kv, compute_kv, decide_budgets,
     lead_in_kv, reuse_kv,
 )
 from ragcache.blend.plan import BlendPlan, plan_blend, recompute_layers
@@ -70,6 +70,7 @@ __all__ = [
     "compute_kv",
     "lead_in_kv",
     "LeadInKV",
+    "LeadIns",
     "expand_kv_heads",
     "hkvd_budget",
     "move_keys",

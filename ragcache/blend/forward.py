@@ -1,6 +1,7 @@
 """Layer-wise forwards over ``DecoderOps``: chunk KV precompute, CacheBlend, and plain reuse.
 
-Owns: ``compute_kv`` (a plain prefill that returns pre-RoPE K and V), ``blend_batch`` (CacheBlend's
+Owns: ``compute_kv`` (a plain prefill that returns pre-RoPE K and V, optionally after a lead-in
+whose KV was computed once: ``lead_in_kv``, :class:`LeadIns`), ``blend_batch`` (CacheBlend's
 selective recompute for every blend of an engine step in one pass) and ``blend_kv`` (one blend),
 ``reuse_kv`` (cached KV moved to its new positions, nothing recomputed), :class:`BlendRequest`,
 :class:`BlendResult`, and the phases a blend's plan (:mod:`ragcache.blend.plan`) is executed in.
@@ -58,7 +59,7 @@ from ragcache.blend.select import (
 from ragcache.blend.stages import StageClock, Timed, synchronize
 
 __all__ = ["DEVIATIONS", "BlendRequest", "BlendResult", "CachedKV", "LoadLayer", "OnLayer", "WriteRows", "blend_batch",
-           "blend_kv", "compute_kv", "decide_budgets", "LeadInKV", "lead_in_kv", "recompute_layers", "reuse_kv"]
+           "blend_kv", "compute_kv", "decide_budgets", "LeadInKV", "LeadIns", "lead_in_kv", "recompute_layers", "reuse_kv"]
 
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 """``on_layer(layer, k [N, Hkv, D], v [N, Hkv, D])``: the final K (post-RoPE) and V of every context
@@ -171,11 +172,6 @@ class LeadInKV:
         """P, the lead-in's tokens."""
         return len(self.token_ids)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the lead-in's K and V hold."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
 
 def lead_in_kv(ops: DecoderOps, token_ids: Sequence[int], attention: Attention | None = None) -> LeadInKV:
     """Prefill ``token_ids`` at positions ``0 .. P-1`` once and keep every layer's K (rotated) and V
@@ -192,6 +188,30 @@ def lead_in_kv(ops: DecoderOps, token_ids: Sequence[int], attention: Attention |
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     k, v = _prefill(ops, ids, torch.arange(len(ids)), 0, attention, None, keep_rotated=True)
     return LeadInKV(tuple(int(t) for t in token_ids), k, v)
+
+
+class LeadIns:
+    """The KV of the few most recent lead-ins (:func:`lead_in_kv`), each computed on first use: one
+    per prompt head and KV context in use, so every chunk computed after one reuses its KV.
+
+    Args:
+        ops: the model's per-layer callables.
+        attention: the causal attention the lead-ins are computed with (as :func:`compute_kv`'s).
+        kept: how many lead-ins are kept (the least recently used goes first).
+    """
+
+    def __init__(self, ops: DecoderOps, attention: Attention | None = None, kept: int = 4):
+        self.ops, self.attention, self.kept = ops, attention, kept
+        self._kv: dict[tuple[int, ...], LeadInKV] = {}  # oldest first
+
+    def get(self, token_ids: Sequence[int]) -> LeadInKV:
+        """The lead-in's :class:`LeadInKV`, computed now if it is not kept."""
+        key = tuple(token_ids)
+        kv = self._kv.pop(key, None) or lead_in_kv(self.ops, key, attention=self.attention)
+        self._kv[key] = kv
+        while len(self._kv) > self.kept:
+            self._kv.pop(next(iter(self._kv)))
+        return kv
 
 
 def compute_kv(

@@ -12,14 +12,13 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from ragcache.blend import BlendRequest, BlendResult, CachedKV, LeadInKV, blend_batch, compute_kv, lead_in_kv, reuse_kv
+from ragcache.blend import BlendRequest, BlendResult, CachedKV, LeadIns, blend_batch, compute_kv, reuse_kv
 from ragcache.blend.opcount import count_ops
 from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
@@ -43,9 +42,6 @@ COMPUTED = "computed"
 
 #: rows of the log-probability matrix counted at once by :func:`eager_logprob_ranks`
 RANK_ROWS = 256
-
-#: lead-ins whose KV a worker keeps for chunk KV computed after them (one per prompt head in use)
-LEAD_INS_KEPT = 4
 
 
 def eager_logprob_ranks(logprobs: torch.Tensor, values: torch.Tensor, rows: int = RANK_ROWS) -> torch.Tensor:
@@ -173,7 +169,6 @@ class WorkerRuntime:
         self._op_counts: list[dict[str, Any]] = []
         self.attention = AttentionChoice("torch", "no DecoderOps adapter")
         self._scratch_attention: ScratchKernelAttention | None = None  # chunk KV precompute on the kernel
-        self._lead_ins: OrderedDict[tuple[int, ...], LeadInKV] = OrderedDict()  # _lead_in_kv's, oldest first
         # vLLM's CPU backend: its caches split once, written and read by its kernels directly
         self._caches = KernelCaches(self.attn_layers) if self.ops and kernel_available(self.attn_layers) is None \
             else None
@@ -185,6 +180,7 @@ class WorkerRuntime:
                 self._scratch_attention = ScratchKernelAttention(
                     self.attn_layers, num_heads=ops.num_heads, num_kv_heads=ops.num_kv_heads, head_dim=ops.head_dim,
                     dtype=ops.dtype)
+            self._lead_ins = LeadIns(ops, attention=self._scratch_attention)  # chunk KV's lead-ins, computed once
 
     def ready(self) -> WorkerReady:
         """The reply to ``Rpc.INIT``: the device and the blend's attention path."""
@@ -208,19 +204,7 @@ class WorkerRuntime:
         ids = torch.tensor(list(unit), dtype=torch.long, device=self.ops.device)
         positions = torch.arange(len(lead_in), len(lead_in) + len(ids), device=self.ops.device)
         return compute_kv(self.ops, ids, positions, attention=self._scratch_attention,
-                          lead_in=self._lead_in_kv(lead_in) if lead_in else None)
-
-    def _lead_in_kv(self, lead_in: list[int]) -> LeadInKV:
-        """The lead-in's KV (:func:`~ragcache.blend.lead_in_kv`), computed on first use and kept for
-        the next chunks (the few most recent lead-ins: one per prompt head in use)."""
-        key = tuple(lead_in)
-        kv = self._lead_ins.pop(key, None)
-        if kv is None:
-            kv = lead_in_kv(self.ops, lead_in, attention=self._scratch_attention)
-        self._lead_ins[key] = kv
-        while len(self._lead_ins) > LEAD_INS_KEPT:
-            self._lead_ins.popitem(last=False)
-        return kv
+                          lead_in=self._lead_ins.get(lead_in) if lead_in else None)
 
     def _compute_and_store(self, key: str, head_ids: list[int], start: int, unit: list[int],
                            stored: dict[str, int] | None = None,
