@@ -84,7 +84,7 @@ def main() -> int:
         ctx = diag.context_of(prompt)
         if not variant.startswith(("nbr", "pool")):
             return ctx
-        m, ids, head = int(variant.lstrip("nbrpol")), list(prompt.token_ids), list(b.head_ids)
+        m, ids, head = int(variant.removeprefix("nbr").removeprefix("pool")), list(prompt.token_ids), list(b.head_ids)
         ks, vs = [], []
         for seg in prompt.segments:
             unit = ids[seg.start:seg.start + seg.length]
