@@ -9,7 +9,7 @@ fastest dtype whose quality is fine depends on the hardware, not only on "CPU or
   faster than float32 on this host, else float32. The flags alone do not say it: a Xeon under
   KVM that exposes ``avx512_bf16`` but not AMX ran bf16 matmuls 1.6-2.0x *slower* than float32, and
   its full prefill of ~1.2k tokens took 1.95 s in bfloat16 against 1.27 s by plain vLLM in float32
-  (docs/benchmarks.md). The measurement (a few hundred milliseconds) is made once per host and
+  (docs/fidelity.md). The measurement (a few hundred milliseconds) is made once per host and
   recorded (:data:`DTYPE_RECORD`, keyed by CPU model, flags and torch version), so every
   start, KV actor and benchmark on the host resolves the same dtype, and chunk keys (which carry it)
   stay valid.
