@@ -148,7 +148,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--modes", type=_bench_modes, default=",".join(BENCH_MODES),
                    help="modes to compare (full is always run; plain = the same prompts through a plain vLLM "
                    "engine without ragcache, in a child process; floor = full prefill by a plain vLLM engine in the "
-                   "other dtype (float32 beside bfloat16): its agreement with full is the noise floor)")
+                   "other dtype (float32 beside a 16-bit engine, bfloat16 beside a float32 one; the JSON's "
+                   "floor_dtype): its agreement with full is the noise floor)")
     t.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3,1",
                    help="recompute ratios of the blend sweep (blend.recompute_ratio is always included)")
     t.add_argument("--selections", type=_selections, default=None,

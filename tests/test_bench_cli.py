@@ -91,6 +91,7 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
     res = json.loads(out.read_text())
     assert res["benchmark"] == "ttft" and res["n"] == 2 and res["machine"]["cpu_count"] >= 1
     assert set(res["modes"]) == {"full", "plain", "floor", "prefix", "reuse", "blend", "auto"}
+    assert res["floor_dtype"] in ("float32", "bfloat16") and res["floor_dtype"] != res["engine"]["dtype"]
     assert [s["recompute_ratio"] for s in res["sweep"]] == [0.0, 0.15]
     for name, s in [*res["modes"].items(), *((s["variant"], s) for s in res["sweep"])]:
         assert SUMMARY_FIELDS <= set(s), SUMMARY_FIELDS - set(s)

@@ -53,7 +53,8 @@ class PlainVLLM:
 
     Args:
         model: the HF model folder the ragcache engine loaded.
-        dtype: the dtype the ragcache engine resolved (``engine.dtype.dtype``).
+        dtype: the dtype the ragcache engine resolved (``engine.dtype.dtype``), or the other one for
+            the noise floor; kept as ``self.dtype``.
         max_model_len: context length in tokens.
         kv_cache_memory_bytes: paged KV cache size in bytes.
         enforce_eager: as the ragcache engine (no compile step on CPU).
@@ -65,6 +66,7 @@ class PlainVLLM:
 
     def __init__(self, *, model: str, dtype: str, max_model_len: int, kv_cache_memory_bytes: int,
                  enforce_eager: bool, max_num_batched_tokens: int | None = None) -> None:
+        self.dtype = dtype
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         kwargs = {"model": model, "dtype": dtype, "max_model_len": max_model_len,

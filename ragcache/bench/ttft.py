@@ -84,6 +84,7 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     def result(partial: bool = False) -> dict[str, Any]:
         out = _ttft_result(variants, records, default_ratio, main_name, passages, max_tokens, prefix_warmup,
                            time.perf_counter() - t_start, layers)
+        out["floor_dtype"] = floor.dtype if floor is not None else None  # the noise floor's (the other) dtype
         return {**out, "partial": True} if partial else out
 
     try:
