@@ -93,6 +93,10 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
     assert set(res["modes"]) == {"full", "plain", "floor", "prefix", "reuse", "blend", "auto"}
     assert res["floor_dtype"] in ("float32", "bfloat16") and res["floor_dtype"] != res["engine"]["dtype"]
     assert [s["recompute_ratio"] for s in res["sweep"]] == [0.0, 0.15]
+    # blends on the settings' own budget say which one they used; reuse and full set none
+    assert res["modes"]["blend"]["budget"] == "adaptive" and res["modes"]["full"]["budget"] is None
+    assert {ex["results"]["blend@0.15"]["budget"] for ex in res["examples"]} == {"adaptive"}
+    assert res["modes"]["reuse"]["budget"] is None
     for name, s in [*res["modes"].items(), *((s["variant"], s) for s in res["sweep"])]:
         assert SUMMARY_FIELDS <= set(s), SUMMARY_FIELDS - set(s)
         assert s["n"] == 2 and s["ttft_median_s"] > 0

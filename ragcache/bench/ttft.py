@@ -190,7 +190,7 @@ def _quality_record(g: "Generation", gens: Mapping[str, "Generation"], v: Varian
     q = g.first_token_logprobs or {}
     best = min(full.metrics.ttft_s, gens[PLAIN].metrics.ttft_s) if PLAIN in gens else full.metrics.ttft_s
     rec.update(
-        recompute_ratio=v.ratio, selection=v.selection, budget=v.budget,
+        recompute_ratio=v.ratio, selection=v.selection, budget=v.budget or _budget_used(rec.get("budget_reason")),
         first_token=g.token_ids[0] if g.token_ids else None,
         kl_from_full=rounded(kl_divergence(p_full, q), 6) if (p_full and q) else None,
         gold_nll=rounded(gold_nll), answer_nll=rounded(answer_nll),
@@ -298,6 +298,20 @@ def auto_targets(routes: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def _budget_used(reason: str | None) -> str | None:
+    """``"adaptive"`` or ``"fixed"``: the budget a blend reported setting (its ``budget_reason``
+    starts with it), None for a request that set none (full prefill, reuse)."""
+    head = (reason or "").split(":", 1)[0]
+    return head if head in ("adaptive", "fixed") else None
+
+
+def _reported(results: Sequence[dict[str, Any]], key: str) -> Any:
+    """The one value of ``key`` every result reported (e.g. the blends' budget), or None when they
+    reported none or differ."""
+    values = {r.get(key) for r in results}
+    return values.pop() if len(values) == 1 else None
+
+
 def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Medians, p90 and means of one variant over the examples (seconds, nats, fractions)."""
     rs = [r["results"][v.name] for r in records]
@@ -311,7 +325,9 @@ def summarize_variant(v: Variant, records: Sequence[dict[str, Any]]) -> dict[str
     per_pair = [1e9 * x["stages"]["selective_attention_s"] / x["attention_pairs"] for x in rs
                 if x.get("attention_pairs") and "selective_attention_s" in (x.get("stages") or {})]
     return {
-        "variant": v.name, "mode": v.mode, "recompute_ratio": v.ratio, "selection": v.selection, "budget": v.budget,
+        "variant": v.name, "mode": v.mode, "recompute_ratio": v.ratio,
+        # a variant on the settings' own budget: what its blends reported using
+        "selection": v.selection, "budget": v.budget or _reported(rs, "budget"),
         "n": len(rs),
         "ttft_median_s": rounded(median(ttft)), "ttft_p90_s": rounded(percentile(ttft, 90)),
         "ttft_mean_s": rounded(mean(ttft)),
