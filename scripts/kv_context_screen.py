@@ -11,8 +11,11 @@ For each question of a QA file: full prefill and blend, greedy, on the reference
 - ``poolN``: the head and the N passages of the slice nearest its mean embedding, the same for every
   chunk (the next one for a chunk that is one of them): an index's own text as a shared context.
 
-and the blend at each ``--ratios`` (fixed budget; ``default`` = the settings' own). Prints, per
-variant and ratio, the answers equal to full prefill's, the median first-token KL and the mean
+and the blend at each ``--ratios`` (fixed budget; ``default`` = the settings' own), its answer decoded
+with each ``--temper T:S``: APE's attention temperature and scale (Yang et al., ICLR'25) on the
+moved context's keys, i.e. the question's and answer's attention logits to every context token after
+the head divided by T and raised by log S (``1:1``, the default, leaves them as the engine runs them).
+Prints, per variant, ratio and temper, the answers equal to full prefill's, the median first-token KL and the mean
 relative K/V error of the non-exact context tokens against full prefill's; writes every row to
 ``--out``. A scratch measurement for choosing what to build, not a benchmark of the engine (vLLM's
 kernels round differently): measure a choice with ``ragcache bench ttft`` before shipping it.
@@ -21,6 +24,8 @@ Usage::
 
     python scripts/kv_context_screen.py --dataset OUT_DIR/unrelated.json --n 12 \\
         --variants text0,text256,nbr2 --ratios 0.15,0.3,default --out screen.json
+    python scripts/kv_context_screen.py --dataset OUT_DIR/unrelated.json --n 12 --variants text256 \\
+        --ratios default --temper 1:1,0.95:1,0.9:1,1:0.9,1:1.1,1.05:1 --out ape.json
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--variants", default="text0,text256,nbr2")
     ap.add_argument("--ratios", default="0.15,0.3,default")
+    ap.add_argument("--temper", default="1:1", help="APE settings T:S, comma-separated")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("kv_context_screen.json"))
     args = ap.parse_args()
@@ -52,6 +58,9 @@ def main() -> int:
 
     from ragcache.bench.datasets import load_qa, make_chunks
     from ragcache.bench.diverge import Diagnosis
+    import math
+
+    import ragcache.bench.reference as reference
     from ragcache.bench.reference import greedy_decode, load_reference
     from ragcache.blend import BlendRequest, CachedKV, blend_kv
     from ragcache.config import Settings
@@ -63,6 +72,24 @@ def main() -> int:
     _, tok, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
     diag = Diagnosis(settings, ops, tok, passages=args.passages, max_tokens=args.max_tokens, top_k=8, head_tokens=4)
     variants, ratios = args.variants.split(","), args.ratios.split(",")
+    tempers = [tuple(float(x) for x in t.split(":")) for t in args.temper.split(",")]
+
+    # APE on the reference's attention: logits to keys lo..hi-1 (the moved context) divided by T, plus log S
+    ape = {"lo": 0, "hi": 0, "T": 1.0, "S": 1.0}
+    plain_attend = reference._attend
+
+    def tempered_attend(q, k, v, q_pos, k_pos, scaling):
+        if (ape["T"], ape["S"]) == (1.0, 1.0):
+            return plain_attend(q, k, v, q_pos, k_pos, scaling)
+        group = q.shape[1] // k.shape[1]
+        kx, vx = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+        scores = torch.einsum("nhd,mhd->hnm", q.float(), kx) * scaling  # [Hq, n, m]
+        lo, hi = ape["lo"], ape["hi"]
+        scores[..., lo:hi] = scores[..., lo:hi] / ape["T"] + math.log(ape["S"])
+        probs = torch.softmax(scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf")), dim=-1)
+        return torch.einsum("hnm,mhd->nhd", probs, vx).to(q.dtype), probs
+
+    reference._attend = tempered_attend
 
     # the slice's passages, embedded: each chunk's neighbours for the nbrN variants
     corpus = {tuple(c.token_ids): c.text for ex in examples for c in make_chunks(tok, ex.passages[:args.passages])}
@@ -135,23 +162,27 @@ def main() -> int:
                                      diag.stop_ids, keep_logprobs=True)
             for ratio in ratios:
                 k, v, selected = blend(ctx, ratio)
-                trace = greedy_decode(ops, list(k), list(v), ctx["tail"], args.max_tokens, diag.stop_ids,
-                                      keep_logprobs=True)
-                kl = float((full.logprobs[0].exp() * (full.logprobs[0] - trace.logprobs[0])).sum())
-                rows.append({"index": ex.index, "variant": variant, "ratio": ratio, "equal": trace.tokens == full.tokens,
-                             "kl": kl, "recomputed": selected / ctx["n"],
-                             "k_error": error(k, ctx["full_k"], ~ctx["exact"]),
-                             "v_error": error(v, ctx["full_v"], ~ctx["exact"])})
+                k_error, v_error = error(k, ctx["full_k"], ~ctx["exact"]), error(v, ctx["full_v"], ~ctx["exact"])
+                for t, s in tempers:
+                    ape.update(lo=int(ctx["starts"][1]) if len(ctx["starts"]) > 1 else ctx["n"], hi=ctx["n"], T=t, S=s)
+                    trace = greedy_decode(ops, list(k), list(v), ctx["tail"], args.max_tokens, diag.stop_ids,
+                                          keep_logprobs=True)
+                    ape.update(T=1.0, S=1.0)
+                    kl = float((full.logprobs[0].exp() * (full.logprobs[0] - trace.logprobs[0])).sum())
+                    rows.append({"index": ex.index, "variant": variant, "ratio": ratio, "temper": f"{t:g}:{s:g}",
+                                 "equal": trace.tokens == full.tokens, "kl": kl, "recomputed": selected / ctx["n"],
+                                 "k_error": k_error, "v_error": v_error})
         print(f"example {ex.index}: {time.time() - t0:.0f} s", flush=True)
         args.out.write_text(json.dumps(rows, indent=1), encoding="utf-8")
 
-    print("variant ratio equal KL(median) recomputed K-error V-error")
+    print("variant ratio temper equal KL(median) recomputed K-error V-error")
     for variant in variants:
         for ratio in ratios:
-            r = [x for x in rows if x["variant"] == variant and x["ratio"] == ratio]
-            print(variant, ratio, f"{sum(x['equal'] for x in r)}/{len(r)}", f"{statistics.median(x['kl'] for x in r):.4f}",
-                  f"{statistics.mean(x['recomputed'] for x in r):.3f}", f"{statistics.mean(x['k_error'] for x in r):.4f}",
-                  f"{statistics.mean(x['v_error'] for x in r):.4f}")
+            for temper in dict.fromkeys(x["temper"] for x in rows):
+                r = [x for x in rows if x["variant"] == variant and x["ratio"] == ratio and x["temper"] == temper]
+                print(variant, ratio, temper, f"{sum(x['equal'] for x in r)}/{len(r)}",
+                      f"{statistics.median(x['kl'] for x in r):.4f}", f"{statistics.mean(x['recomputed'] for x in r):.3f}",
+                      f"{statistics.mean(x['k_error'] for x in r):.4f}", f"{statistics.mean(x['v_error'] for x in r):.4f}")
     return 0
 
 
