@@ -15,8 +15,8 @@ and the blend at each ``--ratios`` (fixed budget; ``default`` = the settings' ow
 with each ``--temper T:S``: APE's attention temperature and scale (Yang et al., ICLR'25) on the
 moved context's keys, i.e. the question's and answer's attention logits to every context token after
 the head divided by T and raised by log S (``1:1``, the default, leaves them as the engine runs them).
-Prints, per variant, ratio and temper, the answers equal to full prefill's, the median first-token KL and the mean
-relative K/V error of the non-exact context tokens against full prefill's; writes every row to
+Prints, per variant, ratio and temper, the answers equal to full prefill's, the median first-token KL
+and the mean relative K/V error of the non-exact context tokens against full prefill's; writes every row to
 ``--out``. A scratch measurement for choosing what to build, not a benchmark of the engine (vLLM's
 kernels round differently): measure a choice with ``ragcache bench ttft`` before shipping it.
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -58,8 +59,6 @@ def main() -> int:
 
     from ragcache.bench.datasets import load_qa, make_chunks
     from ragcache.bench.diverge import Diagnosis
-    import math
-
     import ragcache.bench.reference as reference
     from ragcache.bench.reference import greedy_decode, load_reference
     from ragcache.blend import BlendRequest, CachedKV, blend_kv
