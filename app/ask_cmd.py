@@ -170,7 +170,7 @@ def format_answer(answer) -> str:
                  f"tier hits: {hits}")
     if m.route_rule and m.route_rule != "explicit":  # engine.mode = auto: the path it took, and why
         lines.append(f"route {m.route_reason}")
-    if m.budget_reason.startswith("adaptive"):  # the recompute budget this question got, and why
+    if m.budget_mode == "adaptive":  # the recompute budget this question got, and why
         lines.append(f"budget {m.budget_reason}")
     return "\n".join(lines)
 

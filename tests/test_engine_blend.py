@@ -108,6 +108,7 @@ def test_the_adaptive_budget_is_reported_and_is_what_the_worker_recomputed(engin
         assert m.recompute_budget == m.recomputed_tokens > 0 and m.missing_computed_tokens == 0
     assert fixed.recompute_budget == math.ceil(0.15 * prompt.ctx_len) and fixed.budget_reason.startswith("fixed: ")
     assert loose.budget_reason.startswith("adaptive: ") and "target 0.2)" in loose.budget_reason
+    assert (fixed.budget_mode, loose.budget_mode, tight.budget_mode) == ("fixed", "adaptive", "adaptive")
     assert "target 0.01)" in tight.budget_reason and "left on reused KV" in tight.budget_reason
     # less of the question's attention left on reused KV takes more tokens, up to max_recompute_ratio
     b = engine.settings.blend

@@ -4,11 +4,11 @@ its speed and quality boundaries, the predicted budget and tiers, and the qualit
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from ragcache.config import RouteSettings
+from ragcache.engine.messages import RequestMetrics
 from ragcache.engine.route import PRIOR_G, CostModel, Router, RouteInputs, host_class
 from ragcache.quality.records import Calibration
 from ragcache.quality.table import QualityCell, QualityTable, passage_class, prompt_class
@@ -142,7 +142,7 @@ def _metrics(**fields):
                 num_cached_tokens=6000, recompute_budget=900, recomputed_tokens=900, missing_computed_tokens=0,
                 chunk_tiers=["cpu"] * 10, budget_reason="ratio 0.15")
     base.update(fields)
-    return SimpleNamespace(**base)
+    return RequestMetrics(**base)  # the record the engine hands Router.observe
 
 
 def test_observed_requests_refit_the_model_and_remember_the_tier_of_each_chunk():

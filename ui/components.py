@@ -63,7 +63,7 @@ def metrics_strip(answer: "Answer", full: "Answer | None" = None) -> None:
     st.caption(" · ".join(parts))
     if m.route_rule and m.route_rule != "explicit":  # engine.mode = auto: the path it took, and why
         st.caption(f":material/alt_route: route {_escape(m.route_reason)}")
-    if m.budget_reason.startswith("adaptive"):  # the recompute budget this question got, and why
+    if m.budget_mode == "adaptive":  # the recompute budget this question got, and why
         st.caption(f"budget {_escape(m.budget_reason)}")
     if m.load_error:  # the worker could not serve the cached context: vLLM prefilled it in full
         st.caption(f":material/warning: the cached context could not be served ({_escape(m.load_error)}); "

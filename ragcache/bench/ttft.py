@@ -190,7 +190,7 @@ def _quality_record(g: "Generation", gens: Mapping[str, "Generation"], v: Varian
     q = g.first_token_logprobs or {}
     best = min(full.metrics.ttft_s, gens[PLAIN].metrics.ttft_s) if PLAIN in gens else full.metrics.ttft_s
     rec.update(
-        recompute_ratio=v.ratio, selection=v.selection, budget=v.budget or _budget_used(rec.get("budget_reason")),
+        recompute_ratio=v.ratio, selection=v.selection, budget=v.budget or g.metrics.budget_mode or None,
         first_token=g.token_ids[0] if g.token_ids else None,
         kl_from_full=rounded(kl_divergence(p_full, q), 6) if (p_full and q) else None,
         gold_nll=rounded(gold_nll), answer_nll=rounded(answer_nll),
@@ -296,13 +296,6 @@ def auto_targets(routes: Mapping[str, Any] | None) -> dict[str, Any]:
         out["auto_vs_blend_long"] = target(routes["long"]["auto_over_blend_median"], 1.05, "max",
                                            "median per-request TTFT(auto)/TTFT(blend) on long prompts")
     return out
-
-
-def _budget_used(reason: str | None) -> str | None:
-    """``"adaptive"`` or ``"fixed"``: the budget a blend reported setting (its ``budget_reason``
-    starts with it), None for a request that set none (full prefill, reuse)."""
-    head = (reason or "").split(":", 1)[0]
-    return head if head in ("adaptive", "fixed") else None
 
 
 def _reported(results: Sequence[dict[str, Any]], key: str) -> Any:

@@ -216,7 +216,8 @@ class Budget:
         low, high: the bounds ``tokens`` was kept within.
         mass: the question's attention on context tokens whose KV moved (0 for a fixed budget).
         mass_left: the part of ``mass`` left on reused tokens by the ``tokens`` most attended ones.
-        reason: one line for people: what set the budget.
+        reason: one line for people: what set the budget, starting with the budget's kind and a colon
+            (``adaptive: ...``, ``fixed: ...``), the word the engine's request metrics report it by.
     """
 
     tokens: int

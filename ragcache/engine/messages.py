@@ -498,6 +498,13 @@ class ContextStats:
         return ""
 
     @property
+    def budget_mode(self) -> str:
+        """The recompute budget a blend used: ``"adaptive"`` or ``"fixed"`` (the word
+        :attr:`budget_reason` starts with, as :class:`ragcache.blend.Budget` writes it), "" without one."""
+        mode = self.budget_reason.split(":", 1)[0]
+        return mode if mode in ("adaptive", "fixed") else ""
+
+    @property
     def tier_hits(self) -> dict[str, int]:
         """Retrieved chunks served per tier, e.g. ``{"cpu": 3, "disk": 2}`` (the head is not counted)."""
         return dict(Counter(self.chunk_tiers))

@@ -306,7 +306,7 @@ class Router:
                               tail_tokens=metrics.prompt_tokens - metrics.ctx_tokens, chunks=len(metrics.chunk_tiers),
                               passage_tokens=0.0, recompute_tokens=budget)
             self._blend.append((inp, metrics.ttft_s, metrics.load_s))
-            if metrics.budget_reason.startswith("adaptive"):
+            if metrics.budget_mode == "adaptive":
                 self._shares.append((prompt_class(metrics.prompt_tokens), budget / metrics.ctx_tokens))
             self._model = None
 
