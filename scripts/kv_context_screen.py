@@ -77,16 +77,14 @@ def main() -> int:
     ape = {"lo": 0, "hi": 0, "T": 1.0, "S": 1.0}
     plain_attend = reference._attend
 
-    def tempered_attend(q, k, v, q_pos, k_pos, scaling):
-        if (ape["T"], ape["S"]) == (1.0, 1.0):
-            return plain_attend(q, k, v, q_pos, k_pos, scaling)
-        group = q.shape[1] // k.shape[1]
-        kx, vx = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
-        scores = torch.einsum("nhd,mhd->hnm", q.float(), kx) * scaling  # [Hq, n, m]
+    def temper(scores):
         lo, hi = ape["lo"], ape["hi"]
         scores[..., lo:hi] = scores[..., lo:hi] / ape["T"] + math.log(ape["S"])
-        probs = torch.softmax(scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf")), dim=-1)
-        return torch.einsum("hnm,mhd->nhd", probs, vx).to(q.dtype), probs
+        return scores
+
+    def tempered_attend(q, k, v, q_pos, k_pos, scaling):
+        untempered = (ape["T"], ape["S"]) == (1.0, 1.0)
+        return plain_attend(q, k, v, q_pos, k_pos, scaling, adjust=None if untempered else temper)
 
     reference._attend = tempered_attend
 

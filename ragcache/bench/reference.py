@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -124,13 +124,17 @@ class DecodeTrace:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-            scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+            scaling: float, adjust: Callable[[torch.Tensor], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention by position. ``q [n, Hq, D]``, ``k``/``v`` ``[m, Hkv, D]`` -> (``[n, Hq, D]`` in
-    q's dtype, probabilities ``[Hq, n, m]`` float32)."""
+    q's dtype, probabilities ``[Hq, n, m]`` float32). ``adjust``, when given, rewrites the scaled
+    logits ``[Hq, n, m]`` (float32) before the causal mask (a screening hook: the engine has none)."""
     group = q.shape[1] // k.shape[1]
     kx = k.repeat_interleave(group, dim=1).float()  # [m, Hq, D]
     vx = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("nhd,mhd->hnm", q.float(), kx) * scaling  # [Hq, n, m]
+    if adjust is not None:
+        scores = adjust(scores)
     scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hnm,mhd->nhd", probs, vx)
