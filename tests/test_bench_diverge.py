@@ -96,6 +96,12 @@ def test_stale_token_is_named_and_forcing_it_restores(diagnosis: Diagnosis) -> N
     assert not cf["replay"]["token_restored"]  # the replay of the blend's own selection diverges the same way
     assert cf["top_k"]["token_restored"] and cf["top_k"]["answer_restored"]
     assert cf["patch_top_k"]["answer_restored"]
+    # the staleness sits in layers 2.. only: full prefill's KV in the second half of the layers restores
+    # the answer, in the first half it does not
+    half = diagnosis.ops.num_layers // 2
+    assert half == 2, "precondition: the stale layers are the second half"
+    assert cf[f"patch_layers_{half}-{2 * half}"]["answer_restored"]
+    assert not cf[f"patch_layers_0-{half}"]["token_restored"]
     assert cf["all"]["answer_restored"] and cf["all"]["recomputed"] == ctx["n"] - ctx["lengths"][0] - ctx["lengths"][1]
     assert d["cause"] == "top_k" == classify(d)
 

@@ -30,7 +30,10 @@ selection alone and must reproduce the divergence):
 - ``all``: every moved token (the blend at ratio 1: what is left is the rounding of the blend's own
   layer-wise path against full prefill's, not staleness);
 - ``patch_top_k`` (no blend): the blended KV with the top-k tokens' rows replaced by full prefill's
-  (their KV exact, everything else as blended): whether those tokens' KV error is the cause at all.
+  (their KV exact, everything else as blended): whether those tokens' KV error is the cause at all;
+- ``patch_layers_0-H`` and ``patch_layers_H-L`` (no blend; ``H`` = half the ``L`` layers): the
+  blended KV with every context token's K/V in the first (second) half of the layers replaced by full
+  prefill's: in which layers the staleness that parts the answer sits.
 
 A token is restored when the rerun's greedy tokens up to and including step s equal full prefill's;
 the answer when all its tokens do. A divergence's cause is the smallest forced set that restores the
@@ -388,6 +391,14 @@ class Diagnosis:
         trace = self._decode(ctx, pk, pv)
         cfs["patch_top_k"] = {"extra_tokens": len(top_idx), "token_restored": trace.tokens[:s + 1] == full.tokens[:s + 1],
                               "answer_restored": trace.tokens == full.tokens}
+        half = self.ops.num_layers // 2
+        for lo, hi in ((0, half), (half, self.ops.num_layers)):
+            pk, pv = bk.clone(), bv.clone()
+            pk[lo:hi], pv[lo:hi] = ctx["full_k"][lo:hi], ctx["full_v"][lo:hi]
+            trace = self._decode(ctx, pk, pv)
+            cfs[f"patch_layers_{lo}-{hi}"] = {"extra_tokens": int((~exact).sum()),
+                                              "token_restored": trace.tokens[:s + 1] == full.tokens[:s + 1],
+                                              "answer_restored": trace.tokens == full.tokens}
         d = {"step": s, "full_len": len(full.tokens),
              "full_token": self.tokenizer.decode(full.tokens[s:s + 1]),
              "blend_token": self.tokenizer.decode(blend.tokens[s:s + 1]),
