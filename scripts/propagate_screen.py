@@ -1,0 +1,127 @@
+"""Screen delta propagation on the plain-torch reference: the reused tokens' KV corrected by the
+recomputed tokens' corrections.
+
+In every selective layer of the default blend, the recomputed tokens' fresh K (pre-RoPE) and V
+minus their reused K/V are the corrections the blend measured; each reused moved token gets the
+mean of them weighted by ``softmax(cos(its reused pre-RoPE key, theirs) / tau)`` per KV head, times
+``alpha`` (K and V apart: ``--variants alpha_k:alpha_v:tau``; ``0:0:1`` is the blend as it runs), before
+the selected rows attend over the layer. The rationale: a reused token's KV is off because its
+attention missed the chunks before it, and tokens whose keys look alike in the same layer are moved
+alike by that context. Not a ragcache setting (a scratch measurement for choosing what to build,
+on the reference of ``ragcache bench diverge``: vLLM's kernels round differently); it wraps
+``ragcache.blend.forward._selective_layer`` for the run.
+
+Prints, per variant, the answers equal to full prefill's, the median first-token KL(full || variant)
+and the mean relative K/V error of the tokens left reused against full prefill's; writes every row
+to ``--out``.
+
+Usage::
+
+    python scripts/propagate_screen.py --dataset musique --offset 10 --n 10 --passages 5 \\
+        --variants 0:0:1,0.5:0.5:0.05,0.5:0:0.05,0:0.5:0.05 --out propagate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", required=True, help="QA file (or musique / hotpotqa)")
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--passages", type=int, default=10)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--variants", default="0:0:1,0.5:0.5:0.05", help="alpha_k:alpha_v:tau, comma-separated")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=Path("propagate_screen.json"))
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    import ragcache.blend.forward as forward
+    from ragcache.bench.datasets import load_qa, make_chunks
+    from ragcache.bench.diverge import Diagnosis
+    from ragcache.bench.reference import greedy_decode, load_reference
+    from ragcache.config import Settings
+    from ragcache.prompt import PromptBuilder
+
+    settings = Settings()
+    examples = load_qa(args.dataset, n=args.n, offset=args.offset)
+    _, tok, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
+    diag = Diagnosis(settings, ops, tok, passages=args.passages, max_tokens=args.max_tokens, top_k=8, head_tokens=4)
+    builder = PromptBuilder(tok, settings.prompt, "reference", compute_dtype=str(ops.dtype))
+    variants = [tuple(float(x) for x in v.split(":")) for v in args.variants.split(",")]
+    now = {"ak": 0.0, "av": 0.0, "tau": 1.0, "moved": None}
+    selective_layer = forward._selective_layer
+
+    def propagated(p, layer, sel, reused, last, observe):
+        if reused is not None and (now["ak"] or now["av"]) and sel.rows.numel() > 0:
+            k_all, v_all = reused  # [N, Hkv, D] each, K post-RoPE at the new positions
+            _, k, v = forward._qkv_rope(p.ops, layer, sel.hidden, sel.positions)
+            positions = torch.arange(k_all.shape[0])
+            left = now["moved"].clone()
+            left[sel.rows] = False
+            left = left.nonzero().flatten()
+            k_pre = ops.rope(layer, -positions, None, k_all)[1]  # RoPE undone: [N, Hkv, D]
+            dk = ops.rope(layer, -sel.positions, None, k)[1] - k_pre[sel.rows]
+            dv = v - v_all[sel.rows]
+            a = F.normalize(k_pre[left], dim=-1).transpose(0, 1)  # [Hkv, u, D]
+            b = F.normalize(k_pre[sel.rows], dim=-1).transpose(0, 1)  # [Hkv, s, D]
+            w = torch.softmax(a @ b.transpose(1, 2) / now["tau"], dim=-1)  # [Hkv, u, s]
+            if now["av"]:
+                v_all[left] += now["av"] * (w @ dv.transpose(0, 1)).transpose(0, 1)
+            if now["ak"]:
+                k_new = k_pre[left] + now["ak"] * (w @ dk.transpose(0, 1)).transpose(0, 1)
+                k_all[left] = ops.rope(layer, positions[left], None, k_new)[1]
+        return selective_layer(p, layer, sel, reused, last, observe)
+
+    forward._selective_layer = propagated
+
+    def error(a, b, mask) -> float:
+        e = ((a.float() - b.float()).norm(dim=-1).norm(dim=-1)
+             / b.float().norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(0)
+        return float(e[mask].mean())
+
+    rows = []
+    with torch.inference_mode():
+        for ex in examples:
+            t0 = time.time()
+            ctx = diag.context_of(builder.build(ex.question, make_chunks(tok, ex.passages[:args.passages])))
+            full = greedy_decode(ops, list(ctx["full_k"]), list(ctx["full_v"]), ctx["tail"], args.max_tokens,
+                                 diag.stop_ids, keep_logprobs=True)
+            now["moved"] = ~ctx["exact"]
+            for ak, av, tau in variants:
+                now.update(ak=ak, av=av, tau=tau)
+                k, v, selected = diag._blend(ctx)
+                trace = greedy_decode(ops, list(k), list(v), ctx["tail"], args.max_tokens, diag.stop_ids,
+                                      keep_logprobs=True)
+                kl = float((full.logprobs[0].exp() * (full.logprobs[0] - trace.logprobs[0])).sum())
+                left = now["moved"].clone()
+                left[sorted(selected)] = False
+                rows.append({"index": ex.index, "variant": f"{ak:g}:{av:g}:{tau:g}", "equal": trace.tokens == full.tokens,
+                             "kl": kl, "recomputed": len(selected) / ctx["n"],
+                             "k_error": error(k, ctx["full_k"], left), "v_error": error(v, ctx["full_v"], left)})
+            print(f"example {ex.index}: {time.time() - t0:.0f} s", flush=True)
+            args.out.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+
+    print("variant equal KL(median) recomputed K-error V-error (tokens left reused)")
+    for name in dict.fromkeys(x["variant"] for x in rows):
+        r = [x for x in rows if x["variant"] == name]
+        print(name, f"{sum(x['equal'] for x in r)}/{len(r)}", f"{statistics.median(x['kl'] for x in r):.4f}",
+              f"{statistics.mean(x['recomputed'] for x in r):.3f}", f"{statistics.mean(x['k_error'] for x in r):.4f}",
+              f"{statistics.mean(x['v_error'] for x in r):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
