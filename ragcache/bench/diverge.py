@@ -376,29 +376,28 @@ class Diagnosis:
         if passage is not None:
             extras["passage"] = set(range(starts[passage], starts[passage] + ctx["lengths"][passage]))
         extras["all"] = set(range(n))
+
+        def rerun(k, v) -> dict[str, Any]:
+            """The greedy decode over ``k``/``v``: whether it restores full prefill's token s and answer."""
+            trace = self._decode(ctx, k, v)
+            return {"token_restored": trace.tokens[:s + 1] == full.tokens[:s + 1],
+                    "answer_restored": trace.tokens == full.tokens,
+                    "answer": self.tokenizer.decode(trace.tokens, skip_special_tokens=True)}
+
         cfs = {}
         for name, extra in extras.items():
             extra = {i for i in extra if not bool(exact[i])}
             k, v, sel = self._blend(ctx, selected | extra)
-            trace = self._decode(ctx, k, v)
-            cfs[name] = {"extra_tokens": len(extra - selected), "recomputed": len(sel),
-                         "token_restored": trace.tokens[:s + 1] == full.tokens[:s + 1],
-                         "answer_restored": trace.tokens == full.tokens,
-                         "answer": self.tokenizer.decode(trace.tokens, skip_special_tokens=True)}
-        pk, pv = bk.clone(), bv.clone()
-        rows = torch.tensor(top_idx)
-        pk[:, rows], pv[:, rows] = ctx["full_k"][:, rows], ctx["full_v"][:, rows]
-        trace = self._decode(ctx, pk, pv)
-        cfs["patch_top_k"] = {"extra_tokens": len(top_idx), "token_restored": trace.tokens[:s + 1] == full.tokens[:s + 1],
-                              "answer_restored": trace.tokens == full.tokens}
+            cfs[name] = {"extra_tokens": len(extra - selected), "recomputed": len(sel), **rerun(k, v)}
+        # patches: full prefill's KV for some rows (the top-k tokens) or some layers (every context token)
         half = self.ops.num_layers // 2
+        patches = {"patch_top_k": (len(top_idx), slice(None), torch.tensor(top_idx))}
         for lo, hi in ((0, half), (half, self.ops.num_layers)):
+            patches[f"patch_layers_{lo}-{hi}"] = (int((~exact).sum()), slice(lo, hi), slice(None))
+        for name, (count, layers, rows) in patches.items():
             pk, pv = bk.clone(), bv.clone()
-            pk[lo:hi], pv[lo:hi] = ctx["full_k"][lo:hi], ctx["full_v"][lo:hi]
-            trace = self._decode(ctx, pk, pv)
-            cfs[f"patch_layers_{lo}-{hi}"] = {"extra_tokens": int((~exact).sum()),
-                                              "token_restored": trace.tokens[:s + 1] == full.tokens[:s + 1],
-                                              "answer_restored": trace.tokens == full.tokens}
+            pk[layers, rows], pv[layers, rows] = ctx["full_k"][layers, rows], ctx["full_v"][layers, rows]
+            cfs[name] = {"extra_tokens": count, **rerun(pk, pv)}
         d = {"step": s, "full_len": len(full.tokens),
              "full_token": self.tokenizer.decode(full.tokens[s:s + 1]),
              "blend_token": self.tokenizer.decode(blend.tokens[s:s + 1]),
