@@ -5,7 +5,8 @@ In every selective layer of the default blend, the recomputed tokens' fresh K (p
 minus their reused K/V are the corrections the blend measured; each reused moved token gets the
 mean of them weighted by ``softmax(cos(its reused pre-RoPE key, theirs) / tau)`` per KV head, times
 ``alpha`` (K and V apart: ``--variants alpha_k:alpha_v:tau``; ``0:0:1`` is the blend as it runs), before
-the selected rows attend over the layer. The rationale: a reused token's KV is off because its
+the selected rows attend over the layer (``--from-layer``: only from that layer on; ``--top``: only each
+token's most similar recomputed tokens weighed). The rationale: a reused token's KV is off because its
 attention missed the chunks before it, and tokens whose keys look alike in the same layer are moved
 alike by that context. Not a ragcache setting (a scratch measurement for choosing what to build,
 on the reference of ``ragcache bench diverge``: vLLM's kernels round differently); it wraps
@@ -41,6 +42,8 @@ def main() -> int:
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--variants", default="0:0:1,0.5:0.5:0.05", help="alpha_k:alpha_v:tau, comma-separated")
+    ap.add_argument("--from-layer", type=int, default=0, help="propagate in selective layers from this one on")
+    ap.add_argument("--top", type=int, default=0, help="weigh only each token's TOP most similar recomputed tokens (0: all)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("propagate_screen.json"))
     args = ap.parse_args()
@@ -65,7 +68,7 @@ def main() -> int:
     selective_layer = forward._selective_layer
 
     def propagated(p, layer, sel, reused, last, observe):
-        if reused is not None and (now["ak"] or now["av"]) and sel.rows.numel() > 0:
+        if reused is not None and (now["ak"] or now["av"]) and sel.rows.numel() > 0 and layer >= args.from_layer:
             k_all, v_all = reused  # [N, Hkv, D] each, K post-RoPE at the new positions
             _, k, v = forward._qkv_rope(p.ops, layer, sel.hidden, sel.positions)
             positions = torch.arange(k_all.shape[0])
@@ -77,7 +80,10 @@ def main() -> int:
             dv = v - v_all[sel.rows]
             a = F.normalize(k_pre[left], dim=-1).transpose(0, 1)  # [Hkv, u, D]
             b = F.normalize(k_pre[sel.rows], dim=-1).transpose(0, 1)  # [Hkv, s, D]
-            w = torch.softmax(a @ b.transpose(1, 2) / now["tau"], dim=-1)  # [Hkv, u, s]
+            sim = a @ b.transpose(1, 2) / now["tau"]  # [Hkv, u, s]
+            if 0 < args.top < sim.shape[-1]:
+                sim = sim.masked_fill(sim < sim.topk(args.top, dim=-1).values[..., -1:], float("-inf"))
+            w = torch.softmax(sim, dim=-1)
             if now["av"]:
                 v_all[left] += now["av"] * (w @ dv.transpose(0, 1)).transpose(0, 1)
             if now["ak"]:
@@ -109,7 +115,7 @@ def main() -> int:
                 left = now["moved"].clone()
                 left[sorted(selected)] = False
                 rows.append({"index": ex.index, "variant": f"{ak:g}:{av:g}:{tau:g}", "equal": trace.tokens == full.tokens,
-                             "kl": kl, "recomputed": len(selected) / ctx["n"],
+                             "kl": kl, "recomputed": len(selected) / ctx["n"], "from_layer": args.from_layer, "top": args.top,
                              "k_error": error(k, ctx["full_k"], left), "v_error": error(v, ctx["full_v"], left)})
             print(f"example {ex.index}: {time.time() - t0:.0f} s", flush=True)
             args.out.write_text(json.dumps(rows, indent=1), encoding="utf-8")
