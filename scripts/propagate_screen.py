@@ -52,17 +52,15 @@ def main() -> int:
     import torch.nn.functional as F
 
     import ragcache.blend.forward as forward
-    from ragcache.bench.datasets import load_qa, make_chunks
+    from ragcache.bench.datasets import load_qa
     from ragcache.bench.diverge import Diagnosis
     from ragcache.bench.reference import greedy_decode, load_reference
     from ragcache.config import Settings
-    from ragcache.prompt import PromptBuilder
 
     settings = Settings()
     examples = load_qa(args.dataset, n=args.n, offset=args.offset)
     _, tok, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
     diag = Diagnosis(settings, ops, tok, passages=args.passages, max_tokens=args.max_tokens, top_k=8, head_tokens=4)
-    builder = PromptBuilder(tok, settings.prompt, "reference", compute_dtype=str(ops.dtype))
     variants = [tuple(float(x) for x in v.split(":")) for v in args.variants.split(",")]
     now = {"ak": 0.0, "av": 0.0, "tau": 1.0, "moved": None}
     selective_layer = forward._selective_layer
@@ -102,7 +100,7 @@ def main() -> int:
     with torch.inference_mode():
         for ex in examples:
             t0 = time.time()
-            ctx = diag.context_of(builder.build(ex.question, make_chunks(tok, ex.passages[:args.passages])))
+            ctx = diag.context(ex)
             full = greedy_decode(ops, list(ctx["full_k"]), list(ctx["full_v"]), ctx["tail"], args.max_tokens,
                                  diag.stop_ids, keep_logprobs=True)
             now["moved"] = ~ctx["exact"]
