@@ -198,6 +198,14 @@ class BlendSettings(_Section):
         1, ge=1, le=64, description="question selection with candidates > 1: the layer at which the budget is kept "
         "among the candidates, by their V error summed over layers 1 .. refine_layer (deeper sees a stale token's "
         "growing error but sends the extra candidates through that many layers)")
+    propagate: Ratio = Field(
+        0.0, description="share of the recomputed tokens' KV corrections (fresh minus reused K and V, per layer) "
+        "that the tokens left reused take, weighted by how alike their keys are (softmax of the cosine of the "
+        "pre-RoPE keys over propagate_temperature, per KV head); 0 = off: the reused tokens keep their cached KV "
+        "(see docs/fidelity.md)")
+    propagate_temperature: float = Field(
+        0.05, gt=0.0, le=1.0, description="propagate: the softmax temperature over key cosines (smaller: each reused "
+        "token takes the corrections of its most alike recomputed tokens only)")
     pipeline_overlap: bool | Literal["auto"] = Field(
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "
@@ -318,6 +326,8 @@ class BlendSettings(_Section):
         names = list(strategies.get(selection).reads(self))
         if self.adapts(selection):
             names += ["max_recompute_ratio", "max_recompute_tokens"]
+        if self.propagate > 0:  # off, it changes nothing a calibration measured
+            names += ["propagate", "propagate_temperature"]
         values = {f"blend.{name}": getattr(self, name) for name in names}
         values["blend.check_layer"] = self.check_layer_for(selection)
         return values

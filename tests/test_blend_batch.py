@@ -121,6 +121,29 @@ def test_a_batched_pass_equals_each_blend_alone(ops, contexts, selection, source
                 torch.testing.assert_close(kv.v[layer][rows], alone_kv.v[layer], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("source", ["staged", "streamed"])
+@pytest.mark.parametrize("engine_like", [False, True])
+def test_a_batched_pass_with_correction_propagation_equals_each_blend_alone(ops, contexts, source, engine_like):
+    """Requests that propagate and one that does not share a pass; an engine's pass then writes
+    whole layers (every reused row may change) and still equals each blend alone."""
+    selection = Selection("question", candidates=2.0)
+    reqs = [replace(r, knobs=r.knobs.model_copy(update={"propagate": alpha}))
+            for r, alpha in zip(requests_for(contexts, selection), (0.5, 0.0, 0.5, 0.3))]
+    results, kv, starts = run_batch(ops, reqs, contexts, source, engine_like)
+    for r, (req, result) in enumerate(zip(reqs, results)):
+        alone_kv = LayerCollector(ops.num_layers)
+        alone = blend_kv(ops, req, streamed([contexts[r]]), on_layer=alone_kv, prefetch=False)
+        assert torch.equal(result.selected, alone.selected), r
+        rows = slice(starts[r], starts[r + 1])
+        for layer in range(ops.num_layers):
+            torch.testing.assert_close(kv.k[layer][rows], alone_kv.k[layer], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(kv.v[layer][rows], alone_kv.v[layer], atol=1e-5, rtol=1e-5)
+    unpropagated = LayerCollector(ops.num_layers)
+    blend_kv(ops, replace(reqs[0], knobs=reqs[0].knobs.model_copy(update={"propagate": 0.0})), streamed(contexts[:1]),
+             on_layer=unpropagated, prefetch=False)
+    assert not torch.allclose(unpropagated.v[-1], kv.v[-1][starts[0]:starts[1]])  # it did propagate
+
+
 def test_blends_of_one_pass_must_share_the_schedule(ops, contexts):
     (c, t), (d, u) = contexts[:2]
     question = request(c, t, recompute_ratio=0.2, selection=Selection("question"))

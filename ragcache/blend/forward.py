@@ -20,7 +20,9 @@ with their plans and budgets, the rows, the reused KV, the callbacks, the clock)
 :func:`_prefill_to_check` (the layers before the check layer for every token, and the check layer's
 fresh KV), :func:`_probe` (the question tail alone over the reused KV), :func:`decide_budgets` (each
 blend's budget after the probe, as its parameters say), :func:`_select` / :class:`_Refinement`
-(which tokens), and :func:`_selective_layers` (only those tokens, in every later layer). Several
+(which tokens), and :func:`_selective_layers` (only those tokens, in every later layer; with
+``knobs.propagate`` their corrections spread to the tokens left reused,
+:mod:`ragcache.blend.propagate`). Several
 blends of one engine step run as one pass (:func:`blend_batch`): their context tokens are
 concatenated, projections and MLP run on all their selected tokens at once, the attention is one
 call of the engine's varlen kernel, and the number of operators a pass dispatches does not grow with
@@ -42,6 +44,7 @@ import torch
 from ragcache.blend.attention import Attention, masked_attention, torch_attention
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.plan import DEVIATIONS, BlendPlan, plan_blend, recompute_layers
+from ragcache.blend.propagate import Propagation
 from ragcache.blend.reused import CachedKV, LoadLayer, open_reused
 from ragcache.blend.select import (
     Budget,
@@ -543,6 +546,8 @@ class _Pass:
         question: the tails' attention over the rows where the plan probes, else None.
         checked: what :func:`_prefill_to_check` left; None on the fast path.
         refinement: the candidates' cut; None where no blend refines.
+        propagation: the recomputed rows' corrections spread to the reused ones
+            (:class:`~ragcache.blend.propagate.Propagation`); None where no blend propagates.
     """
 
     ops: DecoderOps
@@ -557,6 +562,7 @@ class _Pass:
     question: _QuestionProbe | None = None
     checked: _Checked | None = None
     refinement: _Refinement | None = None
+    propagation: Propagation | None = None
 
     @property
     def plan(self) -> BlendPlan:
@@ -737,7 +743,8 @@ class _Refinement:
 
 
 def _selective_layer(p: _Pass, layer: int, sel: _Rows, reused: tuple[torch.Tensor, torch.Tensor] | None,
-                     last: bool, observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+                     last: bool, observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None,
+                     reused_k_pre: torch.Tensor | None = None) -> torch.Tensor:
     """One layer after the check layer for the selected rows only (§4.2, selective KV recompute).
 
     ``reused`` ``(k, v)``, each ``[S, Hkv, D]``, holds the reused KV at the new positions; the selected
@@ -745,15 +752,27 @@ def _selective_layer(p: _Pass, layer: int, sel: _Rows, reused: tuple[torch.Tenso
     selected queries attend over them through ``p.attend``. With ``reused`` None the engine already
     holds the layer's reused KV (the question probe wrote it): only the selected rows go to
     ``p.write_rows``, and ``p.attend`` reads the layer back from the engine's cache (``k = v = None``).
+    With ``p.propagation`` and ``reused_k_pre`` (``[S, Hkv, D]``, the reused K before RoPE) the rows
+    left reused first take the selected rows' corrections (:class:`~ragcache.blend.propagate.Propagation`,
+    timed as ``propagate_s``).
     Returns the rows' residual stream leaving the layer (with ``last``: no row needs it, only their
     K/V are written, and ``sel.hidden`` is returned). ``observe(layer, rows, v)`` sees the fresh V
     before any write.
     """
     ops = p.ops
-    q, k, v = _qkv_rope(ops, layer, sel.hidden, sel.positions)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
+    if reused_k_pre is None:
+        q, k, v = _qkv_rope(ops, layer, sel.hidden, sel.positions)  # [n, Hq, D], [n, Hkv, D], [n, Hkv, D]
+    else:
+        q, k_pre, v = ops.qkv(layer, sel.hidden)
+        q, k = ops.rope(layer, sel.positions, q, k_pre)
     if observe is not None:
         observe(layer, sel.rows, v)
     k_all, v_all = reused if reused is not None else (None, None)
+    if reused_k_pre is not None and reused is not None:
+        t0 = time.perf_counter()
+        p.propagation.apply_(sel.rows, k_pre, v, reused_k_pre, k_all, v_all, p.batch.positions,
+                             lambda x, positions: ops.rope(layer, positions, None, x)[1])
+        p.clock.inner("propagate_s", time.perf_counter() - t0)
     if reused is None:
         p.write_rows(layer, sel.rows, k, v)
     else:
@@ -788,8 +807,12 @@ def _selective_layers(p: _Pass, sel: _Rows) -> torch.Tensor:
             sel = sel.keep(sel.stop > layer)
         # no row needs an output after the model's last layer, nor after the last layer every row stops at
         last = layer == num_layers - 1 or not (forced or any(q.depth_end > layer + 1 for q in plans))
-        reused = None
-        if layer not in written:
+        reused = k_pre = None
+        if layer in written:
+            pass
+        elif p.propagation is not None:
+            k_pre, *reused = p.kv.get_pre(layer)  # [S, Hkv, D] each (K and V ours to modify)
+        else:
             reused = p.kv.get(layer)  # [S, Hkv, D] each (ours to modify)
             if refine is not None and 1 <= layer <= refine.at:
                 refine.reused_v[layer] = reused[1]  # read before the selective layer writes its rows
@@ -800,7 +823,7 @@ def _selective_layers(p: _Pass, sel: _Rows) -> torch.Tensor:
             p.clock.inner("select_s", time.perf_counter() - t0)
         seen = observe if refine is not None and 1 <= layer < refine.at else None
         if sel.rows.numel() > 0:
-            sel.hidden = _selective_layer(p, layer, sel, reused, last, seen)
+            sel.hidden = _selective_layer(p, layer, sel, reused, last, seen, k_pre)
         elif reused is not None:
             p.emit(layer, *reused)
     return recomputed
@@ -868,17 +891,22 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
            != (plan.schedule, first.selection, first.knobs.deviation) for b in blends):
         raise ValueError("blends of one pass must share their schedule, selection and deviation "
                          "(group them by BlendRequest.pass_key)")
-    writes = write_rows is not None and attention is not None
     start, clock = time.perf_counter(), StageClock()
     emit, rows = Timed(on_layer, clock, "cache_write_s"), Timed(write_rows, clock, "cache_write_s")
     with torch.inference_mode():
         batch = _Batch(ops, requests, plan.probe)
-        with open_reused(ops, load, plan.load_order(writes), batch.positions, prefetch, clock) as kv:
+        propagation = Propagation.of(batch.starts, [r.knobs for r in requests], batch.exact, batch.forced)
+        # a propagating selective layer corrects every reused row: it needs the layer in hand, so the
+        # probe does not write it ahead and the layer is written whole
+        writes = write_rows is not None and attention is not None and propagation is None
+        with open_reused(ops, load, plan.load_order(writes), batch.positions, prefetch, clock,
+                         keep_pre=propagation is not None) as kv:
             pairs = _PairCount(attention or _reference_attention(ops, batch), batch, clock, "selective_layers_s")
             attend = Timed(pairs, clock,
                            {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
             p = _Pass(ops, blends, batch, kv, emit, rows, attend, clock, writes,
-                      question=_QuestionProbe(ops, batch, first.selection.question_heads) if plan.probe else None)
+                      question=_QuestionProbe(ops, batch, first.selection.question_heads) if plan.probe else None,
+                      propagation=propagation)
             reused_v = {}
             if plan.fast_path:
                 # Layer 0's K/V of a token depend on that token alone, so the cached KV moved to the new

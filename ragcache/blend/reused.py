@@ -117,6 +117,14 @@ class StreamedKV:
             RuntimeError: ``layer`` out of the planned order.
             ValueError: ``load_layer`` returned tensors of the wrong shape.
         """
+        return self.get_pre(layer)[1:]
+
+    def get_pre(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_pre, k, v)``: :meth:`get` with the keys before RoPE as loaded, ``[N, Hkv, D]`` each.
+
+        Raises:
+            as :meth:`get`.
+        """
         start = time.perf_counter()
         if self._pool is None:
             if not self._layers or self._layers.popleft() != layer:
@@ -133,24 +141,32 @@ class StreamedKV:
         start = time.perf_counter()
         k = move_keys(self._ops, layer, k_pre, self._positions)
         self._book("move_keys_s", time.perf_counter() - start)
-        return k, v
+        return k_pre, k, v
 
 
 class StagedKV:
     """Every layer of a :class:`CachedKV`, K moved to the positions in place at construction (booked
     to ``move_keys_s``). ``get`` returns views of it: the same tensors on every call, so the caller
-    must not write into a layer it will read again unchanged."""
+    must not write into a layer it will read again unchanged.
 
-    def __init__(self, ops: DecoderOps, cached: CachedKV, positions: torch.Tensor, clock: StageClock | None = None):
+    With ``keep_pre`` (a blend that reads the keys before RoPE, :meth:`get_pre`) the keys stay as
+    cached and each ``get`` moves its layer into a new tensor (one rotary call per call).
+    """
+
+    def __init__(self, ops: DecoderOps, cached: CachedKV, positions: torch.Tensor, clock: StageClock | None = None,
+                 keep_pre: bool = False):
         shape = (ops.num_layers, positions.shape[0], ops.num_kv_heads, ops.head_dim)
         if tuple(cached.k_pre.shape) != shape or tuple(cached.v.shape) != shape:
             raise ValueError(f"cached KV has k {tuple(cached.k_pre.shape)}, v {tuple(cached.v.shape)}; "
                              f"expected {shape}")
-        start = time.perf_counter()
-        k = move_all_keys_(ops, _same_place(cached.k_pre, ops), positions)
-        if clock is not None:
-            clock.inner("move_keys_s", time.perf_counter() - start)
-        self._k, self._v = k.unbind(0), _same_place(cached.v, ops).unbind(0)
+        self._ops, self._clock, self._positions = ops, clock, positions
+        self._k_pre = _same_place(cached.k_pre, ops).unbind(0) if keep_pre else None
+        self._k: tuple[torch.Tensor, ...] = ()
+        if not keep_pre:
+            start = time.perf_counter()
+            self._k = move_all_keys_(ops, _same_place(cached.k_pre, ops), positions).unbind(0)
+            self._book(time.perf_counter() - start)
+        self._v = _same_place(cached.v, ops).unbind(0)
         self.wait_s = 0.0
 
     def __enter__(self) -> "StagedKV":
@@ -159,15 +175,37 @@ class StagedKV:
     def __exit__(self, *exc) -> None:
         pass
 
+    def _book(self, seconds: float) -> None:
+        if self._clock is not None:
+            self._clock.inner("move_keys_s", seconds)
+
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k [N, Hkv, D] moved, v [N, Hkv, D])`` of ``layer`` (views of the cached KV)."""
-        return self._k[layer], self._v[layer]
+        """``(k [N, Hkv, D] moved, v [N, Hkv, D])`` of ``layer`` (views of the cached KV; with
+        ``keep_pre`` K is a new tensor)."""
+        if self._k_pre is None:
+            return self._k[layer], self._v[layer]
+        return self.get_pre(layer)[1:]
+
+    def get_pre(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_pre, k, v)``, ``[N, Hkv, D]`` each: :meth:`get` with the keys before RoPE (a view of
+        the cached KV: do not write into it).
+
+        Raises:
+            RuntimeError: the source was made without ``keep_pre``.
+        """
+        if self._k_pre is None:
+            raise RuntimeError("StagedKV.get_pre needs keep_pre=True (the keys were moved in place)")
+        start = time.perf_counter()
+        k = move_keys(self._ops, layer, self._k_pre[layer], self._positions)
+        self._book(time.perf_counter() - start)
+        return self._k_pre[layer], k, self._v[layer]
 
 
 def open_reused(ops: DecoderOps, load: LoadLayer | CachedKV, layers: Iterable[int], positions: torch.Tensor,
-                prefetch: bool, clock: StageClock | None = None) -> StreamedKV | StagedKV:
+                prefetch: bool, clock: StageClock | None = None, keep_pre: bool = False) -> StreamedKV | StagedKV:
     """The source of the reused KV: staged for a :class:`CachedKV`, else streamed over ``layers``
-    (the order the caller will ask for them) with ``prefetch``."""
+    (the order the caller will ask for them) with ``prefetch``. With ``keep_pre`` its ``get_pre``
+    also gives the keys before RoPE (a streamed source always can)."""
     if isinstance(load, CachedKV):
-        return StagedKV(ops, load, positions, clock)
+        return StagedKV(ops, load, positions, clock, keep_pre)
     return StreamedKV(ops, load, layers, positions, prefetch, clock)
