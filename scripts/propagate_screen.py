@@ -65,7 +65,7 @@ def main() -> int:
     now = {"ak": 0.0, "av": 0.0, "tau": 1.0, "moved": None}
     selective_layer = forward._selective_layer
 
-    def propagated(p, layer, sel, reused, last, observe):
+    def propagated(p, layer, sel, reused, last, observe, reused_k_pre=None):
         if reused is not None and (now["ak"] or now["av"]) and sel.rows.numel() > 0 and layer >= args.from_layer:
             k_all, v_all = reused  # [N, Hkv, D] each, K post-RoPE at the new positions
             _, k, v = forward._qkv_rope(p.ops, layer, sel.hidden, sel.positions)
@@ -87,7 +87,7 @@ def main() -> int:
             if now["ak"]:
                 k_new = k_pre[left] + now["ak"] * (w @ dk.transpose(0, 1)).transpose(0, 1)
                 k_all[left] = ops.rope(layer, positions[left], None, k_new)[1]
-        return selective_layer(p, layer, sel, reused, last, observe)
+        return selective_layer(p, layer, sel, reused, last, observe, reused_k_pre)
 
     forward._selective_layer = propagated
 

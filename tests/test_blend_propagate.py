@@ -93,6 +93,28 @@ def test_propagation_corrects_only_rows_left_reused_and_only_from_their_own_requ
     assert prop.corrected == int(expected_changed.sum())
 
 
+def test_chunk_scope_takes_corrections_only_from_the_tokens_own_chunk():
+    g = torch.Generator().manual_seed(2)
+    s, h, d = 20, 2, 8
+    knobs = [BlendSettings(propagate=0.5, propagate_scope="chunk")]
+    exact = torch.zeros(s, dtype=torch.bool)
+    exact[:4] = True  # the head segment
+    prop = Propagation.of([0, s], knobs, exact, None, [[0, 4, 11]])
+    rows = torch.tensor([5, 6, 12])  # two in the chunk at 4, one in the chunk at 11
+    k_pre, k, v = (torch.randn(s, h, d, generator=g) for _ in range(3))
+    fresh_k, fresh_v = torch.randn(3, h, d, generator=g), torch.randn(3, h, d, generator=g)
+    k2, v2 = k.clone(), v.clone()
+    prop.apply_(rows, fresh_k, fresh_v, k_pre, k2, v2, torch.arange(s), lambda x, pos: x)
+    for (lo, hi), src_at in (((4, 11), [0, 1]), ((11, 20), [2])):
+        to = torch.tensor([i for i in range(lo, hi) if i not in rows.tolist()])
+        src = rows[src_at]
+        ck, cv = spread_corrections(k_pre[to], k_pre[src], fresh_k[src_at] - k_pre[src], fresh_v[src_at] - v[src],
+                                    0.5, 0.05)
+        torch.testing.assert_close(k2[to], k[to] + ck)
+        torch.testing.assert_close(v2[to], v[to] + cv)
+    assert torch.equal(k2[:4], k[:4]) and prop.corrected == 5 + 8
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model = tiny_llama()

@@ -895,7 +895,8 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
     emit, rows = Timed(on_layer, clock, "cache_write_s"), Timed(write_rows, clock, "cache_write_s")
     with torch.inference_mode():
         batch = _Batch(ops, requests, plan.probe)
-        propagation = Propagation.of(batch.starts, [r.knobs for r in requests], batch.exact, batch.forced)
+        propagation = Propagation.of(batch.starts, [r.knobs for r in requests], batch.exact, batch.forced,
+                                     batch.segment_starts)
         # a propagating selective layer corrects every reused row: it needs the layer in hand, so the
         # probe does not write it ahead and the layer is written whole
         writes = write_rows is not None and attention is not None and propagation is None

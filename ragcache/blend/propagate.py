@@ -9,7 +9,10 @@ tokens it recomputes: their fresh K (before RoPE) and V minus their reused K/V. 
 look alike in a layer read alike from the context they missed, so each token left reused gets
 ``alpha`` times the mean of the recomputed tokens' corrections, weighted by
 ``softmax(cos(its reused pre-RoPE key, theirs) / tau)`` per KV head, before the recomputed queries
-attend over the layer (and before the layer's KV is written for decode). ragcache's own method:
+attend over the layer (and before the layer's KV is written for decode). With the chunk scope a
+token takes corrections only from the recomputed tokens of its own chunk (they missed the same
+chunks before them), and the weights are computed chunk by chunk: the cost falls from
+``reused x recomputed`` key pairs per layer to the sum of each chunk's. ragcache's own method:
 CacheBlend (Yao et al., EuroSys'25, §4.2) corrects only the recomputed tokens and leaves the rest
 as cached; the screen that chose ``alpha = 0.5, tau = 0.05`` and the trade it measures are in
 docs/fidelity.md ("Propagating the recomputed tokens' corrections").
@@ -78,20 +81,28 @@ class Propagation:
         shares: each request's ``alpha`` (0: that request's rows are left as the blend makes them).
         temperatures: each request's ``tau``.
         fixed: ``[S]`` bool, rows whose KV is exact or forced (they neither give nor take), or None.
+        segments: per request, None (corrections flow within the whole request) or its chunks'
+            first rows, ascending from 0 (within each chunk only).
     """
 
     def __init__(self, starts: Sequence[int], shares: Sequence[float], temperatures: Sequence[float],
-                 fixed: torch.Tensor | None) -> None:
-        self.spans = [(lo, hi, a, t) for lo, hi, a, t in zip(starts[:-1], starts[1:], shares, temperatures) if a > 0]
+                 fixed: torch.Tensor | None, segments: Sequence[Sequence[int] | None] | None = None) -> None:
+        self.spans = []
+        for r, (lo, hi, a, t) in enumerate(zip(starts[:-1], starts[1:], shares, temperatures)):
+            if a <= 0:
+                continue
+            cuts = [lo] if segments is None or segments[r] is None else [lo + c for c in segments[r]]
+            self.spans += [(x, y, a, t) for x, y in zip(cuts, [*cuts[1:], hi]) if y > x]
         self.fixed = fixed
         self.corrected = 0  # targets corrected, summed over layers
 
     @classmethod
     def of(cls, starts: Sequence[int], knobs: Sequence, exact: torch.Tensor | None,
-           forced: torch.Tensor | None) -> "Propagation | None":
-        """The propagation of a pass whose requests carry ``knobs`` (``propagate`` and
-        ``propagate_temperature`` of :class:`ragcache.config.BlendSettings`), or None when none of
-        them propagates."""
+           forced: torch.Tensor | None, segment_starts: Sequence[Sequence[int]] | None = None) -> "Propagation | None":
+        """The propagation of a pass whose requests carry ``knobs`` (``propagate``,
+        ``propagate_temperature`` and ``propagate_scope`` of :class:`ragcache.config.BlendSettings`),
+        or None when none of them propagates. ``segment_starts``: each request's chunk starts
+        (for ``propagate_scope = "chunk"``)."""
         shares = [float(getattr(k, "propagate", 0.0)) for k in knobs]
         if not any(a > 0 for a in shares):
             return None
@@ -99,7 +110,9 @@ class Propagation:
         for mask in (exact, forced):
             if mask is not None:
                 fixed = mask.clone() if fixed is None else fixed | mask
-        return cls(starts, shares, [float(getattr(k, "propagate_temperature", 0.05)) for k in knobs], fixed)
+        segments = [list(seg) if segment_starts is not None and getattr(k, "propagate_scope", "context") == "chunk"
+                    else None for k, seg in zip(knobs, segment_starts or [None] * len(knobs))]
+        return cls(starts, shares, [float(getattr(k, "propagate_temperature", 0.05)) for k in knobs], fixed, segments)
 
     def apply_(self, rows: torch.Tensor, fresh_k_pre: torch.Tensor, fresh_v: torch.Tensor, reused_k_pre: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
