@@ -206,9 +206,10 @@ class BlendSettings(_Section):
     propagate_temperature: float = Field(
         0.05, gt=0.0, le=1.0, description="propagate: the softmax temperature over key cosines (smaller: each reused "
         "token takes the corrections of its most alike recomputed tokens only)")
-    propagate_scope: Literal["context", "chunk"] = Field(
-        "context", description="propagate: which recomputed tokens a reused token takes corrections from: any in its "
-        "request's context, or only those of its own chunk (cheaper: the weights are per chunk)")
+    propagate_scope: Literal["chunk", "context"] = Field(
+        "chunk", description="propagate: which recomputed tokens a reused token takes corrections from: only those of "
+        "its own chunk (the weights are computed chunk by chunk), or any in its request's context (as faithful in "
+        "docs/fidelity.md, three times the cost there)")
     pipeline_overlap: bool | Literal["auto"] = Field(
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "

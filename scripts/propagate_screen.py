@@ -8,9 +8,11 @@ mean of them weighted by ``softmax(cos(its reused pre-RoPE key, theirs) / tau)``
 the selected rows attend over the layer (``--from-layer``: only from that layer on; ``--top``: only each
 token's most similar recomputed tokens weighed). The rationale: a reused token's KV is off because its
 attention missed the chunks before it, and tokens whose keys look alike in the same layer are moved
-alike by that context. Not a ragcache setting (a scratch measurement for choosing what to build,
-on the reference of ``ragcache bench diverge``: vLLM's kernels round differently); it wraps
-``ragcache.blend.forward._selective_layer`` for the run.
+alike by that context. A scratch measurement for choosing what to build, on the reference of
+``ragcache bench diverge`` (vLLM's kernels round differently); it wraps
+``ragcache.blend.forward._selective_layer`` for the run. The form chosen ships as the
+``blend.propagate`` settings (:mod:`ragcache.blend.propagate`): ``RAGCACHE_BLEND__PROPAGATE=0.5`` with
+``--variants 0:0:1`` runs the blend as the engine would, propagation included.
 
 Prints, per variant, the answers equal to full prefill's, the median first-token KL(full || variant)
 and the mean relative K/V error of the tokens left reused against full prefill's; writes every row

@@ -139,6 +139,27 @@ def test_recompute_depth_reaches_the_worker_and_leaves_ratio_one_exact(engine, f
         engine.settings.blend = base
 
 
+@pytest.mark.parametrize("scope", ["chunk", "context"])
+def test_propagation_reaches_the_worker_moves_the_answer_distribution_and_leaves_ratio_one_exact(engine, fact_chunks,
+                                                                                                 scope):
+    """In the worker the probe then writes no layer ahead (every reused row may be corrected): the
+    same selection, another first-token distribution, and ratio 1 still vLLM's own prefill."""
+    prompt = engine.prompts.build("Who founded Velmora and when?", fact_chunks)
+    base = engine.settings.blend
+    ask = QueryOptions(mode="blend", recompute_ratio=0.3, max_tokens=1)
+    try:
+        plain = engine.generate(prompt, ask, logprobs=-1)
+        engine.settings.blend = base.model_copy(update={"propagate": 0.5, "propagate_scope": scope})
+        spread = engine.generate(prompt, ask, logprobs=-1)
+        assert spread.metrics.recomputed_tokens == plain.metrics.recomputed_tokens > 0
+        assert kl(plain.first_token_logprobs, spread.first_token_logprobs) > 1e-6
+        full = engine.generate(prompt, QueryOptions(mode="full", max_tokens=12))
+        one = engine.generate(prompt, QueryOptions(mode="blend", recompute_ratio=1.0, max_tokens=12))
+        assert one.token_ids == full.token_ids
+    finally:
+        engine.settings.blend = base
+
+
 def test_scoring_the_same_continuation_twice_in_prefix_mode_reads_no_cached_block(engine, fact_chunks):
     # The first scoring request leaves full blocks of prompt + continuation in vLLM's prefix cache; a
     # second one over the same tokens must not read them (they cover the positions it scores).

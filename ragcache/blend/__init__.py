@@ -1,8 +1,9 @@
 """Engine-agnostic CacheBlend math on torch tensors (Yao et al., EuroSys'25).
 
 Owns: moving pre-RoPE chunk K to new positions, exact causal attention by absolute position,
-HKVD token selection, and the layer-wise forwards (chunk KV precompute, blend, reuse) over a
-model's own per-layer callables (``DecoderOps``).
+HKVD token selection, the recomputed tokens' corrections spread to the reused ones
+(:mod:`ragcache.blend.propagate`), and the layer-wise forwards (chunk KV precompute, blend, reuse)
+over a model's own per-layer callables (``DecoderOps``).
 Must not import vLLM or transformers, nor anything above it in ragcache: an engine adapter
 implements ``DecoderOps`` and hands tensors and callables in.
 """
@@ -15,6 +16,7 @@ from ragcache.blend.forward import (
     lead_in_kv, reuse_kv,
 )
 from ragcache.blend.plan import BlendPlan, plan_blend, recompute_layers
+from ragcache.blend.propagate import Propagation, spread_corrections
 from ragcache.blend.reused import CachedKV, LoadLayer
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
@@ -75,5 +77,7 @@ __all__ = [
     "hkvd_budget",
     "move_keys",
     "reuse_kv",
+    "Propagation",
+    "spread_corrections",
     "select_hkvd",
 ]

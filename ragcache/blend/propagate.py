@@ -136,14 +136,18 @@ class Propagation:
         giving = chosen if self.fixed is None else chosen & ~self.fixed
         taking = ~chosen if self.fixed is None else ~(chosen | self.fixed)
         given = giving[rows]  # [n]: which recomputed rows give
-        for lo, hi, alpha, tau in self.spans:
-            span = (rows >= lo) & (rows < hi) & given
-            to = taking[lo:hi].nonzero().flatten() + lo
-            if not bool(span.any()) or to.numel() == 0:
-                continue
-            src = rows[span]
-            ck, cv = spread_corrections(reused_k_pre[to], reused_k_pre[src], fresh_k_pre[span] - reused_k_pre[src],
-                                        fresh_v[span] - v[src], alpha, tau)
-            k[to] += rotate(ck, positions[to])
-            v[to] += cv
-            self.corrected += int(to.numel())
+        src, to = rows[given], taking.nonzero().flatten()  # ascending rows
+        edges = torch.tensor([x for lo, hi, _, _ in self.spans for x in (lo, hi)], device=device)
+        cuts = torch.stack([torch.searchsorted(src, edges), torch.searchsorted(to, edges)]).tolist()  # one sync
+        keys_from, keys_to = reused_k_pre[src], reused_k_pre[to]
+        dk, dv = fresh_k_pre[given] - keys_from, fresh_v[given] - v[src]
+        ck, cv = torch.zeros_like(keys_to), torch.zeros_like(keys_to)
+        for i, (_, _, alpha, tau) in enumerate(self.spans):
+            s0, s1, t0, t1 = cuts[0][2 * i], cuts[0][2 * i + 1], cuts[1][2 * i], cuts[1][2 * i + 1]
+            if s1 > s0 and t1 > t0:  # a span with no recomputed row gives nothing
+                ck[t0:t1], cv[t0:t1] = spread_corrections(keys_to[t0:t1], keys_from[s0:s1], dk[s0:s1], dv[s0:s1],
+                                                          alpha, tau)
+                self.corrected += t1 - t0
+        if to.numel() > 0:
+            k.index_add_(0, to, rotate(ck, positions[to]))
+            v.index_add_(0, to, cv)
