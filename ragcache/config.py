@@ -331,7 +331,7 @@ class BlendSettings(_Section):
         if self.adapts(selection):
             names += ["max_recompute_ratio", "max_recompute_tokens"]
         if self.propagate > 0:  # off, it changes nothing a calibration measured
-            names += ["propagate", "propagate_temperature"]
+            names += ["propagate", "propagate_temperature", "propagate_scope"]
         values = {f"blend.{name}": getattr(self, name) for name in names}
         values["blend.check_layer"] = self.check_layer_for(selection)
         return values

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, cached_context, context_layout, hotpotqa_examples, smollm2
-from hf_ops import tiny_context as hf_tiny_context
-from hf_ops import tiny_llama
+from test_blend_forward import tiny, tiny_context  # noqa: F401 (fixtures)
 from test_blend_forward import assert_full_prefill, full_kv, run_blend
 from test_blend_quality import hotpot_prompt
 
@@ -115,17 +114,6 @@ def test_chunk_scope_takes_corrections_only_from_the_tokens_own_chunk():
     assert torch.equal(k2[:4], k[:4]) and prop.corrected == 5 + 8
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    model = tiny_llama()
-    return model, HFLlamaOps(model)
-
-
-@pytest.fixture(scope="module")
-def tiny_context(tiny):
-    return hf_tiny_context(tiny[1])
-
-
 @pytest.mark.parametrize("selection,check_layer", [("deviation", 1), ("question", 0)])
 def test_ratio_one_with_propagation_is_full_prefill(tiny, tiny_context, selection, check_layer):
     _, ops = tiny
@@ -193,6 +181,7 @@ def test_propagation_is_a_setting_a_calibration_records_only_when_on():
     assert "blend.propagate" not in BlendSettings().calibrated_settings()
     on = BlendSettings(propagate=0.5, propagate_temperature=0.1).calibrated_settings()
     assert on["blend.propagate"] == 0.5 and on["blend.propagate_temperature"] == 0.1
+    assert on["blend.propagate_scope"] == "chunk"
     for bad in ({"propagate": 1.5}, {"propagate": -0.1}, {"propagate_temperature": 0.0}):
         with pytest.raises(ValueError):
             BlendSettings(**bad)

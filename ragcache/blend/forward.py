@@ -768,7 +768,7 @@ def _selective_layer(p: _Pass, layer: int, sel: _Rows, reused: tuple[torch.Tenso
     if observe is not None:
         observe(layer, sel.rows, v)
     k_all, v_all = reused if reused is not None else (None, None)
-    if reused_k_pre is not None and reused is not None:
+    if reused_k_pre is not None:  # given with the layer's reused KV in hand
         t0 = time.perf_counter()
         p.propagation.apply_(sel.rows, k_pre, v, reused_k_pre, k_all, v_all, p.batch.positions,
                              lambda x, positions: ops.rope(layer, positions, None, x)[1])
@@ -808,11 +808,9 @@ def _selective_layers(p: _Pass, sel: _Rows) -> torch.Tensor:
         # no row needs an output after the model's last layer, nor after the last layer every row stops at
         last = layer == num_layers - 1 or not (forced or any(q.depth_end > layer + 1 for q in plans))
         reused = k_pre = None
-        if layer in written:
-            pass
-        elif p.propagation is not None:
+        if layer not in written and p.propagation is not None:
             k_pre, *reused = p.kv.get_pre(layer)  # [S, Hkv, D] each (K and V ours to modify)
-        else:
+        elif layer not in written:
             reused = p.kv.get(layer)  # [S, Hkv, D] each (ours to modify)
             if refine is not None and 1 <= layer <= refine.at:
                 refine.reused_v[layer] = reused[1]  # read before the selective layer writes its rows

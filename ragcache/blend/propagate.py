@@ -110,7 +110,7 @@ class Propagation:
         for mask in (exact, forced):
             if mask is not None:
                 fixed = mask.clone() if fixed is None else fixed | mask
-        segments = [list(seg) if segment_starts is not None and getattr(k, "propagate_scope", "context") == "chunk"
+        segments = [list(seg) if segment_starts is not None and getattr(k, "propagate_scope", "chunk") == "chunk"
                     else None for k, seg in zip(knobs, segment_starts or [None] * len(knobs))]
         return cls(starts, shares, [float(getattr(k, "propagate_temperature", 0.05)) for k in knobs], fixed, segments)
 
