@@ -93,8 +93,23 @@ class Propagation:
                 continue
             cuts = [lo] if segments is None or segments[r] is None else [lo + c for c in segments[r]]
             self.spans += [(x, y, a, t) for x, y in zip(cuts, [*cuts[1:], hi]) if y > x]
+        self.rows = starts[-1]
         self.fixed = fixed
         self.corrected = 0  # targets corrected, summed over layers
+        self._per_pass: tuple[torch.Tensor, torch.Tensor] | None = None  # built on the first layer's device
+
+    def _prepare(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(eligible [S] bool: rows inside a span (a propagating request's) and neither exact nor
+        forced, edges [2 * spans] int64: each span's first row and end)``, once per pass."""
+        if self._per_pass is None:
+            inside = [False] * self.rows
+            for lo, hi, _, _ in self.spans:
+                inside[lo:hi] = [True] * (hi - lo)
+            eligible = torch.tensor(inside, dtype=torch.bool, device=device)
+            if self.fixed is not None:
+                eligible &= ~self.fixed.to(device)
+            self._per_pass = eligible, torch.tensor([x for lo, hi, _, _ in self.spans for x in (lo, hi)], device=device)
+        return self._per_pass
 
     @classmethod
     def of(cls, starts: Sequence[int], knobs: Sequence, exact: torch.Tensor | None,
@@ -131,13 +146,11 @@ class Propagation:
         The recomputed rows themselves are left for the caller to overwrite with their fresh KV.
         """
         device = k.device
+        eligible, edges = self._prepare(device)  # the rows of non-propagating requests neither give nor take
         chosen = torch.zeros(k.shape[0], dtype=torch.bool, device=device)
         chosen[rows] = True
-        giving = chosen if self.fixed is None else chosen & ~self.fixed
-        taking = ~chosen if self.fixed is None else ~(chosen | self.fixed)
-        given = giving[rows]  # [n]: which recomputed rows give
-        src, to = rows[given], taking.nonzero().flatten()  # ascending rows
-        edges = torch.tensor([x for lo, hi, _, _ in self.spans for x in (lo, hi)], device=device)
+        given = (chosen & eligible)[rows]  # [n]: which recomputed rows give
+        src, to = rows[given], (eligible & ~chosen).nonzero().flatten()  # ascending rows
         cuts = torch.stack([torch.searchsorted(src, edges), torch.searchsorted(to, edges)]).tolist()  # one sync
         keys_from, keys_to = reused_k_pre[src], reused_k_pre[to]
         dk, dv = fresh_k_pre[given] - keys_from, fresh_v[given] - v[src]
