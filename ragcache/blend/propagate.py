@@ -93,7 +93,7 @@ class Propagation:
                 continue
             cuts = [lo] if segments is None or segments[r] is None else [lo + c for c in segments[r]]
             self.spans += [(x, y, a, t) for x, y in zip(cuts, [*cuts[1:], hi]) if y > x]
-        self.rows = starts[-1]
+        self.num_rows = starts[-1]
         self.fixed = fixed
         self.corrected = 0  # targets corrected, summed over layers
         self._per_pass: tuple[torch.Tensor, torch.Tensor] | None = None  # built on the first layer's device
@@ -102,7 +102,7 @@ class Propagation:
         """``(eligible [S] bool: rows inside a span (a propagating request's) and neither exact nor
         forced, edges [2 * spans] int64: each span's first row and end)``, once per pass."""
         if self._per_pass is None:
-            inside = [False] * self.rows
+            inside = [False] * self.num_rows
             for lo, hi, _, _ in self.spans:
                 inside[lo:hi] = [True] * (hi - lo)
             eligible = torch.tensor(inside, dtype=torch.bool, device=device)
