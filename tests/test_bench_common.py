@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -123,3 +124,26 @@ def test_the_route_table_compares_auto_with_full_and_blend_per_length_class_and_
     targets = auto_targets(table)
     assert targets["auto_vs_full_median"]["met"] and targets["auto_vs_blend_long"]["met"]
     assert targets["auto_route_cost"]["met"]
+
+
+def test_a_results_command_names_the_settings_the_environment_overrides(monkeypatch):
+    """The stamp's ``command`` reruns the measurement: the ``RAGCACHE_<SECTION>__<NAME>`` settings set in
+    the environment come before it (quoted), other variables do not; the engine record names the budget."""
+    from types import SimpleNamespace
+
+    from ragcache.bench.environment import command_line, engine_info
+    from ragcache.config import Settings
+
+    for k in [k for k in os.environ if k.startswith("RAGCACHE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setattr("sys.argv", ["ragcache", "bench", "ttft", "--n", "3"])
+    assert command_line() == "ragcache bench ttft --n 3"
+    monkeypatch.setenv("RAGCACHE_BLEND__BUDGET", "fixed")
+    monkeypatch.setenv("RAGCACHE_BLEND__PROPAGATE", "0.5")
+    monkeypatch.setenv("RAGCACHE_PROMPT__SYSTEM_PROMPT", "be brief")
+    monkeypatch.setenv("RAGCACHE_DATA_DIR", "/data")  # where data lives, not a setting
+    assert command_line() == ("RAGCACHE_BLEND__BUDGET=fixed RAGCACHE_BLEND__PROPAGATE=0.5 "
+                              "RAGCACHE_PROMPT__SYSTEM_PROMPT='be brief' ragcache bench ttft --n 3")
+    info = engine_info(SimpleNamespace(settings=Settings()))
+    assert (info["budget"], info["propagate"]) == ("fixed", 0.5)
+    assert {"mass_left", "max_recompute_ratio", "max_recompute_tokens"} <= info.keys()

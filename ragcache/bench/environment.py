@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -82,6 +83,8 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "recompute_ratio": s.blend.recompute_ratio, "check_layer": s.blend.check_layer,
         "check_layer_resolved": s.blend.resolved_check_layer,
         "min_recompute_tokens": s.blend.min_recompute_tokens, "recompute_depth": s.blend.recompute_depth,
+        "budget": s.blend.budget, "mass_left": s.blend.mass_left, "max_recompute_ratio": s.blend.max_recompute_ratio,
+        "max_recompute_tokens": s.blend.max_recompute_tokens,
         "granule": s.blend.granule, "candidates": s.blend.candidates,
         "refine_layer": s.blend.refine_layer, "propagate": s.blend.propagate,
         "propagate_temperature": s.blend.propagate_temperature, "propagate_scope": s.blend.propagate_scope,
@@ -101,8 +104,13 @@ def utc_now() -> str:
 
 
 def command_line() -> str:
-    """The ``ragcache ...`` command that is running (for the result's ``command``)."""
-    return "ragcache " + " ".join(sys.argv[1:])
+    """The ``ragcache ...`` command that is running (for the result's ``command``), after the settings
+    it overrides through the environment (``RAGCACHE_BLEND__BUDGET=fixed ragcache ...``: the
+    ``RAGCACHE_<SECTION>__<NAME>`` variables of :class:`ragcache.config.Settings`), so the command
+    reruns the measurement."""
+    overrides = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+                 if k.startswith("RAGCACHE_") and "__" in k]
+    return " ".join([*overrides, "ragcache", *sys.argv[1:]])
 
 
 def stamp(result: dict[str, Any], *, command: str, engine: "BlendEngine | None" = None,
