@@ -128,7 +128,8 @@ def test_the_route_table_compares_auto_with_full_and_blend_per_length_class_and_
 
 def test_a_results_command_names_the_settings_the_environment_overrides(monkeypatch):
     """The stamp's ``command`` reruns the measurement: the ``RAGCACHE_<SECTION>__<NAME>`` settings set in
-    the environment come before it (quoted), other variables do not; the engine record names the budget."""
+    the environment come before it (quoted), other variables do not, secrets are masked; the engine
+    record names the budget."""
     from types import SimpleNamespace
 
     from ragcache.bench.environment import command_line, engine_info
@@ -144,6 +145,14 @@ def test_a_results_command_names_the_settings_the_environment_overrides(monkeypa
     monkeypatch.setenv("RAGCACHE_DATA_DIR", "/data")  # where data lives, not a setting
     assert command_line() == ("RAGCACHE_BLEND__BUDGET=fixed RAGCACHE_BLEND__PROPAGATE=0.5 "
                               "RAGCACHE_PROMPT__SYSTEM_PROMPT='be brief' ragcache bench ttft --n 3")
+    monkeypatch.setenv("RAGCACHE_SERVER__API_KEY", "s3cret")
+    monkeypatch.setenv("RAGCACHE_STORE__REMOTE_URL", "redis://:pw@10.0.0.1:7000,redis://:pw@10.0.0.2:7000")
+    shown = command_line()
+    assert "s3cret" not in shown and ":pw@" not in shown
+    assert "RAGCACHE_SERVER__API_KEY='***'" in shown
+    assert "RAGCACHE_STORE__REMOTE_URL='redis://:***@10.0.0.1:7000,redis://:***@10.0.0.2:7000'" in shown
+    monkeypatch.delenv("RAGCACHE_SERVER__API_KEY")
+    monkeypatch.delenv("RAGCACHE_STORE__REMOTE_URL")
     info = engine_info(SimpleNamespace(settings=Settings()))
     assert (info["budget"], info["propagate"]) == ("fixed", 0.5)
     assert {"mass_left", "max_recompute_ratio", "max_recompute_tokens"} <= info.keys()

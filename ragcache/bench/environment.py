@@ -107,8 +107,16 @@ def command_line() -> str:
     """The ``ragcache ...`` command that is running (for the result's ``command``), after the settings
     it overrides through the environment (``RAGCACHE_BLEND__BUDGET=fixed ragcache ...``: the
     ``RAGCACHE_<SECTION>__<NAME>`` variables of :class:`ragcache.config.Settings`), so the command
-    reruns the measurement."""
-    overrides = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+    reruns the measurement. Secrets stay out: an API key's value reads ``***``, and so does the
+    password of a URL (``redis://:***@host:6379/0``)."""
+    from ragcache.index.pg_index import redact
+
+    def shown(name: str, value: str) -> str:
+        if name.endswith("API_KEY"):
+            return "***"
+        return ",".join(redact(part) for part in value.split(",")) if "://" in value else value
+
+    overrides = [f"{k}={shlex.quote(shown(k, v))}" for k, v in sorted(os.environ.items())
                  if k.startswith("RAGCACHE_") and "__" in k]
     return " ".join([*overrides, "ragcache", *sys.argv[1:]])
 
