@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ragcache.config import Settings
+from ragcache.util.urls import redact
 
 if TYPE_CHECKING:
     from ragcache.engine import BlendEngine
@@ -109,8 +110,6 @@ def command_line() -> str:
     ``RAGCACHE_<SECTION>__<NAME>`` variables of :class:`ragcache.config.Settings`), so the command
     reruns the measurement. Secrets stay out: an API key's value reads ``***``, and so does the
     password of a URL (``redis://:***@host:6379/0``)."""
-    from ragcache.index.pg_index import redact
-
     def shown(name: str, value: str) -> str:
         if name.endswith("API_KEY"):
             return "***"

@@ -139,7 +139,7 @@ class PgCatalog:
         return idx.manifest, list(idx.chunks())
 
     def describe(self, index: str | os.PathLike[str]) -> str:
-        from ragcache.index.pg_index import redact
+        from ragcache.util.urls import redact
 
         return f"pgvector index {self.name(index)!r} in {redact(self.db.url)}"
 

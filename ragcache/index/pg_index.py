@@ -38,7 +38,6 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 from ragcache.chunks import Chunk
 from ragcache.index.manifest import (
@@ -50,6 +49,7 @@ from ragcache.index.manifest import (
     Manifest,
 )
 from ragcache.index.nodes import META_CHUNK_ID, META_DOC_ID, META_POSITION, META_SOURCE, META_TITLE, META_TOKEN_IDS
+from ragcache.util.urls import redact
 
 if TYPE_CHECKING:
     import psycopg
@@ -72,15 +72,6 @@ _COPY_COLUMNS = ("node_id", "doc_id", "title", "position", "chunk_id", "token_id
 
 class PgUnavailableError(RuntimeError):
     """PostgreSQL at ``ingest.pg_url`` cannot be reached, or lacks pgvector; the message names the fix."""
-
-
-def redact(url: str) -> str:
-    """``url`` without its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def check_name(name: str) -> str:

@@ -1,0 +1,15 @@
+"""A service URL made safe to print: :func:`redact`. Imports nothing from the rest of ragcache."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (for messages, logs and recorded commands):
+    ``postgresql://u:pw@h/db`` -> ``postgresql://u:***@h/db``; a URL without one is returned as is."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
