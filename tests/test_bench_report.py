@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ragcache.bench.report import SECTION, markdown_table, regenerate, render, section, stale_sections, write_result
+from ragcache.bench.report import (SECTION, markdown_table, overridden_settings, regenerate, render, section,
+                                   stale_sections, summary_table, write_result)
 from ragcache.bench.ttft import ttft_targets
 
 
@@ -190,6 +191,27 @@ def test_a_changed_figure_shows_as_a_stale_section(tmp_path):
     assert stale_sections(fresh, tmp_path) == ["bench/r.json"]
     with pytest.raises(ValueError, match="tables 1-1"):
         section("bench/r.json tables=2", tmp_path)
+
+
+def test_a_summary_row_names_the_settings_its_run_overrode():
+    def run(command):
+        modes = {"full": _summary("full", "full", None, 10.0, 1.0, 0.0, 2.0, 0.0),
+                 "blend": _summary("blend@0.15", "blend", 0.15, 2.0, 5.0, 0.1, 2.02, 0.01)}
+        for m in modes.values():
+            m.update(agree_rouge_l_mean=1.0, recomputed_frac_mean=0.2)
+        return {"benchmark": "ttft", "command": command, "n": 2, "modes": modes}
+
+    tuned = run("RAGCACHE_BLEND__PROPAGATE=0.5 RAGCACHE_STORE__REMOTE_URL='redis://:***@h:6379' "
+                "ragcache bench ttft --dataset musique --out x.json")
+    assert overridden_settings(tuned) == "blend.propagate=0.5 store.remote_url=redis://:***@h:6379"
+    assert overridden_settings(run("ragcache bench ttft RAGCACHE_BLEND__PROPAGATE=0.5")) is None  # an argument
+    assert overridden_settings(run("RAGCACHE_BLEND__X='unbalanced ragcache")) is None
+    title, h, rows = summary_table([("bench/a.json", tuned), ("bench/b.json", run("ragcache bench ttft"))])
+    col = h.index("settings")
+    assert [r[col] for r in rows] == ["blend.propagate=0.5 store.remote_url=redis://:***@h:6379", None]
+    assert "'settings' the run's overrides" in title
+    title, _, _ = summary_table([("bench/b.json", run("ragcache bench ttft"))])
+    assert "engine record" in title and "'settings'" not in title
 
 
 def test_bench_report_command_checks_and_rewrites_a_document(tmp_path):

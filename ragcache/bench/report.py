@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -419,6 +420,23 @@ def source_line(result: Mapping[str, Any], link: str) -> str:
             + (f", load average {load[0]:g} at the start" if load else "") + ".")
 
 
+def overridden_settings(result: Mapping[str, Any]) -> str | None:
+    """The settings a run's environment overrode, ``section.name=value`` each, space-separated (read
+    from the ``RAGCACHE_<SECTION>__<NAME>=value`` words its ``command`` starts with), or None: the
+    run used the defaults (or its command predates the record)."""
+    try:
+        words = shlex.split(str(result.get("command") or ""))
+    except ValueError:  # an unbalanced quote: no record to read
+        return None
+    found = []
+    for word in words:
+        m = re.fullmatch(r"RAGCACHE_([A-Z0-9_]+?)__([A-Z0-9_]+)=(.*)", word, re.S)
+        if m is None:
+            break
+        found.append(f"{m[1].lower()}.{m[2].lower()}={m[3]}")
+    return " ".join(found) or None
+
+
 def _drop_empty_columns(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> tuple[list[str], list[list[Any]]]:
     """The table without the columns no row has a value in (a run without plain, NLL or stages)."""
     keep = [i for i in range(len(headers)) if i == 0 or any(r[i] is not None for r in rows)]
@@ -426,16 +444,20 @@ def _drop_empty_columns(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -
 
 
 def summary_table(results: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
-    """One row per ttft result ``(link, result)``: TTFT of full prefill, plain vLLM and the default
-    blend, blend's speedup over the faster of the two, and its quality against full prefill."""
-    h = ["run", "dtype", "set", "n", "prompt tokens", "full (s)", "plain vLLM (s)", "blend (s)", "blend vs best",
+    """One row per ttft result ``(link, result)``: TTFT of full prefill, plain vLLM and the blend
+    (as the result's ``engine`` record names it; the ``settings`` column: what the run's environment
+    overrode, :func:`overridden_settings`), blend's speedup over the faster of the two, and its
+    quality against full prefill."""
+    h = ["run", "dtype", "set", "settings", "n", "prompt tokens", "full (s)", "plain vLLM (s)", "blend (s)",
+         "blend vs best",
          "KL blend", "KL blend / reuse", "gold NLL vs full %", "agree EM", "floor agree EM", "agree Rouge-L",
          "recomputed %"]
     rows = []
     for link, r in results:
         md, blend, reuse = r["modes"], r["modes"]["blend"], r["modes"].get("reuse") or {}
         kl_ratio = (blend["kl_mean"] / reuse["kl_mean"]) if reuse.get("kl_mean") else None
-        rows.append([f"[{Path(link).stem}]({link})", (r.get("engine") or {}).get("dtype"), _dataset(r), r["n"],
+        rows.append([f"[{Path(link).stem}]({link})", (r.get("engine") or {}).get("dtype"), _dataset(r),
+                     overridden_settings(r), r["n"],
                      round(md["full"]["prompt_tokens_mean"]) if md["full"].get("prompt_tokens_mean") else None,
                      md["full"]["ttft_median_s"], (md.get("plain") or {}).get("ttft_median_s"), blend["ttft_median_s"],
                      blend.get("speedup_vs_best_median") or blend["speedup_median"], blend.get("kl_mean"), kl_ratio,
@@ -444,8 +466,10 @@ def summary_table(results: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
                      _pct(blend["recomputed_frac_mean"])])
     floor = "; 'floor agree EM': full prefill in the other dtype against full, the noise floor" \
         if any(r[h.index("floor agree EM")] is not None for r in rows) else ""
-    return ("TTFT medians and blend's quality against full prefill, one run per row (the default blend: "
-            f"'vs best' = median per example of min(full, plain vLLM) / blend{floor})", h, rows)
+    blend = "the blend as its JSON's engine record names it" + (
+        ", 'settings' the run's overrides" if any(r[h.index("settings")] is not None for r in rows) else "")
+    return ("TTFT medians and blend's quality against full prefill, one run per row "
+            f"({blend}: 'vs best' = median per example of min(full, plain vLLM) / blend{floor})", h, rows)
 
 
 def section(spec: str, base: Path) -> str:
