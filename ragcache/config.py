@@ -199,7 +199,7 @@ class BlendSettings(_Section):
         "among the candidates, by their V error summed over layers 1 .. refine_layer (deeper sees a stale token's "
         "growing error but sends the extra candidates through that many layers)")
     propagate: Ratio = Field(
-        0.0, description="share of the recomputed tokens' KV corrections (fresh minus reused K and V, per layer) "
+        0.5, description="share of the recomputed tokens' KV corrections (fresh minus reused K and V, per layer) "
         "that the tokens left reused take, weighted by how alike their keys are (softmax of the cosine of the "
         "pre-RoPE keys over propagate_temperature, per KV head); 0 = off: the reused tokens keep their cached KV "
         "(see docs/fidelity.md)")
@@ -210,6 +210,10 @@ class BlendSettings(_Section):
         "chunk", description="propagate: which recomputed tokens a reused token takes corrections from: only those of "
         "its own chunk (the weights are computed chunk by chunk), or any in its request's context (as faithful in "
         "docs/fidelity.md, three times the cost there)")
+    propagate_from_depth: Ratio = Field(
+        0.5, description="propagate: the share of the model's layers, from the first, in which the reused tokens take "
+        "no corrections (0 = every selective layer; 0.5 = the deeper half only, where full prefill's KV restores "
+        "most answers and propagating keeps more of them at a third less cost, docs/fidelity.md)")
     pipeline_overlap: bool | Literal["auto"] = Field(
         "auto", description="load layer i+1 in a background thread while computing layer i; auto = on when the blend "
         "computes on an accelerator or reads a chunk from the remote tier, off for CPU compute over KV in RAM or on "
@@ -330,8 +334,8 @@ class BlendSettings(_Section):
         names = list(strategies.get(selection).reads(self))
         if self.adapts(selection):
             names += ["max_recompute_ratio", "max_recompute_tokens"]
-        if self.propagate > 0:  # off, it changes nothing a calibration measured
-            names += ["propagate", "propagate_temperature", "propagate_scope"]
+        if self.propagate > 0:  # off, the other propagate settings change nothing a calibration measured
+            names += ["propagate", "propagate_temperature", "propagate_scope", "propagate_from_depth"]
         values = {f"blend.{name}": getattr(self, name) for name in names}
         values["blend.check_layer"] = self.check_layer_for(selection)
         return values

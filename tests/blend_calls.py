@@ -18,7 +18,7 @@ REQUEST_FIELDS = ("tail_ids", "segment_starts", "exact", "forced")
 def knobs(*, recompute_ratio: float, check_layer: int, deviation: str, selection: Selection | None = None,
           min_recompute_tokens: int = 0, recompute_depth: float = 1.0,
           budget_rule: BudgetRule | None = None, propagate: float = 0.0,
-          propagate_temperature: float = 0.05) -> BlendKnobs:
+          propagate_temperature: float = 0.05, propagate_from_depth: float = 0.0) -> BlendKnobs:
     """The record of these knobs (the settings' values for the rest); unvalidated, as a test may pass
     a value out of range to see the blend refuse it. ``selection`` default: deviation, CacheBlend's;
     ``budget_rule`` None: the fixed budget; ``propagate`` 0: no correction propagation."""
@@ -27,7 +27,8 @@ def knobs(*, recompute_ratio: float, check_layer: int, deviation: str, selection
     values.update(selection=sel.strategy, probe_layers=-1 if sel.probe_layers is None else sel.probe_layers,
                   recompute_ratio=recompute_ratio, check_layer=check_layer, deviation=deviation,
                   min_recompute_tokens=min_recompute_tokens, recompute_depth=recompute_depth, budget="fixed",
-                  propagate=propagate, propagate_temperature=propagate_temperature)
+                  propagate=propagate, propagate_temperature=propagate_temperature,
+                  propagate_from_depth=propagate_from_depth)
     if budget_rule is not None:
         assert budget_rule.min_share == BudgetRule(mass_left=0.5).min_share, "min_share is no setting"
         values.update(budget="adaptive", mass_left=budget_rule.mass_left, max_recompute_ratio=budget_rule.max_ratio,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, cached_context, context_layout, hotpotqa_examples, smollm2
 from test_blend_forward import tiny, tiny_context  # noqa: F401 (fixtures)
-from test_blend_forward import assert_full_prefill, full_kv, run_blend
+from test_blend_forward import CacheRowsAttention, assert_full_prefill, full_kv, run_blend
 from test_blend_quality import hotpot_prompt
 
 from blend_calls import blend_of
@@ -61,13 +61,14 @@ def test_propagation_corrects_only_rows_left_reused_and_only_from_their_own_requ
     g = torch.Generator().manual_seed(1)
     s, h, d = 30, 2, 8
     starts = [0, 12, 22, 30]  # three requests: the second does not propagate
-    knobs = [BlendSettings(propagate=0.5), BlendSettings(), BlendSettings(propagate=0.8, propagate_temperature=0.2)]
+    knobs = [BlendSettings(propagate=0.5), BlendSettings(propagate=0.0),
+             BlendSettings(propagate=0.8, propagate_temperature=0.2)]
     exact, forced = torch.zeros(s, dtype=torch.bool), torch.zeros(s, dtype=torch.bool)
     exact[:3] = True  # the first request's head sits where it was computed
     forced[25] = True  # no cached KV: recomputed, and its "reused" rows hold anything
     rows = torch.tensor([3, 4, 8, 14, 15, 23, 25, 27])
     prop = Propagation.of(starts, knobs, exact, forced)
-    assert Propagation.of(starts, [BlendSettings()] * 3, exact, forced) is None
+    assert Propagation.of(starts, [BlendSettings(propagate=0.0)] * 3, exact, forced) is None
     k_pre, k, v = (torch.randn(s, h, d, generator=g) for _ in range(3))
     v[25] = 1e6  # a forced row's garbage must not spread
     fresh_k, fresh_v = torch.randn(len(rows), h, d, generator=g), torch.randn(len(rows), h, d, generator=g)
@@ -114,6 +115,26 @@ def test_chunk_scope_takes_corrections_only_from_the_tokens_own_chunk():
     assert torch.equal(k2[:4], k[:4]) and prop.corrected == 5 + 8
 
 
+def test_requests_of_one_pass_propagate_from_their_own_depth():
+    g = torch.Generator().manual_seed(3)
+    s, h, d = 20, 2, 8
+    starts = [0, 10, 20]
+    knobs = [BlendSettings(propagate=0.5, propagate_from_depth=0.0), BlendSettings(propagate=0.5)]  # layer 0, 15 of 30
+    prop = Propagation.of(starts, knobs, None, None, num_layers=30)
+    assert prop.start_layer == 0 and prop.active(0)
+    rows = torch.tensor([2, 5, 12, 16])
+    k_pre, k, v = (torch.randn(s, h, d, generator=g) for _ in range(3))
+    fresh_k, fresh_v = torch.randn(4, h, d, generator=g), torch.randn(4, h, d, generator=g)
+    for layer, moved in ((14, [0]), (15, [0, 1])):
+        k2, v2 = k.clone(), v.clone()
+        prop.apply_(rows, fresh_k, fresh_v, k_pre, k2, v2, torch.arange(s), lambda x, pos: x, layer)
+        changed = (v2 != v).flatten(1).any(1)
+        for r in (0, 1):
+            assert bool(changed[starts[r]:starts[r + 1]].any()) == (r in moved), (layer, r)
+    deep = Propagation.of(starts, [BlendSettings(propagate=0.5)] * 2, None, None, num_layers=30)
+    assert deep.start_layer == 15 and not deep.active(14) and deep.active(15)
+
+
 @pytest.mark.parametrize("selection,check_layer", [("deviation", 1), ("question", 0)])
 def test_ratio_one_with_propagation_is_full_prefill(tiny, tiny_context, selection, check_layer):
     _, ops = tiny
@@ -144,6 +165,56 @@ def test_propagation_leaves_the_selection_and_the_layers_before_it_and_moves_the
         assert not torch.allclose(plain_kv.k[layer][left], spread_kv.k[layer][left])
     # the first selective layer's recomputed rows come from the same hidden states
     torch.testing.assert_close(plain_kv.v[2][selected], spread_kv.v[2][selected], atol=1e-6, rtol=1e-6)
+
+
+def test_propagation_from_a_depth_leaves_the_layers_before_it_as_the_blend_makes_them(tiny, tiny_context):
+    _, ops = tiny  # 4 layers: from depth 0.75 on, only layer 3 propagates
+    starts, exact = context_layout(tiny_context)
+    common = dict(recompute_ratio=0.25, check_layer=1, deviation="value", segment_starts=starts, exact=exact)
+    plain, plain_kv = run_blend(ops, tiny_context, **common)
+    every, every_kv = run_blend(ops, tiny_context, propagate=0.5, **common)
+    deep, deep_kv = run_blend(ops, tiny_context, propagate=0.5, propagate_from_depth=0.75, **common)
+    assert torch.equal(plain.selected, deep.selected)
+    for layer in range(3):
+        assert torch.equal(plain_kv.k[layer], deep_kv.k[layer]) and torch.equal(plain_kv.v[layer], deep_kv.v[layer])
+    left = torch.ones(tiny_context.token_ids.shape[0], dtype=torch.bool)
+    left[plain.selected] = False
+    left &= ~exact
+    assert not torch.allclose(plain_kv.k[3][left], deep_kv.k[3][left])  # layer 3 corrects its reused rows ...
+    assert not torch.allclose(every_kv.k[3][left], deep_kv.k[3][left])  # ... from layer 2's uncorrected stream
+    beyond, beyond_kv = run_blend(ops, tiny_context, propagate=0.5, propagate_from_depth=1.0, **common)
+    for layer in range(ops.num_layers):  # from the full depth on: no layer propagates
+        assert torch.equal(plain_kv.k[layer], beyond_kv.k[layer]) and torch.equal(plain_kv.v[layer], beyond_kv.v[layer])
+    assert beyond.stages.get("propagate_s", 0.0) == 0.0 < deep.stages["propagate_s"]
+
+
+@pytest.mark.parametrize("depth,ahead", [(0.0, []), (0.5, [0, 1]), (1.0, [0, 1, 2, 3])])
+def test_with_an_engine_cache_the_probe_writes_ahead_only_the_layers_before_the_propagation(tiny, tiny_context, depth,
+                                                                                             ahead):
+    # the engine path (its attention reads its own cache): a probed layer before the first propagating
+    # one is written whole by the probe and then only its recomputed rows; from that layer on the
+    # selective pass loads the layer again, corrects it and writes it whole. Same KV as without a cache.
+    _, ops = tiny
+    starts, exact = context_layout(tiny_context)
+    ids, positions = tiny_context.token_ids, tiny_context.positions
+    kwargs = dict(recompute_ratio=0.2, check_layer=0, deviation="value", selection=Selection("question", granule=4),
+                  tail_ids=TINY_TAIL, segment_starts=starts, exact=exact, propagate=0.5, propagate_from_depth=depth)
+    reference, reference_kv = run_blend(ops, tiny_context, **kwargs)
+    calls = []
+
+    def load_layer(layer):
+        calls.append(layer)
+        return tiny_context.load_layer(layer)
+
+    engine = CacheRowsAttention(ops, positions)
+    result = blend_of(ops, ids, positions, load_layer, on_layer=engine.cache, attention=engine.attention,
+                      write_rows=engine.write_rows, prefetch=False, **kwargs)
+    assert engine.rows_written == ahead
+    assert calls == [*range(ops.num_layers), *(layer for layer in range(ops.num_layers) if layer not in ahead)]
+    assert torch.equal(result.selected, reference.selected)
+    for layer in range(ops.num_layers):
+        torch.testing.assert_close(engine.cache.k[layer], reference_kv.k[layer], rtol=0, atol=1e-6)
+        torch.testing.assert_close(engine.cache.v[layer], reference_kv.v[layer], rtol=0, atol=1e-6)
 
 
 def relative_error(got, expected, rows):
@@ -177,11 +248,12 @@ def test_propagation_brings_the_reused_tokens_kv_closer_to_full_prefill_on_smoll
 
 
 def test_propagation_is_a_setting_a_calibration_records_only_when_on():
-    assert BlendSettings().propagate == 0.0
-    assert "blend.propagate" not in BlendSettings().calibrated_settings()
+    assert (BlendSettings().propagate, BlendSettings().propagate_from_depth) == (0.5, 0.5)  # on, the deeper half
+    assert "blend.propagate" not in BlendSettings(propagate=0.0).calibrated_settings()
+    assert "blend.propagate_from_depth" not in BlendSettings(propagate=0.0, propagate_from_depth=0.2).calibrated_settings()
     on = BlendSettings(propagate=0.5, propagate_temperature=0.1).calibrated_settings()
     assert on["blend.propagate"] == 0.5 and on["blend.propagate_temperature"] == 0.1
-    assert on["blend.propagate_scope"] == "chunk"
+    assert on["blend.propagate_scope"] == "chunk" and on["blend.propagate_from_depth"] == 0.5
     for bad in ({"propagate": 1.5}, {"propagate": -0.1}, {"propagate_temperature": 0.0}):
         with pytest.raises(ValueError):
             BlendSettings(**bad)

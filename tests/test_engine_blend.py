@@ -139,17 +139,20 @@ def test_recompute_depth_reaches_the_worker_and_leaves_ratio_one_exact(engine, f
         engine.settings.blend = base
 
 
-@pytest.mark.parametrize("scope", ["chunk", "context"])
+@pytest.mark.parametrize("scope,depth", [("chunk", 0.0), ("context", 0.0), ("chunk", 0.5)])
 def test_propagation_reaches_the_worker_moves_the_answer_distribution_and_leaves_ratio_one_exact(engine, fact_chunks,
-                                                                                                 scope):
-    """In the worker the probe then writes no layer ahead (every reused row may be corrected): the
-    same selection, another first-token distribution, and ratio 1 still vLLM's own prefill."""
+                                                                                                 scope, depth):
+    """In the worker the probe then writes ahead only the layers before the first propagating one
+    (from there every reused row may be corrected): the same selection, another first-token
+    distribution, and ratio 1 still vLLM's own prefill."""
     prompt = engine.prompts.build("Who founded Velmora and when?", fact_chunks)
     base = engine.settings.blend
     ask = QueryOptions(mode="blend", recompute_ratio=0.3, max_tokens=1)
     try:
+        engine.settings.blend = base.model_copy(update={"propagate": 0.0})
         plain = engine.generate(prompt, ask, logprobs=-1)
-        engine.settings.blend = base.model_copy(update={"propagate": 0.5, "propagate_scope": scope})
+        engine.settings.blend = base.model_copy(update={"propagate": 0.5, "propagate_scope": scope,
+                                                        "propagate_from_depth": depth})
         spread = engine.generate(prompt, ask, logprobs=-1)
         assert spread.metrics.recomputed_tokens == plain.metrics.recomputed_tokens > 0
         assert kl(plain.first_token_logprobs, spread.first_token_logprobs) > 1e-6

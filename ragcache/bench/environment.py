@@ -89,6 +89,7 @@ def engine_info(engine: "BlendEngine") -> dict[str, Any]:
         "granule": s.blend.granule, "candidates": s.blend.candidates,
         "refine_layer": s.blend.refine_layer, "propagate": s.blend.propagate,
         "propagate_temperature": s.blend.propagate_temperature, "propagate_scope": s.blend.propagate_scope,
+        "propagate_from_depth": s.blend.propagate_from_depth,
         "deviation": s.blend.deviation, "selection": s.blend.selection, "pipeline_overlap": s.blend.pipeline_overlap,
         "attention_setting": s.blend.attention, "attention": getattr(worker, "attention", None),
         "attention_reason": getattr(worker, "attention_reason", None),

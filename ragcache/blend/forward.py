@@ -541,8 +541,8 @@ class _Pass:
         write_rows: ``write_rows`` (:data:`WriteRows`), timed as ``cache_write_s``.
         attend: the context's attention (:data:`~ragcache.blend.attention.Attention`), timed per stage.
         clock: the pass's seconds per stage.
-        writes: a probed layer goes to ``emit`` from the probe, and the selective layers hand only
-            their rows to ``write_rows``.
+        written: the probed layers that go to ``emit`` from the probe (the selective layers then hand
+            only their rows to ``write_rows``; :meth:`~ragcache.blend.plan.BlendPlan.written_ahead`).
         question: the tails' attention over the rows where the plan probes, else None.
         checked: what :func:`_prefill_to_check` left; None on the fast path.
         refinement: the candidates' cut; None where no blend refines.
@@ -558,7 +558,7 @@ class _Pass:
     write_rows: Timed
     attend: Attention
     clock: StageClock
-    writes: bool
+    written: frozenset[int]
     question: _QuestionProbe | None = None
     checked: _Checked | None = None
     refinement: _Refinement | None = None
@@ -573,16 +573,6 @@ class _Pass:
     def selection(self) -> Selection:
         """The pass's selection (every blend's)."""
         return self.blends[0].request.selection
-
-    @property
-    def probe_emit(self) -> OnLayer | None:
-        """Where the probe hands the reused layers it reads: ``emit`` when :attr:`writes`, else nowhere."""
-        return self.emit if self.writes else None
-
-    @property
-    def written(self) -> set[int]:
-        """The layers the probe handed to ``emit`` whole."""
-        return set(self.plan.probe_layers) if self.writes else set()
 
 
 def _full_layer(p: _Pass, layer: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -607,17 +597,17 @@ def _full_layer(p: _Pass, layer: int, hidden: torch.Tensor) -> torch.Tensor:
 def _probe(p: _Pass, hidden_tail: torch.Tensor, keep_v: Collection[int] = ()) -> dict[int, torch.Tensor]:
     """The question tails (``hidden_tail`` ``[T, hidden]`` entering the first probed layer) alone through
     the plan's probe layers over the reused KV of their contexts (ProphetKV-style scores fused over
-    layers, ICML'26); no context token is computed. Each reused layer goes to ``p.probe_emit`` where
-    there is one (the selective layers then write only their rows). Returns the reused V ``[S, Hkv,
+    layers, ICML'26); no context token is computed. Each reused layer in ``p.written`` goes to
+    ``p.emit`` (the selective layers then write only their rows). Returns the reused V ``[S, Hkv,
     D]`` of the probed layers in ``keep_v`` (for :class:`_Refinement`)."""
-    ops, batch, question, emit = p.ops, p.batch, p.question, p.probe_emit
+    ops, batch, question = p.ops, p.batch, p.question
     kept: dict[int, torch.Tensor] = {}
     for layer in p.plan.probe_layers:
         k, v = p.kv.get(layer)  # [S, Hkv, D], moved to the context's positions
         if layer in keep_v:
             kept[layer] = v
-        if emit is not None:
-            emit(layer, k, v)
+        if layer in p.written:
+            p.emit(layer, k, v)
         q_t, k_t, v_t = _qkv_rope(ops, layer, hidden_tail, batch.tail_positions)  # [T, Hq, D], [T, Hkv, D] x2
         attn = question.attend(q_t, k, k_t, v, v_t)  # [T, Hq, D]
         if layer < ops.num_layers - 1:
@@ -771,7 +761,7 @@ def _selective_layer(p: _Pass, layer: int, sel: _Rows, reused: tuple[torch.Tenso
     if reused_k_pre is not None:  # given with the layer's reused KV in hand
         t0 = time.perf_counter()
         p.propagation.apply_(sel.rows, k_pre, v, reused_k_pre, k_all, v_all, p.batch.positions,
-                             lambda x, positions: ops.rope(layer, positions, None, x)[1])
+                             lambda x, positions: ops.rope(layer, positions, None, x)[1], layer)
         p.clock.inner("propagate_s", time.perf_counter() - t0)
     if reused is None:
         p.write_rows(layer, sel.rows, k, v)
@@ -808,7 +798,7 @@ def _selective_layers(p: _Pass, sel: _Rows) -> torch.Tensor:
         # no row needs an output after the model's last layer, nor after the last layer every row stops at
         last = layer == num_layers - 1 or not (forced or any(q.depth_end > layer + 1 for q in plans))
         reused = k_pre = None
-        if layer not in written and p.propagation is not None:
+        if layer not in written and p.propagation is not None and p.propagation.active(layer):
             k_pre, *reused = p.kv.get_pre(layer)  # [S, Hkv, D] each (K and V ours to modify)
         elif layer not in written:
             reused = p.kv.get(layer)  # [S, Hkv, D] each (ours to modify)
@@ -894,16 +884,17 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
     with torch.inference_mode():
         batch = _Batch(ops, requests, plan.probe)
         propagation = Propagation.of(batch.starts, [r.knobs for r in requests], batch.exact, batch.forced,
-                                     batch.segment_starts)
+                                     batch.segment_starts, ops.num_layers)
         # a propagating selective layer corrects every reused row: it needs the layer in hand, so the
         # probe does not write it ahead and the layer is written whole
-        writes = write_rows is not None and attention is not None and propagation is None
-        with open_reused(ops, load, plan.load_order(writes), batch.positions, prefetch, clock,
+        writes = write_rows is not None and attention is not None
+        propagate_from = None if propagation is None else propagation.start_layer
+        with open_reused(ops, load, plan.load_order(writes, propagate_from), batch.positions, prefetch, clock,
                          keep_pre=propagation is not None) as kv:
             pairs = _PairCount(attention or _reference_attention(ops, batch), batch, clock, "selective_layers_s")
             attend = Timed(pairs, clock,
                            {"full_layers_s": "full_attention_s", "selective_layers_s": "selective_attention_s"})
-            p = _Pass(ops, blends, batch, kv, emit, rows, attend, clock, writes,
+            p = _Pass(ops, blends, batch, kv, emit, rows, attend, clock, plan.written_ahead(writes, propagate_from),
                       question=_QuestionProbe(ops, batch, first.selection.question_heads) if plan.probe else None,
                       propagation=propagation)
             reused_v = {}

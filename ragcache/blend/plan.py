@@ -92,11 +92,19 @@ class BlendPlan:
         """Whether, with a budget of ``tokens``, the candidates are cut at ``refine_at``."""
         return self.refine_at is not None and self.candidate_budget(tokens) > tokens
 
-    def load_order(self, writes_rows: bool) -> list[int]:
+    def written_ahead(self, writes_rows: bool, propagate_from: int | None = None) -> frozenset[int]:
+        """The probed layers the probe writes whole (``writes_rows``: the selective layers then write
+        only their rows), short of ``propagate_from``: from that layer on, the reused rows take
+        corrections (:mod:`ragcache.blend.propagate`), so the selective pass writes the layer whole."""
+        if not writes_rows:
+            return frozenset()
+        return frozenset(layer for layer in self.probe_layers if propagate_from is None or layer < propagate_from)
+
+    def load_order(self, writes_rows: bool, propagate_from: int | None = None) -> list[int]:
         """The cached layers in the order the blend needs them (see ``load_layer`` of
         :func:`~ragcache.blend.forward.blend_kv`): the check layer (unless the fast path skips it), the
-        probed layers, then every selective layer the probe did not write whole (``writes_rows``)."""
-        written = set(self.probe_layers) if writes_rows else set()
+        probed layers, then every selective layer the probe did not write whole (:meth:`written_ahead`)."""
+        written = self.written_ahead(writes_rows, propagate_from)
         return (([] if self.fast_path else [self.check_layer]) + list(self.probe_layers)
                 + [layer for layer in self.selective_layers if layer not in written])
 

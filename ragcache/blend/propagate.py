@@ -14,8 +14,10 @@ token takes corrections only from the recomputed tokens of its own chunk (they m
 chunks before them), and the weights are computed chunk by chunk: the cost falls from
 ``reused x recomputed`` key pairs per layer to the sum of each chunk's. ragcache's own method:
 CacheBlend (Yao et al., EuroSys'25, §4.2) corrects only the recomputed tokens and leaves the rest
-as cached; the screen that chose ``alpha = 0.5, tau = 0.05`` and the trade it measures are in
-docs/fidelity.md ("Propagating the recomputed tokens' corrections").
+as cached; the screen that chose ``alpha = 0.5, tau = 0.05``, the runs that chose the deeper half
+of the layers (``propagate_from_depth = 0.5``: the earlier layers are left as the blend makes them)
+and the trade they measure are in docs/fidelity.md ("Propagating the recomputed tokens'
+corrections").
 
 The weights compare keys before RoPE (a key's position would otherwise dominate the similarity);
 a correction to K is rotated to the target's position (RoPE is linear, so the rotated sum is the
@@ -83,16 +85,23 @@ class Propagation:
         fixed: ``[S]`` bool, rows whose KV is exact or forced (they neither give nor take), or None.
         segments: per request, None (corrections flow within the whole request) or its chunks'
             first rows, ascending from 0 (within each chunk only).
+        first_layers: per request, the first layer its rows take corrections in (None: every layer).
     """
 
     def __init__(self, starts: Sequence[int], shares: Sequence[float], temperatures: Sequence[float],
-                 fixed: torch.Tensor | None, segments: Sequence[Sequence[int] | None] | None = None) -> None:
+                 fixed: torch.Tensor | None, segments: Sequence[Sequence[int] | None] | None = None,
+                 first_layers: Sequence[int] | None = None) -> None:
         self.spans = []
+        self.first_layer = {}  # span index -> the first layer it propagates in
         for r, (lo, hi, a, t) in enumerate(zip(starts[:-1], starts[1:], shares, temperatures)):
             if a <= 0:
                 continue
             cuts = [lo] if segments is None or segments[r] is None else [lo + c for c in segments[r]]
-            self.spans += [(x, y, a, t) for x, y in zip(cuts, [*cuts[1:], hi]) if y > x]
+            for x, y in zip(cuts, [*cuts[1:], hi]):
+                if y > x:
+                    self.first_layer[len(self.spans)] = 0 if first_layers is None else first_layers[r]
+                    self.spans.append((x, y, a, t))
+        self.start_layer = min(self.first_layer.values(), default=0)
         self.num_rows = starts[-1]
         self.fixed = fixed
         self.corrected = 0  # targets corrected, summed over layers
@@ -111,13 +120,20 @@ class Propagation:
             self._per_pass = eligible, torch.tensor([x for lo, hi, _, _ in self.spans for x in (lo, hi)], device=device)
         return self._per_pass
 
+    def active(self, layer: int) -> bool:
+        """Some request of the pass propagates in ``layer`` (its first propagating layer,
+        ``propagate_from_depth`` x the model's layers, is at or below it)."""
+        return layer >= self.start_layer
+
     @classmethod
     def of(cls, starts: Sequence[int], knobs: Sequence, exact: torch.Tensor | None,
-           forced: torch.Tensor | None, segment_starts: Sequence[Sequence[int]] | None = None) -> "Propagation | None":
+           forced: torch.Tensor | None, segment_starts: Sequence[Sequence[int]] | None = None,
+           num_layers: int = 0) -> "Propagation | None":
         """The propagation of a pass whose requests carry ``knobs`` (``propagate``,
-        ``propagate_temperature`` and ``propagate_scope`` of :class:`ragcache.config.BlendSettings`),
-        or None when none of them propagates. ``segment_starts``: each request's chunk starts
-        (for ``propagate_scope = "chunk"``)."""
+        ``propagate_temperature``, ``propagate_scope`` and ``propagate_from_depth`` of
+        :class:`ragcache.config.BlendSettings`), or None when none of them propagates.
+        ``segment_starts``: each request's chunk starts (for ``propagate_scope = "chunk"``);
+        ``num_layers``: the model's, for ``propagate_from_depth`` (its share of them, rounded)."""
         shares = [float(getattr(k, "propagate", 0.0)) for k in knobs]
         if not any(a > 0 for a in shares):
             return None
@@ -127,14 +143,17 @@ class Propagation:
                 fixed = mask.clone() if fixed is None else fixed | mask
         segments = [list(seg) if segment_starts is not None and getattr(k, "propagate_scope", "chunk") == "chunk"
                     else None for k, seg in zip(knobs, segment_starts or [None] * len(knobs))]
-        return cls(starts, shares, [float(getattr(k, "propagate_temperature", 0.05)) for k in knobs], fixed, segments)
+        first_layers = [round(float(getattr(k, "propagate_from_depth", 0.0)) * num_layers) for k in knobs]
+        return cls(starts, shares, [float(getattr(k, "propagate_temperature", 0.05)) for k in knobs], fixed, segments,
+                   first_layers)
 
     def apply_(self, rows: torch.Tensor, fresh_k_pre: torch.Tensor, fresh_v: torch.Tensor, reused_k_pre: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+               rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], layer: int = 0) -> None:
         """Correct one layer's reused KV in place from its recomputed rows.
 
         Args:
+            layer: the layer (the spans whose first layer is above it are left as they are).
             rows: ``[n]`` ascending, the rows recomputed in this layer.
             fresh_k_pre: ``[n, Hkv, D]`` their fresh K before RoPE; ``fresh_v`` ``[n, Hkv, D]`` their V.
             reused_k_pre: ``[S, Hkv, D]`` every row's reused K before RoPE.
@@ -157,7 +176,7 @@ class Propagation:
         ck, cv = torch.zeros_like(keys_to), torch.zeros_like(keys_to)
         for i, (_, _, alpha, tau) in enumerate(self.spans):
             s0, s1, t0, t1 = cuts[0][2 * i], cuts[0][2 * i + 1], cuts[1][2 * i], cuts[1][2 * i + 1]
-            if s1 > s0 and t1 > t0:  # a span with no recomputed row gives nothing
+            if s1 > s0 and t1 > t0 and layer >= self.first_layer[i]:  # a span with no recomputed row gives nothing
                 ck[t0:t1], cv[t0:t1] = spread_corrections(keys_to[t0:t1], keys_from[s0:s1], dk[s0:s1], dv[s0:s1],
                                                           alpha, tau)
                 self.corrected += t1 - t0
