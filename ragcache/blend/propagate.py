@@ -91,17 +91,14 @@ class Propagation:
     def __init__(self, starts: Sequence[int], shares: Sequence[float], temperatures: Sequence[float],
                  fixed: torch.Tensor | None, segments: Sequence[Sequence[int] | None] | None = None,
                  first_layers: Sequence[int] | None = None) -> None:
-        self.spans = []
-        self.first_layer = {}  # span index -> the first layer it propagates in
+        self.spans = []  # (first row, end, alpha, tau, first layer)
         for r, (lo, hi, a, t) in enumerate(zip(starts[:-1], starts[1:], shares, temperatures)):
             if a <= 0:
                 continue
             cuts = [lo] if segments is None or segments[r] is None else [lo + c for c in segments[r]]
-            for x, y in zip(cuts, [*cuts[1:], hi]):
-                if y > x:
-                    self.first_layer[len(self.spans)] = 0 if first_layers is None else first_layers[r]
-                    self.spans.append((x, y, a, t))
-        self.start_layer = min(self.first_layer.values(), default=0)
+            first = 0 if first_layers is None else first_layers[r]
+            self.spans += [(x, y, a, t, first) for x, y in zip(cuts, [*cuts[1:], hi]) if y > x]
+        self.start_layer = min((span[4] for span in self.spans), default=0)
         self.num_rows = starts[-1]
         self.fixed = fixed
         self.corrected = 0  # targets corrected, summed over layers
@@ -112,12 +109,12 @@ class Propagation:
         forced, edges [2 * spans] int64: each span's first row and end)``, once per pass."""
         if self._per_pass is None:
             inside = [False] * self.num_rows
-            for lo, hi, _, _ in self.spans:
+            for lo, hi, *_ in self.spans:
                 inside[lo:hi] = [True] * (hi - lo)
             eligible = torch.tensor(inside, dtype=torch.bool, device=device)
             if self.fixed is not None:
                 eligible &= ~self.fixed.to(device)
-            self._per_pass = eligible, torch.tensor([x for lo, hi, _, _ in self.spans for x in (lo, hi)], device=device)
+            self._per_pass = eligible, torch.tensor([x for lo, hi, *_ in self.spans for x in (lo, hi)], device=device)
         return self._per_pass
 
     def active(self, layer: int) -> bool:
@@ -174,9 +171,9 @@ class Propagation:
         keys_from, keys_to = reused_k_pre[src], reused_k_pre[to]
         dk, dv = fresh_k_pre[given] - keys_from, fresh_v[given] - v[src]
         ck, cv = torch.zeros_like(keys_to), torch.zeros_like(keys_to)
-        for i, (_, _, alpha, tau) in enumerate(self.spans):
+        for i, (_, _, alpha, tau, first) in enumerate(self.spans):
             s0, s1, t0, t1 = cuts[0][2 * i], cuts[0][2 * i + 1], cuts[1][2 * i], cuts[1][2 * i + 1]
-            if s1 > s0 and t1 > t0 and layer >= self.first_layer[i]:  # a span with no recomputed row gives nothing
+            if s1 > s0 and t1 > t0 and layer >= first:  # a span with no recomputed row gives nothing
                 ck[t0:t1], cv[t0:t1] = spread_corrections(keys_to[t0:t1], keys_from[s0:s1], dk[s0:s1], dv[s0:s1],
                                                           alpha, tau)
                 self.corrected += t1 - t0
