@@ -405,6 +405,21 @@ class CacheRowsAttention:
         return self.reference(layer, q, index, self.cache.k[layer], self.cache.v[layer])
 
 
+def cached_engine_blend(ops, context, prefetch=False, **kwargs):
+    """``blend`` of ``context`` through :class:`CacheRowsAttention` (an engine whose attention reads
+    its own cache): ``(result, engine, calls)``, ``calls`` the layers loaded, in order."""
+    calls = []
+
+    def load_layer(layer):
+        calls.append(layer)
+        return context.load_layer(layer)
+
+    engine = CacheRowsAttention(ops, context.positions)
+    result = blend(ops, context.token_ids, context.positions, load_layer, on_layer=engine.cache,
+                   attention=engine.attention, write_rows=engine.write_rows, prefetch=prefetch, **kwargs)
+    return result, engine, calls
+
+
 @pytest.mark.parametrize("check_layer", [0, 1])
 def test_question_probe_writes_its_layers_once_with_write_rows(tiny, tiny_context, check_layer):
     # With write_rows (an engine whose attention reads its own cache), each probed layer is loaded
@@ -418,15 +433,7 @@ def test_question_probe_writes_its_layers_once_with_write_rows(tiny, tiny_contex
     twice = LayerCollector(ops.num_layers)
     reference = blend(ops, ids, positions, tiny_context.load_layer, on_layer=twice, **kwargs)
     for prefetch in (True, False):
-        calls = []
-
-        def load_layer(layer):
-            calls.append(layer)
-            return tiny_context.load_layer(layer)
-
-        engine = CacheRowsAttention(ops, positions)
-        result = blend(ops, ids, positions, load_layer, on_layer=engine.cache, attention=engine.attention,
-                       write_rows=engine.write_rows, prefetch=prefetch, **kwargs)
+        result, engine, calls = cached_engine_blend(ops, tiny_context, prefetch=prefetch, **kwargs)
         first = 0 if check_layer == 0 else check_layer + 1
         assert calls == ([] if check_layer == 0 else [check_layer]) + list(range(first, ops.num_layers))
         assert engine.rows_written == list(range(first, ops.num_layers))

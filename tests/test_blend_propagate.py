@@ -12,7 +12,7 @@ import pytest
 import torch
 from hf_ops import TINY_TAIL, HFLlamaOps, LayerCollector, cached_context, context_layout, hotpotqa_examples, smollm2
 from test_blend_forward import tiny, tiny_context  # noqa: F401 (fixtures)
-from test_blend_forward import CacheRowsAttention, assert_full_prefill, full_kv, run_blend
+from test_blend_forward import assert_full_prefill, cached_engine_blend, full_kv, run_blend
 from test_blend_quality import hotpot_prompt
 
 from blend_calls import blend_of
@@ -196,19 +196,10 @@ def test_with_an_engine_cache_the_probe_writes_ahead_only_the_layers_before_the_
     # selective pass loads the layer again, corrects it and writes it whole. Same KV as without a cache.
     _, ops = tiny
     starts, exact = context_layout(tiny_context)
-    ids, positions = tiny_context.token_ids, tiny_context.positions
     kwargs = dict(recompute_ratio=0.2, check_layer=0, deviation="value", selection=Selection("question", granule=4),
                   tail_ids=TINY_TAIL, segment_starts=starts, exact=exact, propagate=0.5, propagate_from_depth=depth)
     reference, reference_kv = run_blend(ops, tiny_context, **kwargs)
-    calls = []
-
-    def load_layer(layer):
-        calls.append(layer)
-        return tiny_context.load_layer(layer)
-
-    engine = CacheRowsAttention(ops, positions)
-    result = blend_of(ops, ids, positions, load_layer, on_layer=engine.cache, attention=engine.attention,
-                      write_rows=engine.write_rows, prefetch=False, **kwargs)
+    result, engine, calls = cached_engine_blend(ops, tiny_context, **kwargs)
     assert engine.rows_written == ahead
     assert calls == [*range(ops.num_layers), *(layer for layer in range(ops.num_layers) if layer not in ahead)]
     assert torch.equal(result.selected, reference.selected)
