@@ -199,7 +199,7 @@ class BlendSettings(_Section):
         "among the candidates, by their V error summed over layers 1 .. refine_layer (deeper sees a stale token's "
         "growing error but sends the extra candidates through that many layers)")
     propagate: Ratio = Field(
-        0.5, description="share of the recomputed tokens' KV corrections (fresh minus reused K and V, per layer) "
+        0.0, description="share of the recomputed tokens' KV corrections (fresh minus reused K and V, per layer) "
         "that the tokens left reused take, weighted by how alike their keys are (softmax of the cosine of the "
         "pre-RoPE keys over propagate_temperature, per KV head); 0 = off: the reused tokens keep their cached KV "
         "(see docs/fidelity.md)")

@@ -239,8 +239,8 @@ def test_propagation_brings_the_reused_tokens_kv_closer_to_full_prefill_on_smoll
 
 
 def test_propagation_is_a_setting_a_calibration_records_only_when_on():
-    assert (BlendSettings().propagate, BlendSettings().propagate_from_depth) == (0.5, 0.5)  # on, the deeper half
-    assert "blend.propagate" not in BlendSettings(propagate=0.0).calibrated_settings()
+    assert (BlendSettings().propagate, BlendSettings().propagate_from_depth) == (0.0, 0.5)  # off; on: the deeper half
+    assert "blend.propagate" not in BlendSettings().calibrated_settings()
     assert "blend.propagate_from_depth" not in BlendSettings(propagate=0.0, propagate_from_depth=0.2).calibrated_settings()
     on = BlendSettings(propagate=0.5, propagate_temperature=0.1).calibrated_settings()
     assert on["blend.propagate"] == 0.5 and on["blend.propagate_temperature"] == 0.1
