@@ -177,6 +177,13 @@ def test_unreachable_redis_at_start_is_marked_down_quickly(tmp_path):
     assert store.stats()["remote"]["up"] is False and store.tier_names == ["cpu", "disk", "remote"]
 
 
+def test_an_unreachable_redis_is_named_without_its_password():
+    url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
+    with pytest.raises(TierUnavailableError) as err:
+        RedisTier(url, connect_timeout=0.5).contains("a")
+    assert f"redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]}" in str(err.value) and "s3cret" not in str(err.value)
+
+
 def test_clear_and_verify_cover_redis(redis_server):
     client = redis.Redis.from_url(redis_server.url)
     client.set("unrelated", b"x")

@@ -114,7 +114,7 @@ def command_line() -> str:
     def shown(name: str, value: str) -> str:
         if name.endswith("API_KEY"):
             return "***"
-        return ",".join(redact(part) for part in value.split(",")) if "://" in value else value
+        return redact(value) if "://" in value else value
 
     overrides = [f"{k}={shlex.quote(shown(k, v))}" for k, v in sorted(os.environ.items())
                  if k.startswith("RAGCACHE_") and "__" in k]

@@ -18,6 +18,7 @@ from ragcache.kvstore.device import DeviceTier
 from ragcache.kvstore.disk import DiskTier
 from ragcache.kvstore.remote import RedisTier
 from ragcache.kvstore.tier import Tier
+from ragcache.util.urls import redact
 
 log = logging.getLogger("ragcache.kvstore")
 
@@ -37,8 +38,8 @@ def tiers_from_settings(settings: StoreSettings, device: torch.device) -> list[t
         ConfigError: several ``remote_url`` nodes without ``remote_cluster``.
     """
     if "," in settings.remote_url and not settings.remote_cluster:
-        raise ConfigError(f"store.remote_url lists several nodes ({settings.remote_url}): set store.remote_cluster = "
-                          "true for a Redis Cluster, or name one server")
+        raise ConfigError(f"store.remote_url lists several nodes ({redact(settings.remote_url)}): set "
+                          "store.remote_cluster = true for a Redis Cluster, or name one server")
     tiers: list[tuple[Tier, int | None]] = []
     if device.type != "cpu" and settings.gpu_kv_pool_gb > 0:
         tiers.append((DeviceTier(device), int(settings.gpu_kv_pool_gb * GB)))

@@ -44,6 +44,7 @@ from redis.retry import Retry
 from ragcache.kvstore.entry import KVMeta, StoredKV, TierError, TierUnavailableError
 from ragcache.kvstore.format import BytesEntryReader, encode, header_length, parse_header
 from ragcache.kvstore.tier import EntryStat, TierDefaults, get_then_delete
+from ragcache.util.urls import redact
 
 T = TypeVar("T")
 DEFAULT_PREFIX = "ragcache:kv:"
@@ -124,9 +125,9 @@ class RedisTier(TierDefaults):
                 RedisClusterException) as exc:
             if self.cluster:
                 self._degraded = True
-            raise TierUnavailableError(f"Redis at {self.url} unreachable: {exc}") from exc
+            raise TierUnavailableError(f"Redis at {redact(self.url)} unreachable: {exc}") from exc
         except redis.RedisError as exc:
-            raise TierError(f"Redis at {self.url}: {exc}") from exc
+            raise TierError(f"Redis at {redact(self.url)}: {exc}") from exc
 
     def ping(self) -> bool:
         """True when the server answers.
