@@ -10,7 +10,7 @@ from hf_ops import tiny_context as hf_tiny_context
 from blend_calls import blend_of
 
 from ragcache.blend import (
-    DecoderOps, Selection, compute_kv, hkvd_budget, lead_in_kv, move_keys, reuse_kv, torch_attention,
+    DecoderOps, LoadOnCaller, Selection, compute_kv, hkvd_budget, lead_in_kv, move_keys, reuse_kv, torch_attention,
 )
 from ragcache.config import BlendSettings
 
@@ -351,6 +351,29 @@ def test_prefetch_loads_layers_in_order_on_a_background_thread(tiny, tiny_contex
     calls.clear()
     blend(ops, ids, positions, load_layer, check_layer=1, on_layer=collected, prefetch=False)
     assert calls == [(1, True), (2, True), (3, True)]
+
+
+def test_a_load_the_prefetch_thread_hands_back_is_done_again_on_the_callers_thread(tiny, tiny_context):
+    """A loader that raises LoadOnCaller in the background (the worker's, when a chunk must be
+    recomputed: a model forward must not run beside the blend's) is called again for that layer on
+    the caller's thread, before the next layer starts loading; the blend is unchanged."""
+    _, ops = tiny
+    calls = []
+
+    def load_layer(layer):
+        on_main = threading.current_thread() is threading.main_thread()
+        calls.append((layer, on_main))
+        if layer == 2 and not on_main:
+            raise LoadOnCaller("layer 2 needs the caller's thread")
+        return tiny_context.load_layer(layer)
+
+    ids, positions = tiny_context.token_ids, tiny_context.positions
+    handed_back, plain = LayerCollector(ops.num_layers), LayerCollector(ops.num_layers)
+    blend(ops, ids, positions, load_layer, check_layer=1, on_layer=handed_back)
+    assert calls == [(1, False), (2, False), (2, True), (3, False)]
+    blend(ops, ids, positions, tiny_context.load_layer, check_layer=1, on_layer=plain, prefetch=False)
+    for layer in range(ops.num_layers):
+        assert torch.equal(handed_back.k[layer], plain.k[layer]) and torch.equal(handed_back.v[layer], plain.v[layer])
 
 
 def test_question_selection_loads_the_probed_layers_again_instead_of_keeping_them(tiny, tiny_context):

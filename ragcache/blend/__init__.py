@@ -17,7 +17,7 @@ from ragcache.blend.forward import (
 )
 from ragcache.blend.plan import BlendPlan, plan_blend, recompute_layers
 from ragcache.blend.propagate import Propagation, spread_corrections
-from ragcache.blend.reused import CachedKV, LoadLayer
+from ragcache.blend.reused import CachedKV, LoadLayer, LoadOnCaller
 from ragcache.blend.ops import DecoderOps
 from ragcache.blend.rope import move_keys
 from ragcache.blend.select import (
@@ -59,6 +59,7 @@ __all__ = [
     "select_tokens",
     "DecoderOps",
     "LoadLayer",
+    "LoadOnCaller",
     "OnLayer",
     "WriteRows",
     "blend_batch",

@@ -36,7 +36,20 @@ LoadLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """``load_layer(layer) -> (k_pre [N, Hkv, D], v [N, Hkv, D])``: one layer of the cached context KV,
 K before RoPE, in prompt order. May return tensors on another device or dtype (they are moved).
 The blend writes recomputed rows into the returned V in place: return tensors nobody else reads
-(e.g. a fresh ``torch.cat`` of the chunks' layers), not views of a cache."""
+(e.g. a fresh ``torch.cat`` of the chunks' layers), not views of a cache.
+
+Called from a background thread when prefetching: a loader that would have to run work there that
+must not run beside the caller's compute raises :class:`LoadOnCaller` instead."""
+
+
+class LoadOnCaller(Exception):
+    """Raised by a :data:`LoadLayer` called from the prefetch thread when loading this layer needs work
+    that must not run beside the caller's compute; :class:`StreamedKV` then calls it again for the
+    same layer on the caller's thread, with no load running beside it.
+
+    The case it exists for: a chunk found damaged mid-read is recomputed with a model forward, and
+    vLLM's CPU GEMM (``_C::onednn_mm``) keeps one scratch buffer per process, so two forwards on two
+    threads corrupt each other's results (and can crash when the buffer grows)."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +80,9 @@ class StreamedKV:
 
     With ``prefetch``, the next layer in the sequence is loaded in one background thread while the
     caller computes the current one (torch and file I/O release the GIL, so the two overlap). The
-    first layer starts loading at construction. Waits are booked to ``load_wait_s``, moves to
-    ``move_keys_s``.
+    first layer starts loading at construction. A load that raises :class:`LoadOnCaller` there is
+    done again on the caller's thread before the next one starts. Waits are booked to
+    ``load_wait_s``, moves to ``move_keys_s``.
     """
 
     def __init__(self, ops: DecoderOps, load_layer: LoadLayer, layers: Iterable[int], positions: torch.Tensor,
@@ -133,7 +147,10 @@ class StreamedKV:
         else:
             if self._next is None or self._next[0] != layer:
                 raise RuntimeError(f"layer {layer} requested out of the planned order")
-            k_pre, v = self._next[1].result()
+            try:
+                k_pre, v = self._next[1].result()
+            except LoadOnCaller:
+                k_pre, v = self._load(layer)  # here, with no load in the background
             self._submit_next()
         waited = time.perf_counter() - start
         self.wait_s += waited

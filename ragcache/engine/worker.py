@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from ragcache.blend import BlendRequest, BlendResult, CachedKV, LeadIns, blend_batch, compute_kv, reuse_kv
+from ragcache.blend import (
+    BlendRequest, BlendResult, CachedKV, LeadIns, LoadLayer, LoadOnCaller, blend_batch, compute_kv, reuse_kv,
+)
 from ragcache.blend.opcount import count_ops
 from ragcache.chunks import is_private_key
 from ragcache.config import StoreSettings
@@ -441,6 +443,7 @@ class _Opened:
         self.request: BlendRequest | None = None  # None for reuse
         self.key: tuple = ()
         self.read: set[int] = set()  # layers read through the streamed loader
+        self.failed: dict[int, tuple[Exception, str]] = {}  # segments found damaged off the caller's thread
 
     def _recompute(self, j: int, runtime: "WorkerRuntime", exc: Exception, what: str) -> None:
         """Segment j's entry went bad (or its tier away) mid-read: compute it now, never serve it."""
@@ -456,28 +459,40 @@ class _Opened:
         self.missing_tokens += seg.length
         self.tiers[j] = COMPUTED
 
-    def _guarded(self, j: int, runtime: "WorkerRuntime", read: Callable[[Any], Any], what: str) -> Any:
+    def _guarded(self, j: int, runtime: "WorkerRuntime", read: Callable[[Any], Any], what: str,
+                 compute: bool = True) -> Any:
         """``read(handle)`` of segment j; when its entry turns out damaged or its tier went away, the
-        segment is recomputed and read from that."""
+        segment is recomputed and read from that. Without ``compute`` (the prefetch thread: a model
+        forward there would run beside the blend's) the damage is kept for the caller's thread and
+        :class:`~ragcache.blend.LoadOnCaller` raised."""
+        if j in self.failed:  # found damaged by the prefetch thread
+            if not compute:
+                raise LoadOnCaller(f"segment {j} needs recomputing {self.failed[j][1]}")
+            self._recompute(j, runtime, *self.failed.pop(j))
+            return read(self.handles[j])
         try:
             return read(self.handles[j])
         except (CorruptEntryError, TierError, OSError) as exc:
+            if not compute:
+                self.failed[j] = (exc, what)
+                raise LoadOnCaller(f"segment {j} needs recomputing {what}") from exc
             self._recompute(j, runtime, exc, what)
             return read(self.handles[j])
 
-    def stored_layer(self, j: int, i: int, runtime: "WorkerRuntime") -> StoredLayer:
-        """Layer i of segment j as stored (:class:`~ragcache.kvstore.codec.StoredLayer`)."""
+    def stored_layer(self, j: int, i: int, runtime: "WorkerRuntime", compute: bool = True) -> StoredLayer:
+        """Layer i of segment j as stored (:class:`~ragcache.kvstore.codec.StoredLayer`); ``compute``
+        as in :meth:`_guarded`."""
         self.read.add(i)
-        return self._guarded(j, runtime, lambda h: h.stored_layer(i), f"at layer {i}")
+        return self._guarded(j, runtime, lambda h: h.stored_layer(i), f"at layer {i}", compute)
 
     def stored_entries(self, runtime: "WorkerRuntime") -> list[StoredEntry]:
         """Every segment's whole entry, in row order."""
         return [self._guarded(j, runtime, lambda h: h.stored_entry(), "when read whole")
                 for j in range(len(self.handles))]
 
-    def stored_layers(self, i: int, runtime: "WorkerRuntime") -> list[StoredLayer]:
-        """Layer i of every segment, in row order."""
-        return [self.stored_layer(j, i, runtime) for j in range(len(self.handles))]
+    def stored_layers(self, i: int, runtime: "WorkerRuntime", compute: bool = True) -> list[StoredLayer]:
+        """Layer i of every segment, in row order; ``compute`` as in :meth:`_guarded`."""
+        return [self.stored_layer(j, i, runtime, compute) for j in range(len(self.handles))]
 
     def read_rest(self, runtime: "WorkerRuntime") -> None:
         """After a streamed load: read the layers the blend did not (below the check layer), so that a
@@ -510,13 +525,21 @@ class _Opened:
         )
 
 
-def _streamed_loader(group: list[_Opened], runtime: WorkerRuntime):
+def _streamed_loader(group: list[_Opened], runtime: WorkerRuntime) -> LoadLayer:
     """``load_layer`` over a pass's requests: one layer of every segment, in row order, decoded on the
-    engine's device in its dtype."""
+    engine's device in its dtype.
+
+    Called from another thread (the blend's prefetch), a segment found damaged is not recomputed
+    there: that is a model forward beside the blend's own, and vLLM's CPU GEMM shares one scratch
+    buffer per process (two threads in it corrupt each other's results). The loader raises
+    :class:`~ragcache.blend.LoadOnCaller` instead, and the recompute runs when the caller's thread
+    loads the layer again."""
     device, dtype = runtime.ops.device, runtime.ops.dtype
+    caller = threading.get_ident()
 
     def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return decode_layers([s for o in group for s in o.stored_layers(i, runtime)], dtype, device)
+        here = threading.get_ident() == caller
+        return decode_layers([s for o in group for s in o.stored_layers(i, runtime, here)], dtype, device)
 
     return load_layer
 

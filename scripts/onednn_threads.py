@@ -1,0 +1,98 @@
+"""Is vLLM's CPU matrix multiply safe to call from two threads at once? It is not, and this shows it.
+
+vLLM's CPU build runs a model's linear layers through ``torch.ops._C.onednn_mm``, whose handlers
+share one process-wide scratch buffer (``DNNLScratchPadManager`` in vLLM's csrc/cpu/dnnl_helper).
+Two threads in it at once corrupt each other's results, and can crash when the buffer grows. This
+is why ragcache never runs a model forward outside the engine's own thread: a chunk found damaged
+while layers are read ahead in the background is recomputed on the caller's thread
+(``ragcache.blend.LoadOnCaller``).
+
+The script multiplies a few activation shapes by a SmolLM2-sized projection (576 x 1536), first
+on one thread, then the same calls on two threads at once, and counts the products that differ
+bitwise from the one-thread result. It prints the counts and writes them, with the CPU model and
+flags, as JSON.
+
+Usage::
+
+    python scripts/onednn_threads.py [--dtype bfloat16|float32] [--rounds 300] [--out FILE]
+
+Raises SystemExit when the installed vLLM has no ``onednn_mm`` (a GPU build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import threading
+
+import torch
+
+SHAPES = (7, 300, 1500, 3000)  # activation rows: a decode step to a long prefill
+K, N = 576, 1536  # SmolLM2-135M's hidden size and its MLP width
+
+
+def cpu_model() -> dict[str, str]:
+    """``model`` and ``flags`` of the first CPU in /proc/cpuinfo (empty strings elsewhere)."""
+    info = {"model": platform.processor(), "flags": ""}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name":
+                    info["model"] = value.strip()
+                elif name.strip() == "flags":
+                    info["flags"] = value.strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--rounds", type=int, default=300, help="passes over the shapes per thread")
+    parser.add_argument("--out", default="onednn_threads.json", help="JSON file to write")
+    args = parser.parse_args()
+
+    from vllm import _custom_ops as ops
+
+    if not getattr(ops, "_supports_onednn", False):
+        raise SystemExit("this vLLM build has no onednn_mm (a GPU build?): nothing to check")
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(N, K, generator=g).to(dtype) for _ in range(2)]
+    handlers = [ops.create_onednn_mm(w.t(), 32) for w in weights]
+    xs = [torch.randn(m, K, generator=g).to(dtype) for m in SHAPES]
+    expected = [[ops.onednn_mm(h, x, None) for x in xs] for h in handlers]
+
+    def run(t: int, differ: list[int]) -> None:
+        for _ in range(args.rounds):
+            for x, want in zip(xs, expected[t]):
+                differ[t] += not torch.equal(ops.onednn_mm(handlers[t], x, None), want)
+
+    rows = []
+    for threads in (1, 2):
+        differ = [0, 0]
+        workers = [threading.Thread(target=run, args=(t, differ)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        calls = threads * args.rounds * len(SHAPES)
+        rows.append({"threads": threads, "calls": calls, "differ": sum(differ[:threads])})
+
+    print(f"onednn_mm, {args.dtype}, {K}x{N} weights, rows {SHAPES}; CPU: {cpu_model()['model']}")
+    print("| threads at once | products | differ from one thread's |")
+    print("|---|---:|---:|")
+    for row in rows:
+        print(f"| {row['threads']} | {row['calls']:,} | {row['differ']:,} |")
+    with open(args.out, "w") as f:
+        json.dump({"dtype": args.dtype, "shape": [K, N], "rows_per_call": SHAPES, "cpu": cpu_model(),
+                   "torch_threads": torch.get_num_threads(), "results": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
