@@ -30,7 +30,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -42,34 +41,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", required=True, help="QA file (or musique / hotpotqa)")
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--n", type=int, default=12)
-    ap.add_argument("--passages", type=int, default=10)
-    ap.add_argument("--dtype", default="float32")
+    from ragcache.bench.screen import ReferenceScreen, screen_parser, token_relative_error
+
+    ap = screen_parser(__doc__, n=12, out="kv_context_screen.json")
     ap.add_argument("--variants", default="text0,text256,nbr2")
     ap.add_argument("--ratios", default="0.15,0.3,default")
     ap.add_argument("--temper", default="1:1", help="APE settings T:S, comma-separated")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=Path("kv_context_screen.json"))
     args = ap.parse_args()
 
     import torch
 
-    from ragcache.bench.datasets import load_qa, make_chunks
-    from ragcache.bench.diverge import Diagnosis
+    from ragcache.bench.datasets import make_chunks
     import ragcache.bench.reference as reference
-    from ragcache.bench.reference import greedy_decode, load_reference
+    from ragcache.bench.reference import greedy_decode
     from ragcache.blend import BlendRequest, CachedKV, blend_kv
-    from ragcache.config import Settings
     from ragcache.models import load_embed_model
     from ragcache.prompt import PromptBuilder, lead_in_for
 
-    settings = Settings()
-    examples = load_qa(args.dataset, n=args.n, offset=args.offset)
-    _, tok, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
-    diag = Diagnosis(settings, ops, tok, passages=args.passages, max_tokens=args.max_tokens, top_k=8, head_tokens=4)
+    screen = ReferenceScreen.open(args)
+    settings, examples, tok, ops, diag = screen.settings, screen.examples, screen.tokenizer, screen.ops, screen.diagnosis
     variants, ratios = args.variants.split(","), args.ratios.split(",")
     tempers = [tuple(float(x) for x in t.split(":")) for t in args.temper.split(",")]
 
@@ -144,9 +134,7 @@ def main() -> int:
         return torch.stack(out_k), torch.stack(out_v), int(res.selected.numel())
 
     def error(a, b, mask) -> float:
-        e = ((a.float() - b.float()).norm(dim=-1).norm(dim=-1)
-             / b.float().norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(0)
-        return float(e[mask].mean())
+        return float(token_relative_error(a, b)[mask].mean())
 
     rows = []
     for ex in examples:
@@ -175,9 +163,9 @@ def main() -> int:
     print("variant ratio temper equal KL(median) recomputed K-error V-error")
     for variant in variants:
         for ratio in ratios:
-            for temper in dict.fromkeys(x["temper"] for x in rows):
-                r = [x for x in rows if x["variant"] == variant and x["ratio"] == ratio and x["temper"] == temper]
-                print(variant, ratio, temper, f"{sum(x['equal'] for x in r)}/{len(r)}",
+            for setting in dict.fromkeys(x["temper"] for x in rows):
+                r = [x for x in rows if x["variant"] == variant and x["ratio"] == ratio and x["temper"] == setting]
+                print(variant, ratio, setting, f"{sum(x['equal'] for x in r)}/{len(r)}",
                       f"{statistics.median(x['kl'] for x in r):.4f}", f"{statistics.mean(x['recomputed'] for x in r):.3f}",
                       f"{statistics.mean(x['k_error'] for x in r):.4f}", f"{statistics.mean(x['v_error'] for x in r):.4f}")
     return 0

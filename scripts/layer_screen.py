@@ -24,7 +24,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -35,30 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", required=True, help="QA file (or musique / hotpotqa)")
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--n", type=int, default=10)
-    ap.add_argument("--passages", type=int, default=10)
-    ap.add_argument("--dtype", default="float32")
+    from ragcache.bench.screen import ReferenceScreen, screen_parser
+
+    ap = screen_parser(__doc__, n=10, out="layer_screen.json")
     ap.add_argument("--bands", default="0-15,15-30", help="layer bands A-B (kA-B: K only, vA-B: V only)")
     ap.add_argument("--restart", default="", help="layers to prefill again from, comma-separated")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=Path("layer_screen.json"))
     args = ap.parse_args()
 
     import torch
 
-    from ragcache.bench.datasets import load_qa, make_chunks
-    from ragcache.bench.diverge import Diagnosis
-    from ragcache.bench.reference import _attend, greedy_decode, load_reference
-    from ragcache.config import Settings
+    from ragcache.bench.datasets import make_chunks
+    from ragcache.bench.reference import _attend, greedy_decode
     from ragcache.prompt import PromptBuilder, lead_in_for
 
-    settings = Settings()
-    examples = load_qa(args.dataset, n=args.n, offset=args.offset)
-    _, tok, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
-    diag = Diagnosis(settings, ops, tok, passages=args.passages, max_tokens=args.max_tokens, top_k=8, head_tokens=4)
+    screen = ReferenceScreen.open(args)
+    settings, examples, tok, ops, diag = screen.settings, screen.examples, screen.tokenizer, screen.ops, screen.diagnosis
     builder = PromptBuilder(tok, settings.prompt, "reference", compute_dtype=str(ops.dtype))
     L = ops.num_layers
     bands = {}

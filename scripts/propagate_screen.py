@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -37,32 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", required=True, help="QA file (or musique / hotpotqa)")
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--n", type=int, default=10)
-    ap.add_argument("--passages", type=int, default=10)
-    ap.add_argument("--dtype", default="float32")
+    from ragcache.bench.screen import ReferenceScreen, screen_parser, token_relative_error
+
+    ap = screen_parser(__doc__, n=10, out="propagate_screen.json")
     ap.add_argument("--variants", default="0:0:1,0.5:0.5:0.05", help="alpha_k:alpha_v:tau, comma-separated")
     ap.add_argument("--from-layer", type=int, default=0, help="propagate in selective layers from this one on")
     ap.add_argument("--top", type=int, default=0, help="weigh only each token's TOP most similar recomputed tokens (0: all)")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=Path("propagate_screen.json"))
     args = ap.parse_args()
 
     import torch
     import torch.nn.functional as F
 
     import ragcache.blend.forward as forward
-    from ragcache.bench.datasets import load_qa
-    from ragcache.bench.diverge import Diagnosis
-    from ragcache.bench.reference import greedy_decode, load_reference
-    from ragcache.config import Settings
+    from ragcache.bench.reference import greedy_decode
 
-    settings = Settings()
-    examples = load_qa(args.dataset, n=args.n, offset=args.offset)
-    _, tok, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
-    diag = Diagnosis(settings, ops, tok, passages=args.passages, max_tokens=args.max_tokens, top_k=8, head_tokens=4)
+    screen = ReferenceScreen.open(args)
+    examples, ops, diag = screen.examples, screen.ops, screen.diagnosis
     variants = [tuple(float(x) for x in v.split(":")) for v in args.variants.split(",")]
     now = {"ak": 0.0, "av": 0.0, "tau": 1.0, "moved": None}
     selective_layer = forward._selective_layer
@@ -94,9 +83,7 @@ def main() -> int:
     forward._selective_layer = propagated
 
     def error(a, b, mask) -> float:
-        e = ((a.float() - b.float()).norm(dim=-1).norm(dim=-1)
-             / b.float().norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(0)
-        return float(e[mask].mean())
+        return float(token_relative_error(a, b)[mask].mean())
 
     rows = []
     with torch.inference_mode():

@@ -134,3 +134,15 @@ def test_cli_parses_diverge() -> None:
     assert (args.func, args.n, args.offset, args.passages, args.max_tokens, args.top_k, args.head_tokens, args.dtype) == (
         run_diverge, 2, 0, 10, 32, 8, 4, "float32")
     assert str(args.out) == "results/bench_diverge.json"
+
+
+def test_token_relative_error_is_per_token_and_layer_averaged() -> None:
+    from ragcache.bench.screen import token_relative_error
+
+    want = torch.randn(3, 5, 2, 4)  # [L, N, Hkv, D]
+    got = want.clone()
+    got[:, 1] *= 1.1  # token 1: 10% off in every layer
+    got[2, 3] = 0  # token 3: 100% off in one layer of three
+    err = token_relative_error(got.to(torch.bfloat16), want)
+    assert err.shape == (5,) and err.dtype == torch.float32
+    torch.testing.assert_close(err, torch.tensor([0.0, 0.1, 0.0, 1 / 3, 0.0]), atol=5e-3, rtol=0)

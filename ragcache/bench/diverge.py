@@ -338,6 +338,8 @@ class Diagnosis:
         """Step, attended tokens, KV errors and counterfactuals of one answer that parts."""
         import torch
 
+        from ragcache.bench.screen import token_relative_error
+
         s = next((i for i, (a, b) in enumerate(zip(full.tokens, blend.tokens)) if a != b),
                  min(len(full.tokens), len(blend.tokens)))
         s_att = min(s, len(blend.attention) - 1)
@@ -345,10 +347,7 @@ class Diagnosis:
         exact = ctx["exact"]
         kind = ["exact" if exact[i] else ("recomputed" if i in selected else "reused") for i in range(n)]
         # per token, layer-averaged relative L2 error of the blended K/V against full prefill's
-        k_err = ((bk.float() - ctx["full_k"].float()).norm(dim=-1).norm(dim=-1)
-                 / ctx["full_k"].float().norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(dim=0)  # [N]
-        v_err = ((bv.float() - ctx["full_v"].float()).norm(dim=-1).norm(dim=-1)
-                 / ctx["full_v"].float().norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(dim=0)
+        k_err, v_err = token_relative_error(bk, ctx["full_k"]), token_relative_error(bv, ctx["full_v"])  # [N] each
         att = blend.attention[s_att]  # [L, N]
         mass = att.mean(dim=0)  # [N]
         last = att[-1]

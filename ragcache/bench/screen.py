@@ -1,0 +1,95 @@
+"""The set-up the reference screens share: scripts/layer_screen.py, scripts/propagate_screen.py and
+scripts/kv_context_screen.py each replay full prefill and blend on the plain-torch reference
+(:mod:`ragcache.bench.reference`) of a QA slice and change one thing in between.
+
+Owns: :func:`screen_parser` (the arguments every screen takes), :class:`ReferenceScreen` (the
+settings, the slice, the reference model and its :class:`~ragcache.bench.diverge.Diagnosis`) and
+:func:`token_relative_error` (how far a blend's K or V is from full prefill's, per token; also what
+``bench diverge`` reports). Scratch measurement for choosing what to build, not a benchmark: torch
+and transformers are imported only when a screen opens.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ragcache.bench.datasets import QAExample
+    from ragcache.bench.diverge import Diagnosis
+    from ragcache.config import Settings
+
+
+def screen_parser(doc: str, *, n: int, out: str) -> argparse.ArgumentParser:
+    """An argument parser described by ``doc``'s first paragraph, with the arguments every screen
+    takes: ``--dataset`` (required: a QA file, or musique / hotpotqa), ``--offset``, ``--n`` (default
+    ``n``), ``--passages`` (10), ``--dtype`` (float32), ``--max-tokens`` (16, answer tokens) and
+    ``--out`` (default ``out``, a JSON path). The screen adds its own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--dataset", required=True, help="QA file (or musique / hotpotqa)")
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--n", type=int, default=n)
+    ap.add_argument("--passages", type=int, default=10)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=Path(out))
+    return ap
+
+
+@dataclass
+class ReferenceScreen:
+    """What a screen replays its questions on.
+
+    Attributes:
+        settings: the default :class:`~ragcache.config.Settings` (environment overrides apply).
+        examples: the slice ``--offset``, ``--n`` of ``--dataset``.
+        tokenizer: the reference model's tokenizer.
+        ops: its :class:`~ragcache.bench.reference.HFDecoderOps` in ``--dtype``.
+        diagnosis: a :class:`~ragcache.bench.diverge.Diagnosis` over them (``--passages``,
+            ``--max-tokens``; the top 8 attended tokens, 4 head tokens per chunk).
+    """
+
+    settings: "Settings"
+    examples: "list[QAExample]"
+    tokenizer: Any
+    ops: Any
+    diagnosis: "Diagnosis"
+
+    @classmethod
+    def open(cls, args: argparse.Namespace) -> "ReferenceScreen":
+        """Load the slice and the reference model that ``args`` (from :func:`screen_parser`) name.
+
+        Raises:
+            ragcache.models.ModelNotFoundError: the configured model cannot be provided.
+            ValueError: an unknown ``--dtype``.
+            ragcache.bench.datasets.DatasetNotFoundError: ``--dataset`` names no QA file.
+        """
+        from ragcache.bench.datasets import load_qa
+        from ragcache.bench.diverge import Diagnosis
+        from ragcache.bench.reference import load_reference
+        from ragcache.config import Settings
+
+        settings = Settings()
+        examples = load_qa(args.dataset, n=args.n, offset=args.offset)
+        _, tokenizer, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
+        diagnosis = Diagnosis(settings, ops, tokenizer, passages=args.passages, max_tokens=args.max_tokens, top_k=8,
+                              head_tokens=4)
+        return cls(settings, examples, tokenizer, ops, diagnosis)
+
+
+def token_relative_error(got: "torch.Tensor", want: "torch.Tensor") -> "torch.Tensor":
+    """Per token, the relative L2 error of ``got`` against ``want``, averaged over the layers.
+
+    Args:
+        got, want: ``[L, N, Hkv, D]`` K or V of every layer (any float dtype).
+
+    Returns:
+        ``[N]`` float32: ``mean_l ||got[l, i] - want[l, i]|| / ||want[l, i]||`` (norms over the heads
+        and the head dimension; a zero ``want`` row counts as 1e-12).
+    """
+    got, want = got.float(), want.float()
+    return ((got - want).norm(dim=-1).norm(dim=-1) / want.norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(dim=0)
