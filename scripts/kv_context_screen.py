@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ragcache.bench.screen import ReferenceScreen, screen_parser, token_relative_error
+    from ragcache.bench.screen import ReferenceScreen, screen_parser
 
     ap = screen_parser(__doc__, n=12, out="kv_context_screen.json")
     ap.add_argument("--variants", default="text0,text256,nbr2")
@@ -53,7 +53,7 @@ def main() -> int:
 
     from ragcache.bench.datasets import make_chunks
     import ragcache.bench.reference as reference
-    from ragcache.bench.reference import greedy_decode
+    from ragcache.bench.reference import greedy_decode, token_relative_error
     from ragcache.blend import BlendRequest, CachedKV, blend_kv
     from ragcache.models import load_embed_model
     from ragcache.prompt import PromptBuilder, lead_in_for

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ragcache.bench.screen import ReferenceScreen, screen_parser, token_relative_error
+    from ragcache.bench.screen import ReferenceScreen, screen_parser
 
     ap = screen_parser(__doc__, n=10, out="propagate_screen.json")
     ap.add_argument("--variants", default="0:0:1,0.5:0.5:0.05", help="alpha_k:alpha_v:tau, comma-separated")
@@ -48,7 +48,7 @@ def main() -> int:
     import torch.nn.functional as F
 
     import ragcache.blend.forward as forward
-    from ragcache.bench.reference import greedy_decode
+    from ragcache.bench.reference import greedy_decode, token_relative_error
 
     screen = ReferenceScreen.open(args)
     examples, ops, diag = screen.examples, screen.ops, screen.diagnosis

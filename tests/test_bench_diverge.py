@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ragcache.bench.diverge import CAUSES, Diagnosis, aggregate, classify
-from ragcache.bench.reference import HFDecoderOps, greedy_decode
+from ragcache.bench.reference import HFDecoderOps, greedy_decode, token_relative_error
 from ragcache.bench.report import render
 from ragcache.config import Settings
 from tests.hf_ops import hf_layer_kv, tiny_llama
@@ -137,8 +137,6 @@ def test_cli_parses_diverge() -> None:
 
 
 def test_token_relative_error_is_per_token_and_layer_averaged() -> None:
-    from ragcache.bench.screen import token_relative_error
-
     want = torch.randn(3, 5, 2, 4)  # [L, N, Hkv, D]
     got = want.clone()
     got[:, 1] *= 1.1  # token 1: 10% off in every layer

@@ -338,7 +338,7 @@ class Diagnosis:
         """Step, attended tokens, KV errors and counterfactuals of one answer that parts."""
         import torch
 
-        from ragcache.bench.screen import token_relative_error
+        from ragcache.bench.reference import token_relative_error
 
         s = next((i for i, (a, b) in enumerate(zip(full.tokens, blend.tokens)) if a != b),
                  min(len(full.tokens), len(blend.tokens)))

@@ -2,9 +2,10 @@
 
 Owns: :class:`HFDecoderOps` (:class:`ragcache.blend.DecoderOps` over a transformers Llama-family
 model, plus its final norm and LM head), :func:`load_reference` (the configured model as an HF
-folder, through :func:`ragcache.models.resolve_llm`), and :func:`greedy_decode` (the question tail
+folder, through :func:`ragcache.models.resolve_llm`), :func:`greedy_decode` (the question tail
 prefilled and answer tokens decoded greedily over a given context KV, with the attention every
-decode step gives the context).
+decode step gives the context) and :func:`token_relative_error` (how far a blend's K or V is from
+full prefill's, per token).
 
 Why a reference and not the vLLM worker: vLLM's paged cache has no op to read per-token K/V back
 and its attention kernels return no attention weights, so a step's attention over the context and
@@ -195,3 +196,17 @@ def greedy_decode(ops: HFDecoderOps, ctx_k: Sequence[torch.Tensor], ctx_v: Seque
             start += n
             ids = torch.tensor([token], device=ops.device)
     return trace
+
+
+def token_relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per token, the relative L2 error of ``got`` against ``want``, averaged over the layers.
+
+    Args:
+        got, want: ``[L, N, Hkv, D]`` K or V of every layer (any float dtype).
+
+    Returns:
+        ``[N]`` float32: ``mean_l ||got[l, i] - want[l, i]|| / ||want[l, i]||`` (norms over the heads
+        and the head dimension; a zero ``want`` row counts as 1e-12).
+    """
+    got, want = got.float(), want.float()
+    return ((got - want).norm(dim=-1).norm(dim=-1) / want.norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(dim=0)

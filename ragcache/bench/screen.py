@@ -3,10 +3,10 @@ scripts/kv_context_screen.py each replay full prefill and blend on the plain-tor
 (:mod:`ragcache.bench.reference`) of a QA slice and change one thing in between.
 
 Owns: :func:`screen_parser` (the arguments every screen takes), :class:`ReferenceScreen` (the
-settings, the slice, the reference model and its :class:`~ragcache.bench.diverge.Diagnosis`) and
-:func:`token_relative_error` (how far a blend's K or V is from full prefill's, per token; also what
-``bench diverge`` reports). Scratch measurement for choosing what to build, not a benchmark: torch
-and transformers are imported only when a screen opens.
+settings, the slice, the reference model and its :class:`~ragcache.bench.diverge.Diagnosis`); the
+screens' KV error is :func:`ragcache.bench.reference.token_relative_error`, what ``bench diverge``
+reports. Scratch measurement for choosing what to build, not a benchmark: torch and transformers
+are imported only when a screen opens.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
     from ragcache.bench.datasets import QAExample
     from ragcache.bench.diverge import Diagnosis
     from ragcache.config import Settings
@@ -80,16 +78,3 @@ class ReferenceScreen:
                               head_tokens=4)
         return cls(settings, examples, tokenizer, ops, diagnosis)
 
-
-def token_relative_error(got: "torch.Tensor", want: "torch.Tensor") -> "torch.Tensor":
-    """Per token, the relative L2 error of ``got`` against ``want``, averaged over the layers.
-
-    Args:
-        got, want: ``[L, N, Hkv, D]`` K or V of every layer (any float dtype).
-
-    Returns:
-        ``[N]`` float32: ``mean_l ||got[l, i] - want[l, i]|| / ||want[l, i]||`` (norms over the heads
-        and the head dimension; a zero ``want`` row counts as 1e-12).
-    """
-    got, want = got.float(), want.float()
-    return ((got - want).norm(dim=-1).norm(dim=-1) / want.norm(dim=-1).norm(dim=-1).clamp_min(1e-12)).mean(dim=0)
