@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ragcache.bench.screen import ReferenceScreen, screen_parser
+    from ragcache.bench.screen import open_screen, screen_parser
 
     ap = screen_parser(__doc__, n=12, out="kv_context_screen.json")
     ap.add_argument("--variants", default="text0,text256,nbr2")
@@ -58,8 +58,8 @@ def main() -> int:
     from ragcache.models import load_embed_model
     from ragcache.prompt import PromptBuilder, lead_in_for
 
-    screen = ReferenceScreen.open(args)
-    settings, examples, tok, ops, diag = screen.settings, screen.examples, screen.tokenizer, screen.ops, screen.diagnosis
+    examples, diag = open_screen(args)
+    settings, tok, ops = diag.settings, diag.tokenizer, diag.ops
     variants, ratios = args.variants.split(","), args.ratios.split(",")
     tempers = [tuple(float(x) for x in t.split(":")) for t in args.temper.split(",")]
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ragcache.bench.screen import ReferenceScreen, screen_parser
+    from ragcache.bench.screen import open_screen, screen_parser
 
     ap = screen_parser(__doc__, n=10, out="layer_screen.json")
     ap.add_argument("--bands", default="0-15,15-30", help="layer bands A-B (kA-B: K only, vA-B: V only)")
@@ -47,8 +47,8 @@ def main() -> int:
     from ragcache.bench.reference import _attend, greedy_decode
     from ragcache.prompt import PromptBuilder, lead_in_for
 
-    screen = ReferenceScreen.open(args)
-    settings, examples, tok, ops, diag = screen.settings, screen.examples, screen.tokenizer, screen.ops, screen.diagnosis
+    examples, diag = open_screen(args)
+    settings, tok, ops = diag.settings, diag.tokenizer, diag.ops
     builder = PromptBuilder(tok, settings.prompt, "reference", compute_dtype=str(ops.dtype))
     L = ops.num_layers
     bands = {}

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    from ragcache.bench.screen import ReferenceScreen, screen_parser
+    from ragcache.bench.screen import open_screen, screen_parser
 
     ap = screen_parser(__doc__, n=10, out="propagate_screen.json")
     ap.add_argument("--variants", default="0:0:1,0.5:0.5:0.05", help="alpha_k:alpha_v:tau, comma-separated")
@@ -50,8 +50,8 @@ def main() -> int:
     import ragcache.blend.forward as forward
     from ragcache.bench.reference import greedy_decode, token_relative_error
 
-    screen = ReferenceScreen.open(args)
-    examples, ops, diag = screen.examples, screen.ops, screen.diagnosis
+    examples, diag = open_screen(args)
+    ops = diag.ops
     variants = [tuple(float(x) for x in v.split(":")) for v in args.variants.split(",")]
     now = {"ak": 0.0, "av": 0.0, "tau": 1.0, "moved": None}
     selective_layer = forward._selective_layer

@@ -2,24 +2,22 @@
 scripts/kv_context_screen.py each replay full prefill and blend on the plain-torch reference
 (:mod:`ragcache.bench.reference`) of a QA slice and change one thing in between.
 
-Owns: :func:`screen_parser` (the arguments every screen takes), :class:`ReferenceScreen` (the
-settings, the slice, the reference model and its :class:`~ragcache.bench.diverge.Diagnosis`); the
-screens' KV error is :func:`ragcache.bench.reference.token_relative_error`, what ``bench diverge``
-reports. Scratch measurement for choosing what to build, not a benchmark: torch and transformers
-are imported only when a screen opens.
+Owns: :func:`screen_parser` (the arguments every screen takes) and :func:`open_screen` (the slice
+and a :class:`~ragcache.bench.diverge.Diagnosis` on the reference model); the screens' KV error is
+:func:`ragcache.bench.reference.token_relative_error`, what ``bench diverge`` reports. Scratch
+measurement for choosing what to build, not a benchmark: torch and transformers are imported only
+when a screen opens.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ragcache.bench.datasets import QAExample
     from ragcache.bench.diverge import Diagnosis
-    from ragcache.config import Settings
 
 
 def screen_parser(doc: str, *, n: int, out: str) -> argparse.ArgumentParser:
@@ -38,43 +36,25 @@ def screen_parser(doc: str, *, n: int, out: str) -> argparse.ArgumentParser:
     return ap
 
 
-@dataclass
-class ReferenceScreen:
-    """What a screen replays its questions on.
+def open_screen(args: argparse.Namespace) -> "tuple[list[QAExample], Diagnosis]":
+    """The slice ``--offset``, ``--n`` of ``--dataset`` and a
+    :class:`~ragcache.bench.diverge.Diagnosis` on the reference model in ``--dtype`` (``--passages``,
+    ``--max-tokens``; the top 8 attended tokens, 4 head tokens per chunk), for ``args`` from
+    :func:`screen_parser`. The diagnosis carries the settings (the defaults, environment overrides
+    applied), the model's ops and its tokenizer.
 
-    Attributes:
-        settings: the default :class:`~ragcache.config.Settings` (environment overrides apply).
-        examples: the slice ``--offset``, ``--n`` of ``--dataset``.
-        tokenizer: the reference model's tokenizer.
-        ops: its :class:`~ragcache.bench.reference.HFDecoderOps` in ``--dtype``.
-        diagnosis: a :class:`~ragcache.bench.diverge.Diagnosis` over them (``--passages``,
-            ``--max-tokens``; the top 8 attended tokens, 4 head tokens per chunk).
+    Raises:
+        ragcache.models.ModelNotFoundError: the configured model cannot be provided.
+        ValueError: an unknown ``--dtype``.
+        ragcache.bench.datasets.DatasetNotFoundError: ``--dataset`` names no QA file.
     """
+    from ragcache.bench.datasets import load_qa
+    from ragcache.bench.diverge import Diagnosis
+    from ragcache.bench.reference import load_reference
+    from ragcache.config import Settings
 
-    settings: "Settings"
-    examples: "list[QAExample]"
-    tokenizer: Any
-    ops: Any
-    diagnosis: "Diagnosis"
-
-    @classmethod
-    def open(cls, args: argparse.Namespace) -> "ReferenceScreen":
-        """Load the slice and the reference model that ``args`` (from :func:`screen_parser`) name.
-
-        Raises:
-            ragcache.models.ModelNotFoundError: the configured model cannot be provided.
-            ValueError: an unknown ``--dtype``.
-            ragcache.bench.datasets.DatasetNotFoundError: ``--dataset`` names no QA file.
-        """
-        from ragcache.bench.datasets import load_qa
-        from ragcache.bench.diverge import Diagnosis
-        from ragcache.bench.reference import load_reference
-        from ragcache.config import Settings
-
-        settings = Settings()
-        examples = load_qa(args.dataset, n=args.n, offset=args.offset)
-        _, tokenizer, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
-        diagnosis = Diagnosis(settings, ops, tokenizer, passages=args.passages, max_tokens=args.max_tokens, top_k=8,
-                              head_tokens=4)
-        return cls(settings, examples, tokenizer, ops, diagnosis)
-
+    settings = Settings()
+    examples = load_qa(args.dataset, n=args.n, offset=args.offset)
+    _, tokenizer, ops = load_reference(settings.models.model, settings.models.cache_dir, args.dtype)
+    return examples, Diagnosis(settings, ops, tokenizer, passages=args.passages, max_tokens=args.max_tokens, top_k=8,
+                               head_tokens=4)
