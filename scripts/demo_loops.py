@@ -72,7 +72,7 @@ def main() -> None:
             print(q, " ".join(f"{m}:{'LOOP' if row[m]['loop'] else 'ok'}" for m in modes), flush=True)
     finally:
         rag.engine.close()
-    print(f"\n| mode | loops | of | which |\n|---|---:|---:|---|")
+    print("\n| mode | loops | of | which |\n|---|---:|---:|---|")
     for mode in modes:
         looped = [r["question"].split()[2].rstrip("?") for r in rows if r[mode]["loop"]]
         print(f"| {mode} | {len(looped)} | {len(rows)} | {', '.join(looped)} |")
