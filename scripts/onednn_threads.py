@@ -10,7 +10,8 @@ while layers are read ahead in the background is recomputed on the caller's thre
 The script multiplies a few activation shapes by a SmolLM2-sized projection (576 x 1536), first
 on one thread, then the same calls on two threads at once, and counts the products that differ
 bitwise from the one-thread result. It prints the counts and writes them, with the CPU model and
-flags, as JSON.
+flags, as JSON. The two-thread part may kill the process instead (a segmentation fault or an
+abort: an exit status of 139 or 134): that is the same finding.
 
 Usage::
 
