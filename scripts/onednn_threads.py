@@ -9,9 +9,10 @@ while layers are read ahead in the background is recomputed on the caller's thre
 
 The script multiplies a few activation shapes by a SmolLM2-sized projection (576 x 1536), first
 on one thread, then the same calls on two threads at once, and counts the products that differ
-bitwise from the one-thread result. It prints the counts and writes them, with the CPU model and
-flags, as JSON. The two-thread part may kill the process instead (a segmentation fault or an
-abort: an exit status of 139 or 134): that is the same finding.
+bitwise from the one-thread result. It prints the counts and writes them, with the machine
+(``ragcache.bench.environment.machine_info``) and the CPU's reported flags, as JSON. The two-thread
+part may kill the process instead (a segmentation fault or an abort: an exit status of 139 or
+134): that is the same finding.
 
 Usage::
 
@@ -24,30 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 SHAPES = (7, 300, 1500, 3000)  # activation rows: a decode step to a long prefill
 K, N = 576, 1536  # SmolLM2-135M's hidden size and its MLP width
-
-
-def cpu_model() -> dict[str, str]:
-    """``model`` and ``flags`` of the first CPU in /proc/cpuinfo (empty strings elsewhere)."""
-    info = {"model": platform.processor(), "flags": ""}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name.strip() == "model name":
-                    info["model"] = value.strip()
-                elif name.strip() == "flags":
-                    info["flags"] = value.strip()
-                    break
-    except OSError:
-        pass
-    return info
 
 
 def main() -> None:
@@ -58,6 +45,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm import _custom_ops as ops
+
+    from ragcache.bench.environment import machine_info
+    from ragcache.engine.dtype import REPORTED_CPU_FLAGS, cpu_flags
 
     if not getattr(ops, "_supports_onednn", False):
         raise SystemExit("this vLLM build has no onednn_mm (a GPU build?): nothing to check")
@@ -84,13 +74,14 @@ def main() -> None:
         calls = threads * args.rounds * len(SHAPES)
         rows.append({"threads": threads, "calls": calls, "differ": sum(differ[:threads])})
 
-    print(f"onednn_mm, {args.dtype}, {K}x{N} weights, rows {SHAPES}; CPU: {cpu_model()['model']}")
+    machine = {**machine_info(), "cpu_flags": sorted(cpu_flags() & set(REPORTED_CPU_FLAGS))}
+    print(f"onednn_mm, {args.dtype}, {K}x{N} weights, rows {SHAPES}; CPU: {machine.get('cpu_model')}")
     print("| threads at once | products | differ from one thread's |")
     print("|---|---:|---:|")
     for row in rows:
         print(f"| {row['threads']} | {row['calls']:,} | {row['differ']:,} |")
     with open(args.out, "w") as f:
-        json.dump({"dtype": args.dtype, "shape": [K, N], "rows_per_call": SHAPES, "cpu": cpu_model(),
+        json.dump({"dtype": args.dtype, "shape": [K, N], "rows_per_call": SHAPES, "machine": machine,
                    "torch_threads": torch.get_num_threads(), "results": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
