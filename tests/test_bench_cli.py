@@ -112,6 +112,10 @@ def test_bench_ttft_cli_writes_every_mode_and_field(tmp_path):
                                    "auto_blended_gold_nll", "auto_route_cost"} | f1
     assert res["routes"]["all"]["n"] == 2 and "long" not in res["routes"]  # 3 passages: short prompts only
     assert res["blend_ops"]["n"] == 2 and res["targets"]["blend_aten_ops"]["value"] == res["blend_ops"]["total_median"]
+    # put down to ragcache's code (selection, the adapter's glue, decoding) and to vLLM's modules (linear layers,
+    # norms): both called some
+    assert 0 < res["blend_ops"]["own_median"] < res["blend_ops"]["total_median"]
+    assert "called by ragcache's code" in res["targets"]["blend_aten_ops"]["note"]
     assert "ratio_one_vs_plain" not in res["targets"]
     for ex in res["examples"]:
         assert set(ex["results"]) == {"full", "plain", "floor", "prefix", "reuse", "blend@0", "blend@0.15", "auto"}

@@ -128,6 +128,9 @@ def test_targets_depend_on_the_prompt_length_class():
     assert counted["value"] == 4200 and counted["max"] == TARGETS["blend_ops_max"] and counted["met"] is False
     assert "140 per layer" in counted["note"]
     assert ttft_targets(modes(1500.0), None, {**ops, "total_median": 900})["blend_aten_ops"]["met"] is True
+    assert "ragcache's code" not in counted["note"]  # a run without the split says nothing of it
+    split = ttft_targets(modes(6100.0), None, {**ops, "own_median": 2100})["blend_aten_ops"]["note"]
+    assert "2100 called by ragcache's code" in split
 
 
 def test_agreed_prefix_counts_tokens_until_the_first_divergence():

@@ -10,7 +10,12 @@ The count is taken with torch's profiler (``torch.profiler.profile``, CPU activi
 event whose name is ``namespace::name`` (``aten::`` and an engine's custom operators, e.g. vLLM's
 ``_C::``) and whose parent event is not itself an operator, i.e. the operators Python code called,
 not the ones they call inside. Profiler scopes (``profiler::`` and ``record_function`` labels) are
-not operators. Must not import vLLM, transformers, or anything above blend/ in ragcache.
+not operators. Each operator is also put down to the code that called it (the profiler records the
+Python stack): ragcache's own code (``own``), or the engine's modules (vLLM's layers, its custom-op
+wrappers) and any other library (the rest), by the innermost Python frame outside torch. Which part
+of a blend ragcache can shrink, and which is the engine's build (vLLM's CPU build runs its RMS norm
+and SiluAndMul in their native torch form, a CUDA build as one kernel each), is then in the count.
+Must not import vLLM, transformers, or anything above blend/ in ragcache.
 """
 
 from __future__ import annotations
@@ -29,12 +34,30 @@ _OPERATOR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_]")
 _KINETO_QUIET = "6"
 #: namespaces of profiler bookkeeping, not operators
 _NOT_OPERATORS = ("profiler::",)
+#: the ragcache package's directory: a Python frame in a file under it is ragcache's own code
+_OWN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: a Python frame's event name: ``/path/to/file.py(123): function``
+_FRAME = re.compile(r"^(?P<file>.+\.py)\(\d+\): ")
 
 
 def is_operator(name: str) -> bool:
     """True for an operator event's name (``aten::mm``, ``_C::rotary_embedding``), False for a
     profiler scope or a label."""
     return bool(_OPERATOR.match(name)) and not name.startswith(_NOT_OPERATORS)
+
+
+def _called_by_own_code(event: Any) -> bool:
+    """True when the innermost Python frame above ``event`` outside torch's own files is in ragcache
+    (the frames are the profiler's ``with_stack`` events; none: not ragcache's)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        frame = _FRAME.match(parent.name)
+        if frame is not None:
+            path = os.path.abspath(frame.group("file"))
+            if f"{os.sep}torch{os.sep}" not in path:
+                return path.startswith(_OWN_ROOT)
+        parent = parent.cpu_parent
+    return False
 
 
 @dataclass
@@ -45,11 +68,14 @@ class OpCount:
         total: top-level operators (see the module docstring).
         by_namespace: ``{"aten": 812, "_C": 64}``.
         by_name: ``{"aten::mm": 120, ...}``, every top-level operator by name.
+        own: those of :attr:`total` that ragcache's own code called (the module docstring); the rest
+            were called inside the engine's modules or other libraries.
     """
 
     total: int = 0
     by_namespace: dict[str, int] = field(default_factory=dict)
     by_name: dict[str, int] = field(default_factory=dict)
+    own: int = 0
 
     @property
     def aten(self) -> int:
@@ -58,13 +84,14 @@ class OpCount:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (travels through ``collective_rpc`` and into benchmark JSON)."""
-        return {"total": self.total, "aten": self.aten, "by_namespace": dict(self.by_namespace),
+        return {"total": self.total, "aten": self.aten, "own": self.own, "by_namespace": dict(self.by_namespace),
                 "by_name": dict(self.by_name)}
 
     @classmethod
     def of_events(cls, events: Any) -> "OpCount":
         """The count over a profiler's ``events()`` (``torch.autograd.profiler_util.EventList``)."""
         names: Counter = Counter()
+        own = 0
         for event in events:
             if not is_operator(event.name):
                 continue
@@ -72,10 +99,11 @@ class OpCount:
             if parent is not None and is_operator(parent.name):
                 continue
             names[event.name] += 1
+            own += _called_by_own_code(event)
         spaces: Counter = Counter()
         for name, n in names.items():
             spaces[name.split("::", 1)[0]] += n
-        return cls(total=sum(names.values()), by_namespace=dict(spaces), by_name=dict(names.most_common()))
+        return cls(total=sum(names.values()), by_namespace=dict(spaces), by_name=dict(names.most_common()), own=own)
 
 
 @contextmanager
@@ -91,7 +119,8 @@ def count_ops() -> Iterator[OpCount]:
     from torch.profiler import ProfilerActivity, profile
 
     result = OpCount()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         yield result
     counted = OpCount.of_events(prof.events())
-    result.total, result.by_namespace, result.by_name = counted.total, counted.by_namespace, counted.by_name
+    result.total, result.by_namespace, result.by_name, result.own = (counted.total, counted.by_namespace,
+                                                                     counted.by_name, counted.own)
