@@ -207,6 +207,18 @@ def test_a_pass_dispatches_as_many_operators_whatever_its_chunks_runs_and_reques
     assert counts[4] <= 1.3 * counts[1]
 
 
+def test_a_pass_s_operators_are_put_down_to_the_blend_and_to_the_model_it_runs(ops):
+    """The count splits the blend's own operators (selection, staging, its attention plan) from those
+    the model adapter's modules dispatch (here the test adapter's transformers layers: not ragcache's)."""
+    context = [make_context(ops, 3, [30, 22])]
+    with count_ops() as counted:
+        blend_batch(ops, [request(*context[0], recompute_ratio=0.3)], staged(context), on_layer=lambda *a: None,
+                    attention=ZeroAttention(), write_rows=lambda *a: None, prefetch=False)
+    linear = counted.by_name.get("aten::linear", 0)
+    assert linear >= 4 * ops.num_layers  # q/k/v/o (and the MLP's) projections of every selective layer
+    assert 0 < counted.own <= counted.total - linear
+
+
 @pytest.mark.parametrize("size", [1, 3])
 def test_the_attention_pairs_are_the_selective_queries_causal_keys(ops, contexts, size):
     """``attention_pairs`` counts, over the selective layers' attention calls, each recomputed query with

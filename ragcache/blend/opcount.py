@@ -36,7 +36,7 @@ _KINETO_QUIET = "6"
 _NOT_OPERATORS = ("profiler::",)
 #: the ragcache package's directory: a Python frame in a file under it is ragcache's own code
 _OWN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-#: a Python frame's event name: ``/path/to/file.py(123): function``
+#: a Python frame's event name: ``ragcache/blend/select.py(418): tail_attention`` (see _package_of)
 _FRAME = re.compile(r"^(?P<file>.+\.py)\(\d+\): ")
 
 
@@ -53,11 +53,22 @@ def _called_by_own_code(event: Any) -> bool:
     while parent is not None:
         frame = _FRAME.match(parent.name)
         if frame is not None:
-            path = os.path.abspath(frame.group("file"))
-            if f"{os.sep}torch{os.sep}" not in path:
-                return path.startswith(_OWN_ROOT)
+            package = _package_of(frame.group("file"))
+            if package != "torch":
+                return package == "ragcache"
         parent = parent.cpu_parent
     return False
+
+
+def _package_of(path: str) -> str:
+    """The top-level package of a profiler frame's file: the profiler names files relative to the
+    ``sys.path`` entry they were found under (``ragcache/blend/select.py``, ``torch/_ops.py``); an
+    absolute path is ragcache's when it lies in this package's directory."""
+    if os.path.isabs(path):
+        if path.startswith(_OWN_ROOT):
+            return "ragcache"
+        return "torch" if f"{os.sep}torch{os.sep}" in path else path
+    return path.replace("\\", "/").split("/", 1)[0]
 
 
 @dataclass
