@@ -60,6 +60,28 @@ def test_the_compute_floor_counts_the_tokens_the_blend_recomputed_not_the_nomina
     shallow = with_floor(stages, check_layer=0, num_layers=30, depth_layers=27)  # blend.recompute_depth 0.9
     assert shallow["floor_s"] == pytest.approx(1 / 30 * 3.0 + 0.3 * 26 / 30 * 3.0 + 0.1, abs=1e-3)
     assert shallow["depth_layers"] == 27 and got["depth_layers"] == 30
+    # the plan's fast path (question selection at check layer 0) runs no layer for every token
+    fast = with_floor(stages, check_layer=0, num_layers=30, full_layers=0)
+    assert fast["floor_s"] == pytest.approx(0.3 * 3.0 + 0.1, abs=1e-3) and fast["full_layers"] == 0
+    assert fast["worker_vs_floor"] > got["worker_vs_floor"]
+
+
+def test_the_pair_floor_prices_the_prefill_s_attention_by_the_query_key_pairs_the_selection_implies():
+    from ragcache.bench.ttft import with_floor
+
+    # ratio 1: attention 6 s of 6 + 3 s selective stages (a = 2/3); the blend attends 0.25 of its pairs at r = 0.15
+    stages = {"ttft_s_plain": 9.0, "ratio": 0.15, "recomputed_frac": 0.15, "ttft_s_ratio_one": 9.0,
+              "worker_s_reuse": 0.1, "worker_s": 2.5, "attention_pairs": 2.5e8, "attention_pairs_ratio_one": 1e9,
+              "stages_s_ratio_one": {"selective_attention_s": 6.0, "selective_layers_s": 3.0}}
+    st = with_floor(stages, check_layer=0, num_layers=30, full_layers=0)
+    assert st["attention_share_ratio_one"] == pytest.approx(0.667, abs=1e-3)
+    assert st["floor_s"] == pytest.approx(0.15 * 9.0 + 0.1, abs=1e-3)
+    assert st["pair_floor_s"] == pytest.approx(9.0 * (0.15 / 3 + 0.25 * 2 / 3) + 0.1, abs=2e-3)
+    assert st["worker_vs_pair_floor"] == pytest.approx(2.5 / st["pair_floor_s"], abs=1e-3)
+    assert st["worker_vs_pair_floor"] < st["worker_vs_floor"]  # late tokens' extra keys are the selection's, not waste
+    # without a ratio-1 run there is no attention share, so no pair floor
+    alone = with_floor({**stages, "stages_s_ratio_one": {}, "attention_pairs_ratio_one": None}, 0, 30, full_layers=0)
+    assert alone["pair_floor_s"] is None and alone["worker_vs_pair_floor"] is None and alone["floor_s"] is not None
 
 
 def test_the_selective_attention_is_judged_per_query_key_pair_against_the_ratio_one_path():

@@ -115,11 +115,17 @@ def _stage_table(st: Mapping[str, Any]) -> Table:
     if st.get("floor_s") is not None:
         depth = st.get("depth_layers") or st["num_layers"]
         where = f"c={st['check_layer']}, L={st['num_layers']}" + (f", D={depth}" if depth != st["num_layers"] else "")
+        if st.get("full_layers") is not None:
+            where += f", F={st['full_layers']}"
         share = st.get("recomputed_frac") or st.get("ratio")
         where += "" if share is None else f", r={share:.2f}"
         rows.append(line(f"compute floor vs plain ({where})", st["floor_s"],
                          None, None))
         rows.append(line("worker / floor", st["worker_vs_floor"], None, None))
+    if st.get("pair_floor_s") is not None:
+        rows.append(line(f"floor by query-key pairs (attention a={st['attention_share_ratio_one']:.2f} of ratio 1's)",
+                         st["pair_floor_s"], None, None))
+        rows.append(line("worker / pair floor", st["worker_vs_pair_floor"], None, None))
     if st.get("attention_ns_per_pair") is not None:
         rows.append(line("selective attention ns per query-key pair", st["attention_ns_per_pair"],
                          st.get("attention_ns_per_pair_ratio_one"), None))

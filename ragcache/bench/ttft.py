@@ -79,7 +79,10 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
     from ragcache.blend.forward import recompute_layers
 
     check_layer, num_layers = blend_settings.check_layer_for(strategy), num_hidden_layers(engine.llm_info.path)
-    layers = (check_layer, num_layers, recompute_layers(blend_settings.recompute_depth, num_layers, check_layer))
+    # the plan's fast path (check layer 0, no KV deviation to measure) runs no layer for every context token
+    fast_path = check_layer == 0 and not blend_settings.measures_deviation(strategy)
+    layers = (check_layer, num_layers, recompute_layers(blend_settings.recompute_depth, num_layers, check_layer),
+              0 if fast_path else check_layer + 1)
 
     def result(partial: bool = False) -> dict[str, Any]:
         out = _ttft_result(variants, records, default_ratio, main_name, passages, max_tokens, prefix_warmup,
@@ -208,7 +211,7 @@ def _quality_record(g: "Generation", gens: Mapping[str, "Generation"], v: Varian
 
 def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], default_ratio: float,
                  main_name: str | None, passages: int, max_tokens: int, prefix_warmup: str, run_s: float,
-                 layers: tuple[int, int, int]) -> dict[str, Any]:
+                 layers: tuple[int, int, int, int]) -> dict[str, Any]:
     summaries = {v.name: summarize_variant(v, records) for v in variants}
     routes = route_table(records, main_name) if "auto" in summaries else None
     main = {"full": summaries["full"]}
@@ -382,42 +385,62 @@ def stage_table(summaries: Mapping[str, Mapping[str, Any]], main_name: str | Non
 
 
 def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
-               depth_layers: int | None = None) -> dict[str, Any] | None:
+               depth_layers: int | None = None, full_layers: int | None = None) -> dict[str, Any] | None:
     """``stages`` plus the blend's compute floor against plain vLLM's prefill.
 
-    floor = (c + 1) / L x t(plain) + r x (D - c - 1) / L x t(plain) + t(reuse), with t(plain) the
-    median TTFT of plain vLLM's full prefill of the same prompts (what a user would run instead), r
-    the share of context tokens the blend recomputed (mean over the examples: the ratio, or more where
-    ``blend.min_recompute_tokens`` raised a short context's budget), c the check layer, L the layers,
-    D the layers the recomputed tokens go through (``blend.recompute_depth``; default L: every layer)
-    (the layers up to the check layer run for every token, layers c+1 .. D-1 for the
-    recomputed share, the rest for none) and
-    t(reuse) reuse's median worker seconds (moving and writing the reused KV). Adds ``floor_s``,
-    ``worker_vs_floor`` and ``ratio_one_vs_plain`` (median TTFT of the own ratio-1 path over
-    plain's) and ``attention_per_pair_vs_ratio_one`` (the selective attention's median seconds per
+    floor = F / L x t(plain) + r x (D - F) / L x t(plain) + t(reuse), with t(plain) the median TTFT
+    of plain vLLM's full prefill of the same prompts (what a user would run instead), r the share of
+    context tokens the blend recomputed (mean over the examples: the ratio, or more where
+    ``blend.min_recompute_tokens`` raised a short context's budget), L the layers, D the layers the
+    recomputed tokens go through (``blend.recompute_depth``; default L: every layer), F the layers
+    every context token goes through (``full_layers``: the check layer's c + 1, or 0 on the plan's
+    fast path, check layer 0 with no KV deviation to measure, where the selected tokens start at
+    layer 0 and no layer runs for all of them; :func:`ragcache.blend.plan.plan_blend`) and t(reuse)
+    reuse's median worker seconds (moving and writing the reused KV).
+
+    That floor prices the recomputed tokens at their share of the prefill. Their attention costs
+    more where the selection favours late tokens, which see more keys, so with a ratio-1 run beside
+    it a second floor prices the prefill's attention by query-key pairs: with a = the ratio-1 path's
+    attention share of its selective stages and p = the blend's pairs over the ratio-1 path's,
+    pair floor = F / L x t(plain) + (D - F) / L x t(plain) x ((1 - a) x r + a x p) + t(reuse). The
+    first ratio says what the blend costs against its share of tokens, the second what its execution
+    costs against the work its selection implies.
+
+    Adds ``full_layers``, ``floor_s``, ``worker_vs_floor``, ``pair_floor_s``, ``worker_vs_pair_floor``,
+    ``attention_share_ratio_one`` (a), ``ratio_one_vs_plain`` (median TTFT of the own ratio-1 path over
+    plain's), ``attention_per_pair_vs_ratio_one`` (the selective attention's median seconds per
     query-key pair over the ratio-1 path's, whose attention is a full prefill's: 1.0 means the
-    recomputed queries cost what a prefill's do per pair) and ``attention_pairs_vs_ratio_one`` (its
-    query-key pairs over the ratio-1 path's: above the recomputed share where the selection favours
-    late tokens, which see more keys); each None when its inputs were not run.
+    recomputed queries cost what a prefill's do per pair) and ``attention_pairs_vs_ratio_one`` (p);
+    each None when its inputs were not run.
     """
     if not stages:
         return stages
     t_plain, one = stages["ttft_s_plain"], stages["ttft_s_ratio_one"]
     r = stages.get("recomputed_frac") or stages["ratio"]
-    floor = None
     depth = num_layers if depth_layers is None else depth_layers
+    full = check_layer + 1 if full_layers is None else full_layers
+    pairs = (rounded(stages["attention_pairs"] / stages["attention_pairs_ratio_one"], 3)
+             if (stages.get("attention_pairs") and stages.get("attention_pairs_ratio_one")) else None)
+    selective_one = stages.get("stages_s_ratio_one") or {}
+    attention_one, layers_one = selective_one.get("selective_attention_s"), selective_one.get("selective_layers_s")
+    share = (rounded(attention_one / (attention_one + layers_one), 3)
+             if (attention_one and layers_one is not None) else None)
+    floor = pair_floor = None
     if t_plain:
-        floor = ((check_layer + 1) / num_layers * t_plain + r * (depth - check_layer - 1) / num_layers * t_plain
-                 + stages["worker_s_reuse"])
+        floor = full / num_layers * t_plain + r * (depth - full) / num_layers * t_plain + stages["worker_s_reuse"]
+        if pairs is not None and share is not None:
+            pair_floor = (full / num_layers * t_plain + (depth - full) / num_layers * t_plain
+                          * ((1 - share) * r + share * pairs) + stages["worker_s_reuse"])
     return {**stages, "check_layer": check_layer, "num_layers": num_layers, "depth_layers": depth,
-            "floor_s": rounded(floor),
+            "full_layers": full, "floor_s": rounded(floor),
             "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None,
+            "pair_floor_s": rounded(pair_floor), "attention_share_ratio_one": share,
+            "worker_vs_pair_floor": rounded(stages["worker_s"] / pair_floor, 3) if pair_floor else None,
             "ratio_one_vs_plain": rounded(one / t_plain, 3) if (one and t_plain) else None,
             "attention_per_pair_vs_ratio_one": rounded(stages["attention_ns_per_pair"]
                                                        / stages["attention_ns_per_pair_ratio_one"], 3)
             if (stages.get("attention_ns_per_pair") and stages.get("attention_ns_per_pair_ratio_one")) else None,
-            "attention_pairs_vs_ratio_one": rounded(stages["attention_pairs"] / stages["attention_pairs_ratio_one"], 3)
-            if (stages.get("attention_pairs") and stages.get("attention_pairs_ratio_one")) else None}
+            "attention_pairs_vs_ratio_one": pairs}
 
 
 def ttft_targets(main: Mapping[str, Mapping[str, Any]], stages: Mapping[str, Any] | None = None,
