@@ -61,6 +61,8 @@ def test_the_compute_floor_counts_the_tokens_the_blend_recomputed_not_the_nomina
     assert shallow["floor_s"] == pytest.approx(1 / 30 * 3.0 + 0.3 * 26 / 30 * 3.0 + 0.1, abs=1e-3)
     assert shallow["depth_layers"] == 27 and got["depth_layers"] == 30
     # the plan's fast path (question selection at check layer 0) runs no layer for every token
+    from ragcache.blend.plan import layers_for_every_token
+    assert [layers_for_every_token(0, False), layers_for_every_token(0, True), layers_for_every_token(2, False)] == [0, 1, 3]
     fast = with_floor(stages, check_layer=0, num_layers=30, full_layers=0)
     assert fast["floor_s"] == pytest.approx(0.3 * 3.0 + 0.1, abs=1e-3) and fast["full_layers"] == 0
     assert fast["worker_vs_floor"] > got["worker_vs_floor"]

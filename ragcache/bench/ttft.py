@@ -77,12 +77,11 @@ def run_ttft(engine: "BlendEngine", examples: Sequence[QAExample], *, modes: Seq
 
     strategy = main.spec.strategy if main is not None and main.spec is not None else blend_settings.selection
     from ragcache.blend.forward import recompute_layers
+    from ragcache.blend.plan import layers_for_every_token
 
     check_layer, num_layers = blend_settings.check_layer_for(strategy), num_hidden_layers(engine.llm_info.path)
-    # the plan's fast path (check layer 0, no KV deviation to measure) runs no layer for every context token
-    fast_path = check_layer == 0 and not blend_settings.measures_deviation(strategy)
     layers = (check_layer, num_layers, recompute_layers(blend_settings.recompute_depth, num_layers, check_layer),
-              0 if fast_path else check_layer + 1)
+              layers_for_every_token(check_layer, blend_settings.measures_deviation(strategy)))
 
     def result(partial: bool = False) -> dict[str, Any]:
         out = _ttft_result(variants, records, default_ratio, main_name, passages, max_tokens, prefix_warmup,
@@ -148,7 +147,7 @@ def _blend_ops(engine: "BlendEngine", prompt: "AssembledPrompt", main: Variant) 
     step = steps[-1]
     ops, layers = step["ops"], max(int(step["layers"]), 1)
     return {"total": ops["total"], "per_layer": round(ops["total"] / layers, 1), "aten": ops["aten"],
-            "own": ops.get("own"), "layers": layers, "top": dict(list(ops["by_name"].items())[:10])}
+            "own": ops["own"], "layers": layers, "top": dict(list(ops["by_name"].items())[:10])}
 
 
 def _plain_generation(engine: "BlendEngine", plain: PlainVLLM, prompt: "AssembledPrompt",
@@ -228,8 +227,7 @@ def _ttft_result(variants: Sequence[Variant], records: list[dict[str, Any]], def
     blend_ops = ({"total_median": median([c["total"] for c in counted]),
                   "per_layer_median": median([c["per_layer"] for c in counted]),
                   "aten_median": median([c["aten"] for c in counted]),
-                  "own_median": median([c["own"] for c in counted]) if all(c.get("own") is not None for c in counted)
-                  else None, "n": len(counted)} if counted else None)
+                  "own_median": median([c["own"] for c in counted]), "n": len(counted)} if counted else None)
     return {
         # the passages a prompt had (--passages caps them; the demo set has 5 per question)
         "benchmark": "ttft", "n": len(records), "passages": max((r["passages"] for r in records), default=passages),
@@ -393,9 +391,8 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
     context tokens the blend recomputed (mean over the examples: the ratio, or more where
     ``blend.min_recompute_tokens`` raised a short context's budget), L the layers, D the layers the
     recomputed tokens go through (``blend.recompute_depth``; default L: every layer), F the layers
-    every context token goes through (``full_layers``: the check layer's c + 1, or 0 on the plan's
-    fast path, check layer 0 with no KV deviation to measure, where the selected tokens start at
-    layer 0 and no layer runs for all of them; :func:`ragcache.blend.plan.plan_blend`) and t(reuse)
+    every context token goes through (``full_layers``, :func:`ragcache.blend.plan.layers_for_every_token`:
+    c + 1 for check layer c, 0 on the plan's fast path; default c + 1) and t(reuse)
     reuse's median worker seconds (moving and writing the reused KV).
 
     That floor prices the recomputed tokens at their share of the prefill. Their attention costs

@@ -61,9 +61,10 @@ def _called_by_own_code(event: Any) -> bool:
 
 
 def _package_of(path: str) -> str:
-    """The top-level package of a profiler frame's file: the profiler names files relative to the
-    ``sys.path`` entry they were found under (``ragcache/blend/select.py``, ``torch/_ops.py``); an
-    absolute path is ragcache's when it lies in this package's directory."""
+    """The top-level package of a profiler frame's file (``ragcache``, ``torch``, ``vllm``, ...): the
+    profiler names files relative to the ``sys.path`` entry they were found under
+    (``ragcache/blend/select.py``, ``torch/_ops.py``); an absolute path is ragcache's when it lies in
+    this package's directory, torch's when it has a ``torch`` folder, else the path itself."""
     if os.path.isabs(path):
         if path.startswith(_OWN_ROOT):
             return "ragcache"

@@ -109,6 +109,14 @@ class BlendPlan:
                 + [layer for layer in self.selective_layers if layer not in written])
 
 
+def layers_for_every_token(check_layer: int, measures_deviation: bool) -> int:
+    """How many layers, from the first, a blend runs for every context token: the check layer's
+    ``check_layer + 1`` (a plain prefill up to it, then its fresh Q/K/V for all), or 0 on the fast path,
+    check layer 0 with no KV deviation to measure, where a token's layer-0 K/V is its cached KV moved
+    and the selected tokens start at layer 0 (:func:`plan_blend`)."""
+    return 0 if check_layer == 0 and not measures_deviation else check_layer + 1
+
+
 def plan_blend(*, num_tokens: int, num_layers: int, num_forced: int = 0, has_tail: bool, knobs: Any) -> BlendPlan:
     """The :class:`BlendPlan` of a blend of ``num_tokens`` context tokens on a model of ``num_layers``.
 
@@ -144,7 +152,7 @@ def plan_blend(*, num_tokens: int, num_layers: int, num_forced: int = 0, has_tai
     scores_matter = 0 < budget < num_tokens - num_forced
     probe = selection.needs_question and scores_matter
     depth_end = recompute_layers(recompute_depth, num_layers, check_layer) if scores_matter else num_layers
-    fast_path = check_layer == 0 and not (selection.needs_deviation and scores_matter)
+    fast_path = layers_for_every_token(check_layer, selection.needs_deviation and scores_matter) == 0
     probe_end = num_layers if selection.probe_layers is None else check_layer + 1 + selection.probe_layers
     plan = BlendPlan(num_tokens=num_tokens, num_layers=num_layers, num_forced=num_forced, fixed=fixed,
                      scores_matter=scores_matter, probe=probe, fast_path=fast_path, check_layer=check_layer,
