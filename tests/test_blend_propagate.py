@@ -61,14 +61,16 @@ def test_propagation_corrects_only_rows_left_reused_and_only_from_their_own_requ
     g = torch.Generator().manual_seed(1)
     s, h, d = 30, 2, 8
     starts = [0, 12, 22, 30]  # three requests: the second does not propagate
-    knobs = [BlendSettings(propagate=0.5), BlendSettings(propagate=0.0),
-             BlendSettings(propagate=0.8, propagate_temperature=0.2)]
+    knobs = [BlendSettings(propagate=0.5, propagate_from_depth=0.0), BlendSettings(propagate=0.0),
+             BlendSettings(propagate=0.8, propagate_temperature=0.2, propagate_from_depth=0.0)]
     exact, forced = torch.zeros(s, dtype=torch.bool), torch.zeros(s, dtype=torch.bool)
     exact[:3] = True  # the first request's head sits where it was computed
     forced[25] = True  # no cached KV: recomputed, and its "reused" rows hold anything
     rows = torch.tensor([3, 4, 8, 14, 15, 23, 25, 27])
-    prop = Propagation.of(starts, knobs, exact, forced)
-    assert Propagation.of(starts, [BlendSettings(propagate=0.0)] * 3, exact, forced) is None
+    prop = Propagation.of(starts, knobs, exact, forced, num_layers=30)
+    assert Propagation.of(starts, [BlendSettings(propagate=0.0)] * 3, exact, forced, num_layers=30) is None
+    with pytest.raises(ValueError, match="num_layers"):  # 0 layers would start every depth at layer 0
+        Propagation.of(starts, knobs, exact, forced, num_layers=0)
     k_pre, k, v = (torch.randn(s, h, d, generator=g) for _ in range(3))
     v[25] = 1e6  # a forced row's garbage must not spread
     fresh_k, fresh_v = torch.randn(len(rows), h, d, generator=g), torch.randn(len(rows), h, d, generator=g)
@@ -96,10 +98,10 @@ def test_propagation_corrects_only_rows_left_reused_and_only_from_their_own_requ
 def test_chunk_scope_takes_corrections_only_from_the_tokens_own_chunk():
     g = torch.Generator().manual_seed(2)
     s, h, d = 20, 2, 8
-    knobs = [BlendSettings(propagate=0.5, propagate_scope="chunk")]
+    knobs = [BlendSettings(propagate=0.5, propagate_scope="chunk", propagate_from_depth=0.0)]
     exact = torch.zeros(s, dtype=torch.bool)
     exact[:4] = True  # the head segment
-    prop = Propagation.of([0, s], knobs, exact, None, [[0, 4, 11]])
+    prop = Propagation.of([0, s], knobs, exact, None, [[0, 4, 11]], num_layers=30)
     rows = torch.tensor([5, 6, 12])  # two in the chunk at 4, one in the chunk at 11
     k_pre, k, v = (torch.randn(s, h, d, generator=g) for _ in range(3))
     fresh_k, fresh_v = torch.randn(3, h, d, generator=g), torch.randn(3, h, d, generator=g)

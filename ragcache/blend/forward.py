@@ -884,7 +884,7 @@ def blend_batch(ops: DecoderOps, requests: Sequence[BlendRequest], load: LoadLay
     with torch.inference_mode():
         batch = _Batch(ops, requests, plan.probe)
         propagation = Propagation.of(batch.starts, [r.knobs for r in requests], batch.exact, batch.forced,
-                                     batch.segment_starts, ops.num_layers)
+                                     batch.segment_starts, num_layers=ops.num_layers)
         # a propagating selective layer corrects every reused row: it needs the layer in hand, so the
         # probe does not write it ahead and the layer is written whole
         writes = write_rows is not None and attention is not None

@@ -124,13 +124,19 @@ class Propagation:
 
     @classmethod
     def of(cls, starts: Sequence[int], knobs: Sequence, exact: torch.Tensor | None,
-           forced: torch.Tensor | None, segment_starts: Sequence[Sequence[int]] | None = None,
-           num_layers: int = 0) -> "Propagation | None":
+           forced: torch.Tensor | None, segment_starts: Sequence[Sequence[int]] | None = None, *,
+           num_layers: int) -> "Propagation | None":
         """The propagation of a pass whose requests carry ``knobs`` (``propagate``,
         ``propagate_temperature``, ``propagate_scope`` and ``propagate_from_depth`` of
         :class:`ragcache.config.BlendSettings`), or None when none of them propagates.
         ``segment_starts``: each request's chunk starts (for ``propagate_scope = "chunk"``);
-        ``num_layers``: the model's, for ``propagate_from_depth`` (its share of them, rounded)."""
+        ``num_layers``: the model's, for ``propagate_from_depth`` (its share of them, rounded).
+
+        Raises:
+            ValueError: ``num_layers`` below 1 (every depth would start at layer 0).
+        """
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be the model's layer count (>= 1), got {num_layers}")
         shares = [float(getattr(k, "propagate", 0.0)) for k in knobs]
         if not any(a > 0 for a in shares):
             return None
