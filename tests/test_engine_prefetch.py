@@ -82,6 +82,9 @@ def test_a_chunk_found_damaged_by_the_prefetch_thread_is_recomputed_on_the_calle
         opened.handles.append(store.open(key))
         opened.tiers.append("disk")
     runtime = _Recomputing(kv)
+    reads = []  # the layers read from chunk a's handle
+    handle_a, stored_layer = opened.handles[0], opened.handles[0].stored_layer
+    handle_a.stored_layer = lambda i: reads.append(i) or stored_layer(i)
     load_layer = _streamed_loader([opened], runtime)
 
     k1, _ = load_layer(1)  # undamaged layers load on any thread
@@ -99,5 +102,6 @@ def test_a_chunk_found_damaged_by_the_prefetch_thread_is_recomputed_on_the_calle
     assert torch.equal(k[6:], kv["b"][0][2]) and torch.equal(v[6:], kv["b"][1][2])  # the recomputed rows
     torch.testing.assert_close(k[:6], kv["a"][0][2], atol=0.05, rtol=0.05)  # the stored chunk, int8
     assert store.stats()["disk"]["corrupt"] == 1  # found once, counted once
+    assert reads == [1, 1, 2]  # chunk a's layer 2, read before b's was found damaged, is not read again
     opened.close()
     store.close()

@@ -490,10 +490,6 @@ class _Opened:
         return [self._guarded(j, runtime, lambda h: h.stored_entry(), "when read whole")
                 for j in range(len(self.handles))]
 
-    def stored_layers(self, i: int, runtime: "WorkerRuntime", compute: bool = True) -> list[StoredLayer]:
-        """Layer i of every segment, in row order; ``compute`` as in :meth:`_guarded`."""
-        return [self.stored_layer(j, i, runtime, compute) for j in range(len(self.handles))]
-
     def read_rest(self, runtime: "WorkerRuntime") -> None:
         """After a streamed load: read the layers the blend did not (below the check layer), so that a
         handle promotes its entry (it does once every layer was read). Staged loads read them all."""
@@ -533,13 +529,23 @@ def _streamed_loader(group: list[_Opened], runtime: WorkerRuntime) -> LoadLayer:
     there: that is a model forward beside the blend's own, and vLLM's CPU GEMM shares one scratch
     buffer per process (two threads in it corrupt each other's results). The loader raises
     :class:`~ragcache.blend.LoadOnCaller` instead, and the recompute runs when the caller's thread
-    loads the layer again."""
+    loads the layer again; the segments read before the damaged one are kept for that load, not read
+    a second time. The prefetch and the caller's load of a layer never overlap (the caller loads it
+    again only once the prefetch has raised)."""
     device, dtype = runtime.ops.device, runtime.ops.dtype
     caller = threading.get_ident()
+    read_before: dict[int, dict[tuple[int, int], StoredLayer]] = {}  # layer -> (request, segment) read
 
     def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         here = threading.get_ident() == caller
-        return decode_layers([s for o in group for s in o.stored_layers(i, runtime, here)], dtype, device)
+        done = read_before.setdefault(i, {})
+        for r, opened in enumerate(group):
+            for j in range(len(opened.handles)):
+                if (r, j) not in done:
+                    done[(r, j)] = opened.stored_layer(j, i, runtime, here)  # may raise LoadOnCaller
+        del read_before[i]
+        return decode_layers([done[(r, j)] for r, opened in enumerate(group) for j in range(len(opened.handles))],
+                             dtype, device)
 
     return load_layer
 
