@@ -424,10 +424,11 @@ def with_floor(stages: dict[str, Any] | None, check_layer: int, num_layers: int,
              if (attention_one and layers_one is not None) else None)
     floor = pair_floor = None
     if t_plain:
-        floor = full / num_layers * t_plain + r * (depth - full) / num_layers * t_plain + stages["worker_s_reuse"]
+        every_token = full / num_layers * t_plain + stages["worker_s_reuse"]  # layers for all tokens, reused KV
+        selective = (depth - full) / num_layers * t_plain  # the selective layers at ratio 1
+        floor = every_token + r * selective
         if pairs is not None and share is not None:
-            pair_floor = (full / num_layers * t_plain + (depth - full) / num_layers * t_plain
-                          * ((1 - share) * r + share * pairs) + stages["worker_s_reuse"])
+            pair_floor = every_token + selective * ((1 - share) * r + share * pairs)
     return {**stages, "check_layer": check_layer, "num_layers": num_layers, "depth_layers": depth,
             "full_layers": full, "floor_s": rounded(floor),
             "worker_vs_floor": rounded(stages["worker_s"] / floor, 3) if floor else None,

@@ -539,13 +539,14 @@ def _streamed_loader(group: list[_Opened], runtime: WorkerRuntime) -> LoadLayer:
     def load_layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         here = threading.get_ident() == caller
         done = read_before.setdefault(i, {})
+        layers = []
         for r, opened in enumerate(group):
             for j in range(len(opened.handles)):
                 if (r, j) not in done:
                     done[(r, j)] = opened.stored_layer(j, i, runtime, here)  # may raise LoadOnCaller
+                layers.append(done[(r, j)])
         del read_before[i]
-        return decode_layers([done[(r, j)] for r, opened in enumerate(group) for j in range(len(opened.handles))],
-                             dtype, device)
+        return decode_layers(layers, dtype, device)
 
     return load_layer
 
